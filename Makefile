@@ -1,0 +1,39 @@
+# Yoke mesh. `make run` starts the mesh, `make test` runs the whole suite against real servers.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install services services-stop run test lint bench clean
+
+install: $(STAMP)
+
+# Re-installs only when the project's metadata changes; a no-op otherwise.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+services: install
+	@deploy/local/services.sh start
+
+services-stop:
+	@deploy/local/services.sh stop
+
+run: services
+	@$(PY) -m yoke.demo
+
+test: services
+	@$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check shared services tests deploy
+	$(VENV)/bin/ruff format --check shared services tests deploy
+	$(VENV)/bin/mypy --strict shared/yoke services
+
+bench: services
+	@$(PY) -m yoke.bench
+
+clean:
+	rm -rf $(VENV) .local .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# Makes sure a RabbitMQ and a MongoDB-wire server answer, for `make run` and `make test`.
+#
+#   services.sh start   use YOKE_AMQP_URL / YOKE_MONGODB_URL if set, else whatever answers on
+#                       127.0.0.1:5672 / :27017, else (Debian, root) install and start RabbitMQ
+#                       and FerretDB on PostgreSQL; otherwise explain what is missing.
+#   services.sh stop    stops only what `start` started (markers in .local/).
+#
+# Everything it starts logs into .local/ (gitignored), with pid files and start markers.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/../.." && pwd)
+local_dir="$root/.local"
+python="$root/.venv/bin/python"
+ferretdb_version="v1.24.2"
+deadline_seconds="${YOKE_SERVICES_DEADLINE:-120}"
+mkdir -p "$local_dir/bin"
+
+say() { printf '[services] %s\n' "$*"; }
+die() { printf '[services] error: %s\n' "$*" >&2; exit 1; }
+
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+can_install() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; }
+
+apt_updated=""
+apt_install() {
+    local missing=()
+    for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ -z "$apt_updated" ]; then
+        say "apt-get update"
+        apt-get update -q >"$local_dir/apt.log" 2>&1 || die "apt-get update failed; see $local_dir/apt.log"
+        apt_updated=1
+    fi
+    say "installing ${missing[*]} with apt-get (log: $local_dir/apt.log)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >>"$local_dir/apt.log" 2>&1 \
+        || die "apt-get install ${missing[*]} failed; see $local_dir/apt.log"
+}
+
+start_rabbitmq() {
+    apt_install rabbitmq-server
+    say "enabling RabbitMQ plugins"
+    rabbitmq-plugins enable --offline rabbitmq_consistent_hash_exchange rabbitmq_management \
+        rabbitmq_prometheus >"$local_dir/rabbitmq-plugins.log" 2>&1 \
+        || die "rabbitmq-plugins failed; see $local_dir/rabbitmq-plugins.log"
+    say "starting RabbitMQ (rabbitmq-server -detached; its logs: /var/log/rabbitmq)"
+    rabbitmq-server -detached >"$local_dir/rabbitmq.log" 2>&1 || die "rabbitmq-server failed; see $local_dir/rabbitmq.log"
+    touch "$local_dir/rabbitmq.started"
+}
+
+postgres_cluster() { pg_lsclusters -h 2>/dev/null | awk 'NR==1 {print $1" "$2}'; }
+
+# `go install ...ferretdb@v1.24.2` builds, but the binary panics at start-up: the module as the
+# proxy serves it lacks build/version/version.txt (it is generated in FerretDB's own checkout).
+# So: download the same module with `go mod download`, add that one file, and `go build` it.
+build_ferretdb() { # target binary
+    say "building FerretDB $ferretdb_version from the Go module proxy (first time: about a minute)"
+    local log="$local_dir/ferretdb-build.log" module src="$local_dir/ferretdb-src"
+    module=$(go mod download -json "github.com/FerretDB/FerretDB@$ferretdb_version" 2>"$log" \
+        | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p') || true
+    [ -n "$module" ] || die "go mod download of FerretDB failed; see $log"
+    rm -rf "$src" && cp -r "$module" "$src" && chmod -R u+w "$src"
+    echo "$ferretdb_version" >"$src/build/version/version.txt"
+    (cd "$src" && go build -o "$1" ./cmd/ferretdb) >>"$log" 2>&1 || die "FerretDB build failed; see $log"
+    rm -rf "$src"
+}
+
+start_ferretdb() {
+    apt_install postgresql
+    command -v go >/dev/null || die "Go is needed to build FerretDB (go install); install Go or run 'docker compose up'"
+    local cluster
+    cluster=$(postgres_cluster)
+    [ -n "$cluster" ] || die "no PostgreSQL cluster found (pg_lsclusters)"
+    # shellcheck disable=SC2086
+    if ! pg_ctlcluster $cluster status >/dev/null 2>&1; then
+        say "starting PostgreSQL $cluster"
+        # shellcheck disable=SC2086
+        pg_ctlcluster $cluster start || die "could not start PostgreSQL $cluster"
+        touch "$local_dir/postgresql.started"
+    fi
+    su postgres -c "psql -qtAc \"SELECT 1 FROM pg_roles WHERE rolname='ferretdb'\"" | grep -q 1 \
+        || su postgres -c "psql -qc \"CREATE ROLE ferretdb LOGIN PASSWORD 'ferretdb'\""
+    su postgres -c "psql -qtAc \"SELECT 1 FROM pg_database WHERE datname='ferretdb'\"" | grep -q 1 \
+        || su postgres -c "psql -qc \"CREATE DATABASE ferretdb OWNER ferretdb\""
+    local bin="$local_dir/bin/ferretdb"
+    [ -x "$bin" ] || build_ferretdb "$bin"
+    say "starting FerretDB on PostgreSQL (log: $local_dir/ferretdb.log)"
+    nohup "$bin" --handler=postgresql \
+        --postgresql-url="postgres://ferretdb:ferretdb@127.0.0.1:5432/ferretdb" \
+        --listen-addr=127.0.0.1:27017 --telemetry=disable --log-level=warn \
+        --state-dir="$local_dir" --debug-addr=- >"$local_dir/ferretdb.log" 2>&1 &
+    echo $! >"$local_dir/ferretdb.pid"
+}
+
+wait_for() { # what, python check
+    say "waiting for $1 (deadline ${deadline_seconds}s)"
+    "$python" "$root/deploy/local/wait_for.py" --deadline "$deadline_seconds" "$2" "$3" \
+        || die "$1 did not answer within ${deadline_seconds}s; see the logs in $local_dir"
+}
+
+start() {
+    [ -x "$python" ] || die "no virtualenv: run 'make install' first"
+    local amqp_url="${YOKE_AMQP_URL:-}" mongo_url="${YOKE_MONGODB_URL:-}"
+    if [ -n "$amqp_url" ]; then
+        say "YOKE_AMQP_URL is set: using it, starting no RabbitMQ"
+    elif port_open 5672; then
+        say "something answers on 127.0.0.1:5672: using it as RabbitMQ"
+    elif can_install; then
+        start_rabbitmq
+    else
+        die "no RabbitMQ on 127.0.0.1:5672, and this is not Debian as root, so it cannot be installed here.
+Start one with 'docker compose up -d rabbitmq mongodb', or set YOKE_AMQP_URL."
+    fi
+    if [ -n "$mongo_url" ]; then
+        say "YOKE_MONGODB_URL is set: using it, starting no MongoDB-wire server"
+    elif port_open 27017; then
+        say "something answers on 127.0.0.1:27017: using it as the MongoDB-wire server"
+    elif can_install; then
+        start_ferretdb
+    else
+        die "no MongoDB-wire server on 127.0.0.1:27017, and this is not Debian as root.
+Start one with 'docker compose up -d rabbitmq mongodb', or set YOKE_MONGODB_URL."
+    fi
+    wait_for RabbitMQ amqp "${amqp_url:-amqp://guest:guest@127.0.0.1:5672/}"
+    wait_for "the MongoDB-wire server" mongodb "${mongo_url:-mongodb://127.0.0.1:27017/yoke}"
+    say "ready"
+}
+
+stop() {
+    if [ -f "$local_dir/ferretdb.pid" ]; then
+        local pid
+        pid=$(cat "$local_dir/ferretdb.pid")
+        if kill "$pid" 2>/dev/null; then
+            say "stopping FerretDB (pid $pid)"
+            for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        fi
+        rm -f "$local_dir/ferretdb.pid"
+    fi
+    if [ -f "$local_dir/postgresql.started" ]; then
+        say "stopping PostgreSQL"
+        # shellcheck disable=SC2046
+        pg_ctlcluster $(postgres_cluster) stop || true
+        rm -f "$local_dir/postgresql.started"
+    fi
+    if [ -f "$local_dir/rabbitmq.started" ]; then
+        say "stopping RabbitMQ"
+        rabbitmqctl stop >/dev/null 2>&1 || true
+        rm -f "$local_dir/rabbitmq.started"
+    fi
+    say "stopped what this script had started"
+}
+
+case "${1:-start}" in
+    start) start ;;
+    stop) stop ;;
+    *) die "usage: $0 start|stop" ;;
+esac

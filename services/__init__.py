@@ -1,0 +1,1 @@
+"""The Yoke mesh services, each runnable as ``python -m services.<name>``."""

@@ -1,0 +1,1 @@
+"""Yoke: the SDK every Yoke mesh service is built on."""

@@ -1,0 +1,197 @@
+"""RabbitMQ through aio-pika: topology, publishing with confirms, and consuming channels.
+
+Topology is declared idempotently by every process that needs it (DESIGN §3 AMQP):
+``yoke.events`` and ``yoke.commands`` (topic), a dead-letter exchange and queue, and per
+service a consistent-hash exchange feeding ``shards`` quorum queues with single active consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+
+import aio_pika
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractExchange,
+    AbstractIncomingMessage,
+    AbstractRobustConnection,
+)
+from aiormq.exceptions import AMQPError
+
+from yoke import topology
+from yoke.models import Envelope
+
+log = logging.getLogger(__name__)
+
+PUBLISH_RETRY_SECONDS = 30.0
+
+
+class Bus:
+    """One robust AMQP connection: a confirming publisher channel plus consumer channels."""
+
+    def __init__(self, url: str, *, name: str = "yoke") -> None:
+        self.url = url
+        self.name = name
+        self._connection: AbstractRobustConnection | None = None
+        self._publisher: AbstractChannel | None = None
+        self._exchanges: dict[str, AbstractExchange] = {}
+        self._consumer_channels: list[AbstractChannel] = []
+
+    async def connect(self) -> None:
+        self._connection = await aio_pika.connect_robust(
+            self.url, client_properties={"connection_name": self.name}, timeout=10
+        )
+        self._publisher = await self._connection.channel(publisher_confirms=True)
+        await self.declare_core()
+
+    @property
+    def connection(self) -> AbstractRobustConnection:
+        if self._connection is None:
+            raise RuntimeError("Bus.connect() was not called")
+        return self._connection
+
+    @property
+    def is_connected(self) -> bool:
+        return self._connection is not None and not self._connection.is_closed
+
+    async def close(self) -> None:
+        """Close consumer channels first (never basic.cancel: see DESIGN §4), then the rest."""
+        for channel in self._consumer_channels:
+            if not channel.is_closed:
+                await channel.close()
+        self._consumer_channels.clear()
+        if self._connection is not None and not self._connection.is_closed:
+            await self._connection.close()
+
+    # --- topology ----------------------------------------------------------------------
+
+    async def declare_core(self) -> None:
+        channel = self._channel()
+        for name in (topology.EVENTS_EXCHANGE, topology.COMMANDS_EXCHANGE):
+            self._exchanges[name] = await channel.declare_exchange(
+                name, aio_pika.ExchangeType.TOPIC, durable=True
+            )
+        dead = await channel.declare_exchange(
+            topology.DEAD_LETTER_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True
+        )
+        self._exchanges[topology.DEAD_LETTER_EXCHANGE] = dead
+        queue = await channel.declare_queue(
+            topology.DEAD_LETTER_QUEUE, durable=True, arguments={"x-queue-type": "quorum"}
+        )
+        await queue.bind(dead, routing_key="#")
+
+    async def declare_shards(self, service: str, bindings: list[str], shards: int) -> list[str]:
+        """The service's consistent-hash exchange and its shard queues; returns queue names."""
+        channel = self._channel()
+        exchange = await channel.declare_exchange(
+            topology.shard_exchange(service),
+            "x-consistent-hash",
+            durable=True,
+            arguments={"hash-header": topology.CONVERSATION_HEADER},
+        )
+        for binding in bindings:
+            await exchange.bind(self._exchanges[topology.EVENTS_EXCHANGE], routing_key=binding)
+        names = []
+        for index in range(shards):
+            name = topology.shard_queue(service, index)
+            queue = await channel.declare_queue(
+                name, durable=True, arguments=topology.quorum_queue_arguments()
+            )
+            await queue.bind(exchange, routing_key="1")  # equal weights
+            names.append(name)
+        return names
+
+    async def declare_intake(self, service: str, exchange: str, binding: str) -> str:
+        """One single-active-consumer queue for commands that carry their key in the body."""
+        channel = self._channel()
+        name = topology.intake_queue(service)
+        queue = await channel.declare_queue(
+            name, durable=True, arguments=topology.quorum_queue_arguments()
+        )
+        await queue.bind(self._exchanges[exchange], routing_key=binding)
+        return name
+
+    def _channel(self) -> AbstractChannel:
+        if self._publisher is None:
+            raise RuntimeError("Bus.connect() was not called")
+        return self._publisher
+
+    # --- publishing --------------------------------------------------------------------
+
+    async def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        *,
+        message_id: str,
+        headers: Mapping[str, str | int] | None = None,
+        reply_to: str | None = None,
+        correlation_id: str | None = None,
+    ) -> None:
+        """Publish and wait for the broker's confirm.
+
+        A publish on a channel lost to a reconnect raises; retry it with the same message id
+        (consumers deduplicate) until the connection is back or the deadline passes.
+        """
+        message = aio_pika.Message(
+            body,
+            message_id=message_id,
+            headers=dict(headers or {}),
+            content_type="application/json",
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            reply_to=reply_to,
+            correlation_id=correlation_id,
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PUBLISH_RETRY_SECONDS
+        delay = 0.05
+        while True:
+            try:
+                target = self._exchanges.get(exchange)
+                if target is None:
+                    target = await self._channel().get_exchange(exchange, ensure=False)
+                await target.publish(message, routing_key=routing_key, timeout=10)
+                return
+            except (TimeoutError, AMQPError, ConnectionError, RuntimeError) as error:
+                if loop.time() + delay > deadline:
+                    raise
+                log.warning("publish to %s failed (%s); retrying", exchange, error)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def publish_event(self, envelope: Envelope, key: str) -> None:
+        """Publish a domain event to ``yoke.events`` as ``<type>.<key>``, keyed for the shards."""
+        await self.publish(
+            topology.EVENTS_EXCHANGE,
+            topology.routing_key(envelope.type, key),
+            envelope.model_dump_json().encode(),
+            message_id=envelope.id,
+            headers={topology.CONVERSATION_HEADER: key},
+        )
+
+    async def reply(self, reply_to: str, correlation_id: str | None, body: bytes) -> None:
+        """Answer a request on its ``reply_to`` queue through the default exchange."""
+        message = aio_pika.Message(
+            body, correlation_id=correlation_id, content_type="application/json"
+        )
+        await self._channel().default_exchange.publish(message, routing_key=reply_to, timeout=10)
+
+    # --- consuming ---------------------------------------------------------------------
+
+    async def consume(
+        self,
+        queue_name: str,
+        on_message: Callable[[AbstractIncomingMessage], Awaitable[None]],
+        *,
+        prefetch: int,
+    ) -> AbstractChannel:
+        """Consume a queue on a channel of its own, with ``prefetch`` unacked deliveries."""
+        channel = await self.connection.channel()
+        await channel.set_qos(prefetch_count=prefetch)
+        queue = await channel.get_queue(queue_name, ensure=False)
+        await queue.consume(on_message)
+        self._consumer_channels.append(channel)
+        return channel

@@ -1,0 +1,170 @@
+"""From a delivery to a handler: lanes, bounded retries, dead letters, acks.
+
+DESIGN invariants 3 and 5: deliveries run serially per conversation key and concurrently
+across keys; a handler that keeps failing is dead-lettered with its error after a bounded number
+of attempts and its conversation goes on; malformed input is dead-lettered at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aio_pika.abc import AbstractIncomingMessage
+
+from yoke import topology
+from yoke.bus import Bus
+from yoke.lanes import Lanes
+from yoke.metrics import DEAD_LETTERS, EVENTS_HANDLED, HANDLING_SECONDS, LANES_ACTIVE
+
+log = logging.getLogger(__name__)
+
+
+class Malformed(Exception):
+    """The delivery can never be handled (bad JSON, wrong schema, no key): dead-letter it."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """How to key, label and handle the deliveries of one queue."""
+
+    queue: str
+    key_of: Callable[[AbstractIncomingMessage], str]
+    handle: Callable[[AbstractIncomingMessage], Awaitable[None]]
+
+
+def key_from_header(message: AbstractIncomingMessage) -> str:
+    key = (message.headers or {}).get(topology.CONVERSATION_HEADER)
+    if not isinstance(key, str) or not key:
+        raise Malformed(f"no {topology.CONVERSATION_HEADER} header naming the conversation")
+    return key
+
+
+def event_type_of(message: AbstractIncomingMessage) -> str:
+    """The event type from the routing key (``<type>.<id>``), for metric labels."""
+    routing_key = message.routing_key or ""
+    head, _, _ = routing_key.rpartition(".")
+    return head or routing_key or "unknown"
+
+
+class Dispatcher:
+    """Feeds one process's deliveries into per-conversation lanes."""
+
+    def __init__(self, service: str, bus: Bus, *, attempts: int, backoff: float) -> None:
+        self.service = service
+        self.bus = bus
+        self.attempts = attempts
+        self.backoff = backoff
+        self.lanes = Lanes()
+
+    def on_message(self, route: Route) -> Callable[[AbstractIncomingMessage], Awaitable[None]]:
+        async def deliver(message: AbstractIncomingMessage) -> None:
+            try:
+                key = route.key_of(message)
+            except Malformed as error:
+                await self._dead_letter(message, "malformed", str(error), attempts=1)
+                return
+            # While draining, a delivery is left unacked: the broker returns it, in order,
+            # to whoever consumes the shard next.
+            self.lanes.submit(key, lambda: self._process(route, key, message))
+            LANES_ACTIVE.labels(self.service).set(self.lanes.active)
+
+        return deliver
+
+    async def _process(self, route: Route, key: str, message: AbstractIncomingMessage) -> None:
+        event_type = event_type_of(message)
+        previous = _broker_attempts(message)
+        for attempt in range(1, self.attempts + 1):
+            started = time.perf_counter()
+            try:
+                await route.handle(message)
+            except Malformed as error:
+                log.warning(
+                    "dead-lettering malformed delivery: %s",
+                    error,
+                    extra={"conversationId": key, "messageId": message.message_id},
+                )
+                await self._dead_letter(message, "malformed", str(error), previous + attempt)
+                return
+            except Exception as error:
+                HANDLING_SECONDS.labels(self.service, event_type).observe(
+                    time.perf_counter() - started
+                )
+                if attempt == self.attempts:
+                    log.error(
+                        "handler failed %d times, dead-lettering: %r",
+                        attempt,
+                        error,
+                        extra={"conversationId": key, "messageId": message.message_id},
+                        exc_info=True,
+                    )
+                    await self._dead_letter(message, "failed", repr(error), previous + attempt)
+                    EVENTS_HANDLED.labels(self.service, event_type, "dead_lettered").inc()
+                    return
+                EVENTS_HANDLED.labels(self.service, event_type, "retried").inc()
+                delay = self.backoff * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
+                log.warning(
+                    "handler failed (attempt %d of %d), retrying in %.2fs: %r",
+                    attempt,
+                    self.attempts,
+                    delay,
+                    error,
+                    extra={"conversationId": key, "messageId": message.message_id},
+                )
+                await asyncio.sleep(delay)
+                continue
+            HANDLING_SECONDS.labels(self.service, event_type).observe(time.perf_counter() - started)
+            EVENTS_HANDLED.labels(self.service, event_type, "ok").inc()
+            await _ack(message)
+            return
+
+    async def _dead_letter(
+        self, message: AbstractIncomingMessage, reason: str, error: str, attempts: int
+    ) -> None:
+        """Publish the delivery to the dead-letter exchange with why, then ack the original.
+
+        The broker's own dead-lettering (delivery limit) cannot say why; this does.
+        """
+        headers: dict[str, str | int] = {
+            topology.DEAD_SERVICE_HEADER: self.service,
+            topology.DEAD_ERROR_HEADER: error[:2000],
+            topology.DEAD_ATTEMPTS_HEADER: attempts,
+            topology.DEAD_EXCHANGE_HEADER: message.exchange or "",
+            topology.DEAD_ROUTING_KEY_HEADER: message.routing_key or "",
+        }
+        for name, value in (message.headers or {}).items():
+            if isinstance(value, str | int) and name not in headers:
+                headers[name] = value
+        await self.bus.publish(
+            topology.DEAD_LETTER_EXCHANGE,
+            message.routing_key or "",
+            message.body,
+            message_id=message.message_id or "",
+            headers=headers,
+            reply_to=message.reply_to,
+            correlation_id=message.correlation_id,
+        )
+        DEAD_LETTERS.labels(self.service, reason).inc()
+        await _ack(message)
+
+    async def drain(self) -> None:
+        await self.lanes.drain()
+
+
+def _broker_attempts(message: AbstractIncomingMessage) -> int:
+    """Earlier deliveries of this message (quorum queues count them in x-delivery-count)."""
+    count = (message.headers or {}).get("x-delivery-count")
+    return count if isinstance(count, int) else 0
+
+
+async def _ack(message: AbstractIncomingMessage) -> None:
+    try:
+        await message.ack()
+    except Exception as error:
+        # The channel it came on is gone (reconnect): the broker redelivers it, and handlers
+        # are idempotent (DESIGN invariant 4).
+        log.warning("could not ack delivery %s: %r", message.message_id, error)

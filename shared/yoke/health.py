@@ -1,0 +1,56 @@
+"""``/healthz`` and ``/metrics`` on a service's metrics port, served by asyncio itself."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+HealthCheck = Callable[[], Awaitable[bool]]
+
+
+class HealthServer:
+    """A tiny HTTP/1.1 responder: enough for Prometheus scrapes and container health checks."""
+
+    def __init__(self, port: int, healthy: HealthCheck, host: str = "0.0.0.0") -> None:
+        self.port = port
+        self.host = host
+        self.healthy = healthy
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(10):
+                request = await reader.readline()
+                while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+                    pass
+            parts = request.decode("latin-1").split()
+            path = parts[1].split("?")[0] if len(parts) > 1 else "/"
+            if path == "/metrics":
+                status, content_type, body = 200, CONTENT_TYPE_LATEST, generate_latest()
+            elif path == "/healthz":
+                ok = await self.healthy()
+                status, content_type = (200 if ok else 503), "text/plain"
+                body = b"ok\n" if ok else b"unavailable\n"
+            else:
+                status, content_type, body = 404, "text/plain", b"not found\n"
+            reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]
+            writer.write(
+                f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()

@@ -1,0 +1,60 @@
+"""Structured logs: JSON lines off a terminal, readable text on one (``YOKE_LOG_FORMAT``).
+
+Pass ids through ``extra={"conversationId": ..., "messageId": ...}``; they become fields.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import UTC, datetime
+
+CONTEXT_FIELDS = ("service", "event", "conversationId", "messageId", "causationId", "queue")
+
+
+class JsonFormatter(logging.Formatter):
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, object] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(),
+            "level": record.levelname.lower(),
+            "service": self.service,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for field in CONTEXT_FIELDS:
+            value = record.__dict__.get(field)
+            if value is not None:
+                line[field] = value
+        if record.exc_info:
+            line["error"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self, service: str) -> None:
+        super().__init__("%(asctime)s %(levelname)-7s " + service + " %(message)s%(context)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        pairs = [
+            f"{field}={record.__dict__[field]}"
+            for field in CONTEXT_FIELDS
+            if record.__dict__.get(field) is not None
+        ]
+        record.context = (" [" + " ".join(pairs) + "]") if pairs else ""
+        return super().format(record)
+
+
+def configure_logging(service: str, fmt: str | None = None, level: str = "INFO") -> None:
+    chosen = fmt or ("text" if sys.stderr.isatty() else "json")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter(service) if chosen == "json" else TextFormatter(service))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for noisy in ("aiormq", "aio_pika", "pymongo"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

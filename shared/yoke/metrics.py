@@ -1,0 +1,43 @@
+"""Prometheus series every service exports (``yoke_`` prefix; never a conversation id label)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+EVENTS_HANDLED = Counter(
+    "yoke_events_handled",
+    "Deliveries handled, by service, event type and outcome (ok, retried, dead_lettered).",
+    ["service", "event_type", "outcome"],
+)
+HANDLING_SECONDS = Histogram(
+    "yoke_event_handling_seconds",
+    "Time spent in a handler per delivery.",
+    ["service", "event_type"],
+    buckets=LATENCY_BUCKETS,
+)
+EVENT_LAG_SECONDS = Histogram(
+    "yoke_event_lag_seconds",
+    "From an event's occurredAt to the start of its handling.",
+    ["service", "event_type"],
+    buckets=LATENCY_BUCKETS,
+)
+DEAD_LETTERS = Counter(
+    "yoke_dead_letters",
+    "Deliveries dead-lettered, by service and reason (malformed, failed).",
+    ["service", "reason"],
+)
+MESSAGES_POSTED = Counter(
+    "yoke_messages_posted",
+    "Messages written and published, by service and message type.",
+    ["service", "message_type"],
+)
+OUTBOX_REPUBLISHED = Counter(
+    "yoke_outbox_republished",
+    "Messages the sweeper found unpublished and published.",
+    ["service"],
+)
+LANES_ACTIVE = Gauge(
+    "yoke_lanes_active", "Conversations with work in flight in this process.", ["service"]
+)

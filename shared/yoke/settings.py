@@ -1,0 +1,41 @@
+"""Process configuration from the environment (the names are part of the public contract)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_METRICS_PORTS = {
+    "ingestion": 9101,
+    "processor": 9102,
+    "egress": 9103,
+    "followup": 9104,
+    "guardian": 9105,
+}
+
+
+class Settings(BaseSettings):
+    """``YOKE_*`` environment variables with the defaults DESIGN §3 promises."""
+
+    model_config = SettingsConfigDict(env_prefix="YOKE_", extra="ignore")
+
+    amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    mongodb_url: str = "mongodb://127.0.0.1:27017/yoke"
+    shards: int = Field(default=16, ge=1, le=1024)
+    metrics_port: int | None = None
+    max_text_bytes: int = Field(default=65536, ge=1)
+    log_format: Literal["json", "text"] | None = None
+    log_level: str = "INFO"
+    # How long a written message may stay unpublished before the sweeper republishes it.
+    outbox_grace_seconds: float = Field(default=3.0, gt=0)
+    prefetch: int = Field(default=64, ge=1)
+    # In-process attempts of a failing handler before its delivery is dead-lettered.
+    handler_attempts: int = Field(default=3, ge=1)
+    retry_backoff_seconds: float = Field(default=0.2, ge=0)
+
+    def metrics_port_for(self, service: str) -> int:
+        if self.metrics_port is not None:
+            return self.metrics_port
+        return DEFAULT_METRICS_PORTS.get(service, 9100)

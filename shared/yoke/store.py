@@ -1,0 +1,204 @@
+"""MongoDB repositories (pymongo's async client), written for FerretDB 1.x as much as MongoDB.
+
+No transactions, change streams or TTL indexes; and since FerretDB's updates are not atomic
+under concurrency (DESIGN invariant 8), anything contended is decided by a unique insert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from datetime import datetime
+from typing import Any
+
+from pymongo import ASCENDING, AsyncMongoClient
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.asynchronous.database import AsyncDatabase
+from pymongo.errors import DuplicateKeyError
+
+from yoke.models import Actor, Conversation, Message, Participant
+
+Doc = dict[str, Any]
+
+
+class SeqConflict(Exception):
+    """Another writer took the seq this insert tried; read the newest and try again."""
+
+
+class Store:
+    """One MongoDB database: actors, conversations, participants, messages and actor state."""
+
+    def __init__(self, url: str, *, app_name: str = "yoke") -> None:
+        self.client: AsyncMongoClient[Doc] = AsyncMongoClient(
+            url, tz_aware=True, appname=app_name, serverSelectionTimeoutMS=10_000
+        )
+        self.db: AsyncDatabase[Doc] = self.client.get_default_database(default="yoke")
+        self.actors: AsyncCollection[Doc] = self.db["actors"]
+        self.conversations: AsyncCollection[Doc] = self.db["conversations"]
+        self.participants: AsyncCollection[Doc] = self.db["participants"]
+        self.messages: AsyncCollection[Doc] = self.db["messages"]
+        self.states: AsyncCollection[Doc] = self.db["actor_states"]
+        # Highest seq this process knows to exist per conversation: saves a query per post.
+        self._last_seq: dict[str, int] = {}
+
+    async def ensure_indexes(self) -> None:
+        """Idempotent; every service runs it at start-up."""
+        await self.messages.create_index(
+            [("conversationId", ASCENDING), ("seq", ASCENDING)], unique=True, name="conv_seq"
+        )
+        await self.messages.create_index([("published", ASCENDING)], name="published")
+        await self.participants.create_index(
+            [("conversationId", ASCENDING), ("actorId", ASCENDING)], unique=True, name="conv_actor"
+        )
+        await self.participants.create_index([("actorId", ASCENDING)], name="actor")
+        await self.actors.create_index([("externalId", ASCENDING)], name="external_id")
+        await self.states.create_index([("actor", ASCENDING), ("watch", ASCENDING)], name="watch")
+
+    async def ping(self) -> None:
+        await self.db.command("ping")
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    # --- generic documents -------------------------------------------------------------
+
+    async def insert_if_absent(self, collection: AsyncCollection[Doc], document: Doc) -> bool:
+        """Insert; ``False`` if a document with that ``_id`` (or unique key) already exists."""
+        try:
+            await collection.insert_one(document)
+        except DuplicateKeyError:
+            return False
+        return True
+
+    # --- actors, conversations, participants -------------------------------------------
+
+    async def save_actor(self, actor: Actor) -> Actor:
+        """Create the actor, or return the one already stored under its id."""
+        if await self.insert_if_absent(self.actors, actor.to_document()):
+            return actor
+        found = await self.get_actor(actor.id)
+        assert found is not None
+        return found
+
+    async def get_actor(self, actor_id: str) -> Actor | None:
+        document = await self.actors.find_one({"_id": actor_id})
+        return Actor.from_document(document) if document else None
+
+    async def save_conversation(self, conversation: Conversation) -> Conversation:
+        if await self.insert_if_absent(self.conversations, conversation.to_document()):
+            return conversation
+        found = await self.get_conversation(conversation.id)
+        assert found is not None
+        return found
+
+    async def get_conversation(self, conversation_id: str) -> Conversation | None:
+        document = await self.conversations.find_one({"_id": conversation_id})
+        return Conversation.from_document(document) if document else None
+
+    async def save_participant(self, participant: Participant) -> Participant:
+        if await self.insert_if_absent(self.participants, participant.to_document()):
+            return participant
+        document = await self.participants.find_one(
+            {"conversationId": participant.conversation_id, "actorId": participant.actor_id}
+        )
+        assert document is not None
+        return Participant.from_document(document)
+
+    async def get_participant(self, participant_id: str) -> Participant | None:
+        document = await self.participants.find_one({"_id": participant_id})
+        return Participant.from_document(document) if document else None
+
+    async def participants_of(self, conversation_id: str) -> list[Participant]:
+        cursor = self.participants.find({"conversationId": conversation_id})
+        return [Participant.from_document(d) async for d in cursor]
+
+    async def set_participant_metadata(
+        self, participant_id: str, metadata: Mapping[str, Any]
+    ) -> None:
+        """Set metadata keys; the participant's join owns it (one writer)."""
+        fields = {f"metadata.{key}": value for key, value in metadata.items()}
+        await self.participants.update_one({"_id": participant_id}, {"$set": fields})
+
+    # --- messages ----------------------------------------------------------------------
+
+    async def get_message(self, message_id: str) -> Message | None:
+        document = await self.messages.find_one({"_id": message_id})
+        return Message.from_document(document) if document else None
+
+    async def last_seq(self, conversation_id: str) -> int:
+        """The highest seq stored in the conversation (0 when empty)."""
+        cursor = (
+            self.messages.find({"conversationId": conversation_id}, {"seq": 1})
+            .sort("seq", -1)
+            .limit(1)
+        )
+        async for document in cursor:
+            return int(document["seq"])
+        return 0
+
+    async def insert_message(self, message: Message) -> tuple[Message, bool]:
+        """Store ``message`` under the next free seq of its conversation.
+
+        Returns the stored message and whether this call wrote it (``False``: a message with
+        this id already existed, as when a redelivered event repeats an effect). The seq is
+        owned by whoever inserts it first under the unique ``(conversationId, seq)`` index.
+        """
+        conversation_id = message.conversation_id
+        known = self._last_seq.get(conversation_id)
+        candidate = known + 1 if known is not None else await self.last_seq(conversation_id) + 1
+        for _ in range(10_000):
+            stored = message.model_copy(update={"seq": candidate})
+            document = stored.to_document()
+            document["published"] = False
+            try:
+                await self.messages.insert_one(document)
+            except DuplicateKeyError:
+                existing = await self.get_message(message.id)
+                if existing is not None:
+                    return existing, False
+                candidate = max(candidate, await self.last_seq(conversation_id)) + 1
+                continue
+            self._last_seq[conversation_id] = candidate
+            return stored, True
+        raise SeqConflict(f"could not allocate a seq in conversation {conversation_id}")
+
+    async def mark_published(self, message_id: str) -> None:
+        await self.messages.update_one({"_id": message_id}, {"$set": {"published": True}})
+
+    async def is_published(self, message_id: str) -> bool:
+        document = await self.messages.find_one({"_id": message_id}, {"published": 1})
+        return bool(document and document.get("published"))
+
+    async def unpublished_before(self, cutoff: datetime, limit: int = 500) -> list[Message]:
+        cursor = self.messages.find({"published": False}).limit(limit)
+        found = [Message.from_document(d) async for d in cursor]
+        return sorted((m for m in found if m.created_at <= cutoff), key=lambda m: m.seq)
+
+    async def history(
+        self, conversation_id: str, *, after_seq: int = 0, up_to_seq: int | None = None
+    ) -> list[Message]:
+        """Messages of a conversation in seq order, ``after_seq < seq <= up_to_seq``."""
+        query: Doc = {"conversationId": conversation_id}
+        bounds: Doc = {}
+        if after_seq:
+            bounds["$gt"] = after_seq
+        if up_to_seq is not None:
+            bounds["$lte"] = up_to_seq
+        if bounds:
+            query["seq"] = bounds
+        cursor = self.messages.find(query).sort("seq", ASCENDING)
+        return [Message.from_document(d) async for d in cursor]
+
+    async def iter_history(self, conversation_id: str) -> AsyncIterator[Message]:
+        async for document in self.messages.find({"conversationId": conversation_id}).sort(
+            "seq", ASCENDING
+        ):
+            yield Message.from_document(document)
+
+    # --- actor state -------------------------------------------------------------------
+
+    async def load_state(self, state_id: str) -> Doc | None:
+        return await self.states.find_one({"_id": state_id})
+
+    async def save_state(self, state_id: str, document: Doc) -> None:
+        """Replace the state document; one lane owns each state (one writer)."""
+        await self.states.replace_one({"_id": state_id}, document, upsert=True)

@@ -1,0 +1,54 @@
+"""Names and shapes of everything declared on RabbitMQ: the AMQP half of the public contract."""
+
+from __future__ import annotations
+
+from pamqp.common import FieldTable
+
+EVENTS_EXCHANGE = "yoke.events"
+COMMANDS_EXCHANGE = "yoke.commands"
+DEAD_LETTER_EXCHANGE = "yoke.dead-letters"
+DEAD_LETTER_QUEUE = "yoke.dead-letters"
+
+SUBMIT_COMMAND = "conversation.message.submit"
+
+# The consistent-hash exchanges hash this header: the conversation (or, for agent.* events, the
+# forum) a delivery belongs to. Every event we publish carries it.
+CONVERSATION_HEADER = "x-yoke-conversation"
+
+# Headers a dead letter carries, so an operator can see why and replay it where it came from.
+DEAD_SERVICE_HEADER = "x-yoke-service"
+DEAD_ERROR_HEADER = "x-yoke-error"
+DEAD_ATTEMPTS_HEADER = "x-yoke-attempts"
+DEAD_EXCHANGE_HEADER = "x-yoke-original-exchange"
+DEAD_ROUTING_KEY_HEADER = "x-yoke-original-routing-key"
+
+# Broker-side backstop: a delivery that crashed its consumer this many times is dead-lettered
+# by RabbitMQ itself (the in-process retries normally dead-letter long before).
+DELIVERY_LIMIT = 10
+
+
+def routing_key(event_type: str, key: str) -> str:
+    """``<event type>.<conversation or forum id>``, as outside bindings expect."""
+    return f"{event_type}.{key}"
+
+
+def shard_exchange(service: str) -> str:
+    return f"yoke.{service}.shards"
+
+
+def shard_queue(service: str, index: int) -> str:
+    return f"yoke.{service}.shard.{index:03d}"
+
+
+def intake_queue(service: str) -> str:
+    """The single-active-consumer queue a service reads outside commands from."""
+    return f"yoke.{service}.commands"
+
+
+def quorum_queue_arguments() -> FieldTable:
+    return {
+        "x-queue-type": "quorum",
+        "x-single-active-consumer": True,
+        "x-delivery-limit": DELIVERY_LIMIT,
+        "x-dead-letter-exchange": DEAD_LETTER_EXCHANGE,
+    }

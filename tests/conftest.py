@@ -1,0 +1,111 @@
+"""Shared fixtures: real RabbitMQ and MongoDB-wire servers, isolated per test module and test.
+
+Servers come from ``make services`` (or ``YOKE_AMQP_URL`` / ``YOKE_MONGODB_URL``). When neither
+answers and a Docker engine does, ``rabbitmq:3.13-management`` and ``mongo:7`` are started with
+testcontainers instead (a path for laptops with Docker; CI machines have none).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import httpx
+import pytest
+from pymongo import AsyncMongoClient
+
+DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+DEFAULT_MONGODB_URL = "mongodb://127.0.0.1:27017/yoke"
+
+# Quorum queues cost disk syncs to create: the suite runs every service with two shards.
+os.environ.setdefault("YOKE_SHARDS", "2")
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _docker_answers() -> bool:
+    try:
+        import docker  # type: ignore[import-untyped]
+
+        docker.from_env().ping()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def servers() -> Iterator[tuple[str, str, str]]:
+    """(AMQP URL, MongoDB URL, RabbitMQ management URL) of real servers."""
+    amqp = os.environ.get("YOKE_AMQP_URL")
+    mongo = os.environ.get("YOKE_MONGODB_URL")
+    management = os.environ.get("YOKE_RABBITMQ_MANAGEMENT_URL")
+    if amqp or mongo or (_answers("127.0.0.1", 5672) and _answers("127.0.0.1", 27017)):
+        amqp = amqp or DEFAULT_AMQP_URL
+        host = urlsplit(amqp).hostname or "127.0.0.1"
+        yield amqp, mongo or DEFAULT_MONGODB_URL, management or f"http://{host}:15672"
+        return
+    if not _docker_answers():
+        pytest.exit(
+            "no RabbitMQ on :5672 / MongoDB-wire server on :27017: run 'make services' "
+            "(or 'docker compose up -d rabbitmq mongodb', or set YOKE_AMQP_URL/YOKE_MONGODB_URL)",
+            returncode=2,
+        )
+    from testcontainers.mongodb import MongoDbContainer
+    from testcontainers.rabbitmq import RabbitMqContainer
+
+    with (
+        RabbitMqContainer("rabbitmq:3.13-management") as rabbit,
+        MongoDbContainer("mongo:7") as mongodb,
+    ):
+        rabbit.exec(["rabbitmq-plugins", "enable", "rabbitmq_consistent_hash_exchange"])
+        host = rabbit.get_container_host_ip()
+        port = rabbit.get_exposed_port(5672)
+        yield (
+            f"amqp://guest:guest@{host}:{port}/",
+            mongodb.get_connection_url(),
+            f"http://{host}:{rabbit.get_exposed_port(15672)}",
+        )
+
+
+@pytest.fixture(scope="session")
+def mongodb_server_url(servers: tuple[str, str, str]) -> str:
+    return servers[1]
+
+
+@pytest.fixture(scope="module")
+def amqp_url(servers: tuple[str, str, str]) -> Iterator[str]:
+    """An AMQP URL on a fresh vhost of its own, removed after the test module."""
+    base, _, management = servers
+    parts = urlsplit(base)
+    auth = (parts.username or "guest", parts.password or "guest")
+    vhost = f"yoke-test-{uuid.uuid4().hex[:12]}"
+    with httpx.Client(base_url=management, auth=auth, timeout=30) as api:
+        api.put(f"/api/vhosts/{vhost}").raise_for_status()
+        api.put(
+            f"/api/permissions/{vhost}/{auth[0]}",
+            json={"configure": ".*", "write": ".*", "read": ".*"},
+        ).raise_for_status()
+        yield urlunsplit(parts._replace(path="/" + quote(vhost, safe="")))
+        api.delete(f"/api/vhosts/{vhost}")
+
+
+@pytest.fixture
+async def mongodb_url(mongodb_server_url: str) -> AsyncIterator[str]:
+    """A MongoDB URL naming a fresh database of its own, dropped after the test."""
+    parts = urlsplit(mongodb_server_url)
+    name = f"yoke_test_{uuid.uuid4().hex[:12]}"
+    yield urlunsplit(parts._replace(path="/" + name))
+    client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(mongodb_server_url)
+    try:
+        await client.drop_database(name)
+    finally:
+        await client.close()
