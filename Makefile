@@ -33,7 +33,7 @@ lint: install
 	$(VENV)/bin/mypy --strict shared/yoke services
 
 bench: services
-	@$(PY) -m yoke.bench
+	@$(PY) -m bench
 
 clean:
 	rm -rf $(VENV) .local .mypy_cache .ruff_cache .pytest_cache

@@ -13,6 +13,8 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 local_dir="$root/.local"
 python="$root/.venv/bin/python"
 ferretdb_version="v1.24.2"
+pg_max_connections=300
+ferretdb_pool=250
 deadline_seconds="${YOKE_SERVICES_DEADLINE:-120}"
 mkdir -p "$local_dir/bin"
 
@@ -72,12 +74,24 @@ start_ferretdb() {
     local cluster
     cluster=$(postgres_cluster)
     [ -n "$cluster" ] || die "no PostgreSQL cluster found (pg_lsclusters)"
+    # FerretDB 1.x can deadlock when its connection pool runs dry (an update holds a connection
+    # while it waits for the metadata lock that an insert holds while it waits for a connection),
+    # so give it a pool larger than all clients' concurrent operations, and PostgreSQL room for it.
+    local conf_dir="/etc/postgresql/${cluster%% *}/${cluster##* }/conf.d" changed=""
+    if [ -d "$conf_dir" ] && ! grep -qs "max_connections = $pg_max_connections" "$conf_dir/yoke.conf"; then
+        echo "max_connections = $pg_max_connections" >"$conf_dir/yoke.conf"
+        changed=1
+    fi
     # shellcheck disable=SC2086
     if ! pg_ctlcluster $cluster status >/dev/null 2>&1; then
         say "starting PostgreSQL $cluster"
         # shellcheck disable=SC2086
         pg_ctlcluster $cluster start || die "could not start PostgreSQL $cluster"
         touch "$local_dir/postgresql.started"
+    elif [ -n "$changed" ]; then
+        say "restarting PostgreSQL $cluster (max_connections = $pg_max_connections)"
+        # shellcheck disable=SC2086
+        pg_ctlcluster $cluster restart || die "could not restart PostgreSQL $cluster"
     fi
     su postgres -c "psql -qtAc \"SELECT 1 FROM pg_roles WHERE rolname='ferretdb'\"" | grep -q 1 \
         || su postgres -c "psql -qc \"CREATE ROLE ferretdb LOGIN PASSWORD 'ferretdb'\""
@@ -87,7 +101,7 @@ start_ferretdb() {
     [ -x "$bin" ] || build_ferretdb "$bin"
     say "starting FerretDB on PostgreSQL (log: $local_dir/ferretdb.log)"
     nohup "$bin" --handler=postgresql \
-        --postgresql-url="postgres://ferretdb:ferretdb@127.0.0.1:5432/ferretdb" \
+        --postgresql-url="postgres://ferretdb:ferretdb@127.0.0.1:5432/ferretdb?pool_max_conns=$ferretdb_pool" \
         --listen-addr=127.0.0.1:27017 --telemetry=disable --log-level=warn \
         --state-dir="$local_dir" --debug-addr=- >"$local_dir/ferretdb.log" 2>&1 &
     echo $! >"$local_dir/ferretdb.pid"

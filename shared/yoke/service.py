@@ -53,7 +53,9 @@ class Service:
     def __init__(self, name: str, settings: Settings | None = None) -> None:
         self.name = name
         self.settings = settings or Settings()
-        self.store = Store(self.settings.mongodb_url, app_name=name)
+        self.store = Store(
+            self.settings.mongodb_url, app_name=name, pool_size=self.settings.mongodb_pool_size
+        )
         self.bus = Bus(self.settings.amqp_url, name=name)
         self.poster = Poster(self.store, self.bus, name)
         self.dispatcher = Dispatcher(

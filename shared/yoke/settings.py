@@ -23,6 +23,9 @@ class Settings(BaseSettings):
 
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
     mongodb_url: str = "mongodb://127.0.0.1:27017/yoke"
+    # Concurrent MongoDB operations per process. Keep the sum over all processes below the
+    # server's own pool (FerretDB: 250 as `make services` starts it; see deploy/local).
+    mongodb_pool_size: int = Field(default=16, ge=1)
     shards: int = Field(default=16, ge=1, le=1024)
     metrics_port: int | None = None
     max_text_bytes: int = Field(default=65536, ge=1)

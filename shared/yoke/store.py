@@ -6,14 +6,15 @@ under concurrency (DESIGN invariant 8), anything contended is decided by a uniqu
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+import contextlib
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
 from pymongo import ASCENDING, AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.asynchronous.database import AsyncDatabase
-from pymongo.errors import DuplicateKeyError
+from pymongo.errors import CollectionInvalid, DuplicateKeyError
 
 from yoke.models import Actor, Conversation, Message, Participant
 
@@ -27,9 +28,15 @@ class SeqConflict(Exception):
 class Store:
     """One MongoDB database: actors, conversations, participants, messages and actor state."""
 
-    def __init__(self, url: str, *, app_name: str = "yoke") -> None:
+    COLLECTIONS = ("actors", "conversations", "participants", "messages", "actor_states")
+
+    def __init__(self, url: str, *, app_name: str = "yoke", pool_size: int = 16) -> None:
         self.client: AsyncMongoClient[Doc] = AsyncMongoClient(
-            url, tz_aware=True, appname=app_name, serverSelectionTimeoutMS=10_000
+            url,
+            tz_aware=True,
+            appname=app_name,
+            maxPoolSize=pool_size,
+            serverSelectionTimeoutMS=10_000,
         )
         self.db: AsyncDatabase[Doc] = self.client.get_default_database(default="yoke")
         self.actors: AsyncCollection[Doc] = self.db["actors"]
@@ -41,7 +48,16 @@ class Store:
         self._last_seq: dict[str, int] = {}
 
     async def ensure_indexes(self) -> None:
-        """Idempotent; every service runs it at start-up."""
+        """Create collections and indexes; idempotent, every service runs it at start-up.
+
+        Every collection is created here, before traffic: FerretDB 1.x takes a global metadata
+        lock to create one, and creating it lazily under concurrent load can hang the server.
+        """
+        existing = set(await self.db.list_collection_names())
+        for name in self.COLLECTIONS:
+            if name not in existing:
+                with contextlib.suppress(CollectionInvalid):
+                    await self.db.create_collection(name)
         await self.messages.create_index(
             [("conversationId", ASCENDING), ("seq", ASCENDING)], unique=True, name="conv_seq"
         )
@@ -126,14 +142,12 @@ class Store:
 
     async def last_seq(self, conversation_id: str) -> int:
         """The highest seq stored in the conversation (0 when empty)."""
-        cursor = (
-            self.messages.find({"conversationId": conversation_id}, {"seq": 1})
-            .sort("seq", -1)
-            .limit(1)
+        # find_one, not a cursor left half-read: FerretDB holds a PostgreSQL connection for
+        # every open cursor, and leaked cursors starve its pool until every query hangs.
+        document = await self.messages.find_one(
+            {"conversationId": conversation_id}, {"seq": 1}, sort=[("seq", -1)]
         )
-        async for document in cursor:
-            return int(document["seq"])
-        return 0
+        return int(document["seq"]) if document else 0
 
     async def insert_message(self, message: Message) -> tuple[Message, bool]:
         """Store ``message`` under the next free seq of its conversation.
@@ -188,11 +202,9 @@ class Store:
         cursor = self.messages.find(query).sort("seq", ASCENDING)
         return [Message.from_document(d) async for d in cursor]
 
-    async def iter_history(self, conversation_id: str) -> AsyncIterator[Message]:
-        async for document in self.messages.find({"conversationId": conversation_id}).sort(
-            "seq", ASCENDING
-        ):
-            yield Message.from_document(document)
+    async def states_watching(self, actor: str, conversation_id: str) -> list[Doc]:
+        """State documents of ``actor``'s instances that follow ``conversation_id``."""
+        return await self.states.find({"actor": actor, "watch": conversation_id}).to_list()
 
     # --- actor state -------------------------------------------------------------------
 

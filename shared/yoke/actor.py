@@ -1,0 +1,153 @@
+"""The actor runtime: the Python form of the seeds' ``defineProcessorActor``.
+
+An actor declares a pydantic config schema, a pydantic state schema (persisted in MongoDB), a
+trigger filter and an async handler. Each *instance* (say, one per forum join) watches one
+conversation and walks its messages in ``seq`` order behind a watermark:
+
+- an event at or below the watermark was handled already (redelivery): nothing happens;
+- an event past ``watermark + 1`` means earlier events are still on their way (two writers
+  raced in one conversation): the messages in between are read from MongoDB and handled first.
+
+So every message is handled once and in order whatever order its events arrive in
+(DESIGN invariants 1 and 4), and the state holds a number, not a growing list.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel
+
+from yoke.ids import derive_id
+from yoke.models import Message, MessagePosted
+from yoke.posting import Poster
+from yoke.service import Service
+from yoke.store import Store
+
+log = logging.getLogger(__name__)
+
+C = TypeVar("C", bound=BaseModel)
+S = TypeVar("S", bound=BaseModel)
+
+
+@dataclass
+class ActorContext(Generic[C, S]):
+    """What a handler gets: its config and (mutable) state, the store and ``post()``."""
+
+    actor: str
+    instance_id: str
+    config: C
+    state: S
+    store: Store
+    poster: Poster
+    trigger: Message
+    watch: str
+    service: str
+
+    def effect_id(self, kind: str, *extra: str) -> str:
+        """A deterministic id for an effect of the trigger message (DESIGN invariant 4)."""
+        return derive_id(kind, self.instance_id, self.trigger.id, *extra)
+
+    async def post(self, message: Message) -> Message:
+        return await self.poster.post(message)
+
+    def watch_conversation(self, conversation_id: str) -> None:
+        """Follow another conversation from its start (the monologue swap of compaction)."""
+        self.watch = conversation_id
+
+
+@dataclass
+class ActorDefinition(Generic[C, S]):
+    """An actor type: schemas, trigger filter and handler."""
+
+    name: str
+    config_schema: type[C]
+    state_schema: type[S]
+    trigger: Callable[[C, S, Message], bool]
+    handle: Callable[[ActorContext[C, S], Message], Awaitable[None]]
+
+
+def instance_state_id(actor: str, instance_id: str) -> str:
+    return f"{actor}:{instance_id}"
+
+
+async def create_instance(
+    store: Store,
+    definition: ActorDefinition[C, S],
+    instance_id: str,
+    *,
+    watch: str,
+    config: C,
+    state: S,
+) -> bool:
+    """Seed an instance's config and state; ``False`` if it existed (a repeated join)."""
+    document = {
+        "_id": instance_state_id(definition.name, instance_id),
+        "actor": definition.name,
+        "instanceId": instance_id,
+        "watch": watch,
+        "watermark": 0,
+        "config": config.model_dump(mode="json", by_alias=True),
+        "state": state.model_dump(mode="json", by_alias=True),
+    }
+    return await store.insert_if_absent(store.states, document)
+
+
+class ActorRuntime:
+    """Drives registered actor definitions from ``conversation.message.posted`` events."""
+
+    def __init__(self, service: Service, definitions: list[ActorDefinition[Any, Any]]) -> None:
+        self.service = service
+        self.definitions = definitions
+        service.on_event(MessagePosted, self.on_posted)
+
+    async def on_posted(self, event: MessagePosted) -> None:
+        for definition in self.definitions:
+            # Read them all first: a cursor held open across handlers pins a server connection.
+            documents = await self.service.store.states_watching(
+                definition.name, event.conversation_id
+            )
+            for document in documents:
+                await self._advance(definition, document, event)
+
+    async def _advance(
+        self, definition: ActorDefinition[Any, Any], document: dict[str, Any], event: MessagePosted
+    ) -> None:
+        watermark = int(document.get("watermark", 0))
+        if event.seq <= watermark:
+            return
+        store = self.service.store
+        if event.seq == watermark + 1:
+            pending = [event.message]
+        else:
+            pending = await store.history(
+                event.conversation_id, after_seq=watermark, up_to_seq=event.seq
+            )
+        config = definition.config_schema.model_validate(document["config"])
+        state = definition.state_schema.model_validate(document["state"])
+        watch = str(document["watch"])
+        for message in pending:
+            if definition.trigger(config, state, message):
+                context = ActorContext(
+                    actor=definition.name,
+                    instance_id=str(document["instanceId"]),
+                    config=config,
+                    state=state,
+                    store=store,
+                    poster=self.service.poster,
+                    trigger=message,
+                    watch=watch,
+                    service=self.service.name,
+                )
+                await definition.handle(context, message)
+                watch = context.watch
+            moved = watch != event.conversation_id
+            document["watermark"] = 0 if moved else message.seq
+            document["watch"] = watch
+            document["state"] = state.model_dump(mode="json", by_alias=True)
+            await store.save_state(str(document["_id"]), document)
+            if moved:
+                return
