@@ -196,11 +196,22 @@ def breakdown(bus: Outcome, raw: Outcome) -> str:
         f"  {bus_hop.SKIPPED} (handled and skipped): {skipped} for {bus.load.events} hops",
         "The raw relay's publishes, for comparison (ms):",
         *stage_lines(raw.samples, [raw_relay.DRIVER_PUBLISH, raw_relay.RELAY_PUBLISH]),
-        "Server CPU per event in the loaded phase (this machine's processes):",
+        "Server CPU per event in the loaded phase (local processes, anyone's load included):",
         f"  bus hop:   {servers_line(bus)}",
         f"  raw relay: {servers_line(raw)}",
     ]
     return "\n".join(lines)
+
+
+def machine_busy() -> str:
+    """Say so when others already load the machine: the figures then move run to run."""
+    cpus = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return ""
+    progress(f"machine: {cpus} cpus, load average {load:.2f}")
+    return f"load average was {load:.2f} on {cpus} cpus at the start" if load > cpus / 2 else ""
 
 
 def redact(url: str) -> str:
@@ -216,6 +227,7 @@ async def run(args: argparse.Namespace) -> None:
     task = asyncio.current_task()
     assert task is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    busy = machine_busy()
     settings = Settings()
     management = management_url_for(
         settings.amqp_url, os.environ.get("YOKE_RABBITMQ_MANAGEMENT_URL")
@@ -241,6 +253,8 @@ async def run(args: argparse.Namespace) -> None:
     print(breakdown(bus, raw))
     print()
     print(summary(bus.load, raw.load))
+    if busy:
+        print(f"note: {busy}; figures from a quiet machine compare better")
     if args.profile:
         print(f"relay profiles: {args.profile}/*.pstats (python -m pstats FILE)")
 

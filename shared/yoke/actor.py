@@ -74,26 +74,25 @@ def instance_state_id(actor: str, instance_id: str) -> str:
     return f"{actor}:{instance_id}"
 
 
-async def create_instance(
-    store: Store,
-    definition: ActorDefinition[C, S],
+def create_instance_document(
+    actor: str,
     instance_id: str,
     *,
     watch: str,
-    config: C,
-    state: S,
-) -> bool:
-    """Seed an instance's config and state; ``False`` if it existed (a repeated join)."""
-    document = {
-        "_id": instance_state_id(definition.name, instance_id),
-        "actor": definition.name,
+    config: BaseModel,
+    state: BaseModel,
+    watermark: int = 0,
+) -> dict[str, Any]:
+    """The stored form of a new instance: config, state, what it watches and its watermark."""
+    return {
+        "_id": instance_state_id(actor, instance_id),
+        "actor": actor,
         "instanceId": instance_id,
         "watch": watch,
-        "watermark": 0,
+        "watermark": watermark,
         "config": config.model_dump(mode="json", by_alias=True),
         "state": state.model_dump(mode="json", by_alias=True),
     }
-    return await store.insert_if_absent(store.states, document)
 
 
 class ActorRuntime:

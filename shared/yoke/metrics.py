@@ -41,3 +41,8 @@ OUTBOX_REPUBLISHED = Counter(
 LANES_ACTIVE = Gauge(
     "yoke_lanes_active", "Conversations with work in flight in this process.", ["service"]
 )
+COMMANDS = Counter(
+    "yoke_commands",
+    "Outside commands answered, by outcome (accepted, duplicate, rejected).",
+    ["outcome"],
+)

@@ -36,10 +36,11 @@ def parse_envelope(message: AbstractIncomingMessage) -> Envelope:
     try:
         return Envelope.model_validate_json(message.body)
     except ValidationError as error:
-        raise Malformed(f"not an event envelope: {_describe(error)}") from error
+        raise Malformed(f"not an event envelope: {describe_validation_error(error)}") from error
 
 
-def _describe(error: ValidationError) -> str:
+def describe_validation_error(error: ValidationError) -> str:
+    """Names each failing field, e.g. ``author.externalId: Field required``."""
     problems = []
     for item in error.errors()[:5]:
         where = ".".join(str(part) for part in item["loc"]) or "body"
@@ -166,7 +167,11 @@ class Service:
         try:
             payload = envelope.parse()
         except (ValidationError, ValueError) as error:
-            detail = _describe(error) if isinstance(error, ValidationError) else str(error)
+            detail = (
+                describe_validation_error(error)
+                if isinstance(error, ValidationError)
+                else str(error)
+            )
             raise Malformed(f"{envelope.type} payload: {detail}") from error
         lag = (utcnow() - envelope.occurred_at).total_seconds()
         EVENT_LAG_SECONDS.labels(self.name, event_type_of(message)).observe(max(lag, 0.0))

@@ -6,7 +6,6 @@ under concurrency (DESIGN invariant 8), anything contended is decided by a uniqu
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -14,11 +13,12 @@ from typing import Any
 from pymongo import ASCENDING, AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.asynchronous.database import AsyncDatabase
-from pymongo.errors import CollectionInvalid, DuplicateKeyError
+from pymongo.errors import CollectionInvalid, DuplicateKeyError, OperationFailure
 
 from yoke.models import Actor, Conversation, Message, Participant
 
 Doc = dict[str, Any]
+NAMESPACE_EXISTS = 48
 
 
 class SeqConflict(Exception):
@@ -28,7 +28,14 @@ class SeqConflict(Exception):
 class Store:
     """One MongoDB database: actors, conversations, participants, messages and actor state."""
 
-    COLLECTIONS = ("actors", "conversations", "participants", "messages", "actor_states")
+    COLLECTIONS = (
+        "actors",
+        "conversations",
+        "participants",
+        "messages",
+        "actor_states",
+        "egress_joins",
+    )
 
     def __init__(self, url: str, *, app_name: str = "yoke", pool_size: int = 16) -> None:
         self.client: AsyncMongoClient[Doc] = AsyncMongoClient(
@@ -56,8 +63,12 @@ class Store:
         existing = set(await self.db.list_collection_names())
         for name in self.COLLECTIONS:
             if name not in existing:
-                with contextlib.suppress(CollectionInvalid):
+                try:
                     await self.db.create_collection(name)
+                except (CollectionInvalid, OperationFailure) as error:
+                    # Another process created it first (FerretDB answers NamespaceExists).
+                    if isinstance(error, OperationFailure) and error.code != NAMESPACE_EXISTS:
+                        raise
         await self.messages.create_index(
             [("conversationId", ASCENDING), ("seq", ASCENDING)], unique=True, name="conv_seq"
         )

@@ -1,0 +1,1 @@
+"""Egress: forwards the text of agents' monologue lines to their forums."""

@@ -1,0 +1,1 @@
+"""Guardian: runs as a process with health and metrics; its handlers arrive with its feature."""

@@ -1,0 +1,1 @@
+"""Ingestion: the door for outside commands, and the copier of forum lines into monologues."""

@@ -1,0 +1,195 @@
+"""Ingestion's handlers.
+
+- ``conversation.message.submit`` from ``yoke.commands``: validated, deduplicated by
+  idempotency key, written to the forum as a human line (agentHops 0), answered on reply_to.
+- forum ``conversation.message.posted``: copied into each joined agent's active monologue,
+  authored by the forum author's external shadow actor, with routing meta.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from aio_pika.abc import AbstractIncomingMessage
+from pydantic import ValidationError
+
+from yoke import topology
+from yoke.actor import ActorContext, ActorDefinition, ActorRuntime
+from yoke.ids import derive_id
+from yoke.joins import INGESTION, IngestionConfig, IngestionState, participant_id
+from yoke.metrics import COMMANDS
+from yoke.models import (
+    Actor,
+    Message,
+    MessageMeta,
+    Participant,
+    SubmitMessage,
+    SubmitReply,
+    TextPart,
+)
+from yoke.service import Service, describe_validation_error
+
+log = logging.getLogger(__name__)
+
+UNKEYED = "?unkeyed"
+
+
+def command_key(message: AbstractIncomingMessage) -> str:
+    """Commands carry no header: key them by the conversationId in the body (FIFO per forum)."""
+    try:
+        body = json.loads(message.body)
+    except ValueError:
+        return UNKEYED
+    key = body.get("conversationId") if isinstance(body, dict) else None
+    return key if isinstance(key, str) and key else UNKEYED
+
+
+class Door:
+    """Turns submit commands into forum lines."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.store = service.store
+        self.max_text_bytes = service.settings.max_text_bytes
+
+    async def handle(self, message: AbstractIncomingMessage) -> None:
+        reply = await self.submit(message.body)
+        COMMANDS.labels("duplicate" if reply.duplicate else reply.status).inc()
+        if reply.status == "rejected":
+            log.warning(
+                "rejected command: %s",
+                reply.error,
+                extra={"messageId": message.message_id, "conversationId": command_key(message)},
+            )
+        if message.reply_to:
+            await self.service.bus.reply(
+                message.reply_to,
+                message.correlation_id,
+                reply.model_dump_json(exclude_none=True).encode(),
+            )
+
+    async def submit(self, body: bytes) -> SubmitReply:
+        limit = self.max_text_bytes * 2 + 4096
+        if len(body) > limit:
+            return _rejected(f"command is {len(body)} bytes; the limit is {limit}")
+        try:
+            command = SubmitMessage.model_validate_json(body)
+        except ValidationError as error:
+            if any(e["type"] == "json_invalid" for e in error.errors()):
+                return _rejected("body is not valid JSON")
+            return _rejected(f"invalid command: {describe_validation_error(error)}")
+        size = len(command.text.encode())
+        if size > self.max_text_bytes:
+            return _rejected(
+                f"text is {size} bytes; the limit is {self.max_text_bytes} (YOKE_MAX_TEXT_BYTES)"
+            )
+        forum = await self.store.get_conversation(command.conversation_id)
+        if forum is None:
+            return _rejected(f"unknown conversation {command.conversation_id!r}")
+        if forum.kind != "forum":
+            return _rejected(f"conversation {forum.id!r} is a {forum.kind}; submit to a forum")
+        # The id derives from the idempotency key: a repeat finds the line already written.
+        message_id = derive_id("submit", forum.id, command.idempotency_key)
+        existing = await self.store.get_message(message_id)
+        if existing is not None:
+            return SubmitReply(status="accepted", message_id=existing.id, duplicate=True)
+        author = await self.store.save_actor(
+            Actor(
+                id=derive_id("human", command.author.external_id),
+                kind="human",
+                name=command.author.display_name,
+                external_id=command.author.external_id,
+            )
+        )
+        participant = await self.store.save_participant(
+            Participant(
+                id=participant_id(forum.id, author.id), conversation_id=forum.id, actor_id=author.id
+            )
+        )
+        extra = dict(command.meta or {})
+        for reserved in ("agentHops", "inReplyTo", "causationId"):
+            extra.pop(reserved, None)
+        stored = await self.service.poster.post(
+            Message(
+                id=message_id,
+                conversation_id=forum.id,
+                author_actor_id=author.id,
+                participant_id=participant.id,
+                role="user",
+                parts=[TextPart(text=command.text)],
+                meta=MessageMeta.model_validate({**extra, "agentHops": 0}),
+            )
+        )
+        return SubmitReply(status="accepted", message_id=stored.id, duplicate=False)
+
+
+def _rejected(error: str) -> SubmitReply:
+    return SubmitReply(status="rejected", error=error)
+
+
+def copies_line(config: IngestionConfig, state: IngestionState, message: Message) -> bool:
+    """Forum lines, but never the agent's own, and never notices."""
+    return message.type == "message" and message.author_actor_id != config.agent_actor_id
+
+
+async def copy_to_monologue(
+    context: ActorContext[IngestionConfig, IngestionState], line: Message
+) -> None:
+    store = context.store
+    forum_participant = await store.get_participant(context.config.forum_participant_id)
+    if forum_participant is None or forum_participant.left_at is not None:
+        return
+    monologue_id = str(forum_participant.metadata.get("monologueId") or "")
+    if not monologue_id:
+        log.error(
+            "forum participant has no monologueId", extra={"conversationId": line.conversation_id}
+        )
+        return
+    author = await store.get_actor(line.author_actor_id)
+    shadow = await store.save_actor(
+        Actor(
+            id=derive_id("external", line.author_actor_id),
+            kind="external",
+            name=author.name if author else line.author_actor_id,
+            meta={"sourceActorId": line.author_actor_id},
+        )
+    )
+    shadow_participant = await store.save_participant(
+        Participant(
+            id=participant_id(monologue_id, shadow.id),
+            conversation_id=monologue_id,
+            actor_id=shadow.id,
+        )
+    )
+    await context.post(
+        Message(
+            id=derive_id("copy", monologue_id, line.id),
+            conversation_id=monologue_id,
+            author_actor_id=shadow.id,
+            participant_id=shadow_participant.id,
+            role="user",
+            parts=[part for part in line.parts if isinstance(part, TextPart)],
+            meta=MessageMeta(
+                source_conversation_id=line.conversation_id,
+                source_message_id=line.id,
+                source_actor_id=line.author_actor_id,
+                agent_hops=line.meta.agent_hops,
+            ),
+        )
+    )
+
+
+INGESTION_ACTOR = ActorDefinition(
+    name=INGESTION,
+    config_schema=IngestionConfig,
+    state_schema=IngestionState,
+    trigger=copies_line,
+    handle=copy_to_monologue,
+)
+
+
+def register(service: Service) -> None:
+    door = Door(service)
+    service.on_intake(topology.COMMANDS_EXCHANGE, topology.SUBMIT_COMMAND, command_key, door.handle)
+    ActorRuntime(service, [INGESTION_ACTOR])

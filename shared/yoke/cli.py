@@ -1,0 +1,254 @@
+"""The ``yoke`` command line (DESIGN §3): ids printed bare, JSON as one line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from yoke import supervisor
+from yoke.bus import Bus
+from yoke.client import Client
+from yoke.dead_letters import list_dead_letters, replay_dead_letters
+from yoke.joins import create_agent, create_forum, join_conversation, leave_conversation
+from yoke.models import Message
+from yoke.posting import Poster
+from yoke.settings import Settings
+from yoke.store import Store
+
+
+class CommandError(Exception):
+    """Printed to stderr; exit code 1."""
+
+
+async def with_store(action: Callable[[Store], Awaitable[None]]) -> None:
+    store = Store(Settings().mongodb_url, app_name="yoke-cli")
+    try:
+        await store.ensure_indexes()
+        await action(store)
+    finally:
+        await store.close()
+
+
+def split_tools(value: str | None) -> list[str] | None:
+    return [name.strip() for name in value.split(",") if name.strip()] if value else None
+
+
+async def agent_create(args: argparse.Namespace) -> None:
+    async def action(store: Store) -> None:
+        agent = await create_agent(
+            store,
+            args.name,
+            model=args.model,
+            tools=split_tools(args.tools),
+            instructions=args.instructions,
+        )
+        print(agent.id)
+
+    await with_store(action)
+
+
+async def forum_create(args: argparse.Namespace) -> None:
+    async def action(store: Store) -> None:
+        print((await create_forum(store, args.title)).id)
+
+    await with_store(action)
+
+
+async def join(args: argparse.Namespace) -> None:
+    async def action(store: Store) -> None:
+        bus = Bus(Settings().amqp_url, name="yoke-cli")
+        await bus.connect()
+        try:
+            result = await join_conversation(
+                store,
+                Poster(store, bus, "cli"),
+                args.agent,
+                args.forum,
+                model=args.model,
+                tools=split_tools(args.tools),
+            )
+        except LookupError as error:
+            raise CommandError(str(error)) from error
+        finally:
+            await bus.close()
+        print(
+            json.dumps(
+                {
+                    "forumParticipantId": result.forum_participant_id,
+                    "monologueId": result.monologue_id,
+                    "monologueParticipantId": result.monologue_participant_id,
+                }
+            )
+        )
+
+    await with_store(action)
+
+
+async def leave(args: argparse.Namespace) -> None:
+    async def action(store: Store) -> None:
+        if not await leave_conversation(store, args.agent, args.forum):
+            raise CommandError(f"agent {args.agent} has no join in forum {args.forum}")
+
+    await with_store(action)
+
+
+async def post(args: argparse.Namespace) -> None:
+    async with Client(Settings().amqp_url) as client:
+        reply = await client.submit(
+            args.forum, args.text, external_id=f"cli:{args.author}", display_name=args.author
+        )
+    if reply.status != "accepted":
+        raise CommandError(reply.error or "rejected")
+    print(reply.message_id)
+
+
+def render(message: Message, names: dict[str, str]) -> str:
+    who = names.get(message.author_actor_id, message.author_actor_id)
+    return f"[{message.seq}] {who}: {message.text}"
+
+
+async def history(args: argparse.Namespace) -> None:
+    async def action(store: Store) -> None:
+        names: dict[str, str] = {}
+        for message in await store.history(args.conversation):
+            if args.json:
+                print(json.dumps(message.to_wire(), separators=(",", ":")))
+            else:
+                if message.author_actor_id not in names:
+                    actor = await store.get_actor(message.author_actor_id)
+                    names[message.author_actor_id] = actor.name if actor else "?"
+                print(render(message, names))
+
+    await with_store(action)
+
+
+async def chat(args: argparse.Namespace) -> None:
+    settings = Settings()
+    store = Store(settings.mongodb_url, app_name="yoke-chat")
+    names: dict[str, str] = {}
+
+    async def show_replies(client: Client) -> None:
+        async for message in client.watch(args.forum):
+            if message.role != "agent":
+                continue
+            if message.author_actor_id not in names:
+                actor = await store.get_actor(message.author_actor_id)
+                names[message.author_actor_id] = actor.name if actor else "agent"
+            print(f"{names[message.author_actor_id]}: {message.text}", flush=True)
+
+    try:
+        if await store.get_conversation(args.forum) is None:
+            raise CommandError(f"unknown forum {args.forum}")
+        async with Client(settings.amqp_url) as client:
+            watcher = asyncio.create_task(show_replies(client))
+            print(
+                f"talking in {args.forum} as {args.as_}; an empty line or Ctrl-D ends", flush=True
+            )
+            loop = asyncio.get_running_loop()
+            while True:
+                line = await loop.run_in_executor(None, sys.stdin.readline)
+                if not line.strip():
+                    break
+                reply = await client.submit(
+                    args.forum, line.strip(), external_id=f"cli:{args.as_}", display_name=args.as_
+                )
+                if reply.status != "accepted":
+                    print(f"rejected: {reply.error}", file=sys.stderr, flush=True)
+            await asyncio.sleep(0.5)  # let a reply that is on its way arrive
+            watcher.cancel()
+    finally:
+        await store.close()
+
+
+async def up(args: argparse.Namespace) -> None:
+    await supervisor.run()
+
+
+async def dlq_list(args: argparse.Namespace) -> None:
+    for letter in await list_dead_letters(Settings().amqp_url):
+        print(json.dumps(letter, separators=(",", ":")))
+
+
+async def dlq_replay(args: argparse.Namespace) -> None:
+    count = await replay_dead_letters(Settings().amqp_url)
+    print(f"replayed {count} dead letters", file=sys.stderr)
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(
+        prog="yoke",
+        description="Yoke mesh: LLM agents in conversations, over RabbitMQ and MongoDB. "
+        "Servers come from YOKE_AMQP_URL and YOKE_MONGODB_URL.",
+    )
+    commands = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(
+        parent: Any,
+        name: str,
+        handler: Callable[[argparse.Namespace], Coroutine[Any, Any, None]],
+        help: str,
+    ) -> argparse.ArgumentParser:
+        sub: argparse.ArgumentParser = parent.add_parser(name, help=help, description=help)
+        sub.set_defaults(handler=handler)
+        return sub
+
+    command(commands, "up", up, "run all five services as processes, restarting crashed ones")
+
+    agent = commands.add_parser("agent", help="manage agents").add_subparsers(
+        dest="sub", required=True
+    )
+    create = command(agent, "create", agent_create, "create an agent; prints its actor id")
+    create.add_argument("--name", required=True)
+    create.add_argument("--model", help="model id (default fixture-echo)")
+    create.add_argument("--tools", help="comma-separated tool names, e.g. clock,calculator")
+    create.add_argument("--instructions", help="the agent's system instructions")
+
+    forum = commands.add_parser("forum", help="manage forums").add_subparsers(
+        dest="sub", required=True
+    )
+    command(forum, "create", forum_create, "create a forum; prints its id").add_argument(
+        "--title", required=True
+    )
+
+    joining = command(commands, "join", join, "join an agent to a forum; prints one JSON line")
+    joining.add_argument("--agent", required=True)
+    joining.add_argument("--forum", required=True)
+    joining.add_argument("--model", help="overrides the agent's model for this join")
+    joining.add_argument("--tools", help="overrides the agent's tools for this join")
+
+    leaving = command(commands, "leave", leave, "end a join; the agent stops answering there")
+    leaving.add_argument("--agent", required=True)
+    leaving.add_argument("--forum", required=True)
+
+    posting = command(commands, "post", post, "submit a line through yoke.commands; prints its id")
+    posting.add_argument("--forum", required=True)
+    posting.add_argument("--author", required=True, help="your name (external id cli:NAME)")
+    posting.add_argument("text")
+
+    showing = command(commands, "history", history, "a conversation's lines in seq order")
+    showing.add_argument("conversation")
+    showing.add_argument("--json", action="store_true", help="one JSON message per line")
+
+    talking = command(commands, "chat", chat, "type lines into a forum and see agents' replies")
+    talking.add_argument("--forum", required=True)
+    talking.add_argument("--as", dest="as_", required=True, metavar="NAME")
+
+    dlq = commands.add_parser("dlq", help="dead letters").add_subparsers(dest="sub", required=True)
+    command(dlq, "list", dlq_list, "one JSON line per dead letter: service, error, attempts")
+    command(dlq, "replay", dlq_replay, "republish every dead letter where it came from")
+    return root
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    try:
+        asyncio.run(args.handler(args))
+    except CommandError as error:
+        print(f"yoke: {error}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)

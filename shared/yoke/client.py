@@ -1,0 +1,99 @@
+"""An outside system's view of the mesh: submit lines through ``yoke.commands``, watch replies.
+
+This is all a bridge needs (DESIGN §3 AMQP); the CLI's ``post`` and ``chat`` are built on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractQueue, AbstractRobustConnection
+
+from yoke import topology
+from yoke.ids import new_id
+from yoke.models import CommandAuthor, Envelope, Message, MessagePosted, SubmitMessage, SubmitReply
+
+
+class Client:
+    def __init__(self, amqp_url: str) -> None:
+        self.amqp_url = amqp_url
+        self._connection: AbstractRobustConnection | None = None
+        self._channel: AbstractChannel | None = None
+        self._replies: AbstractQueue | None = None
+        self._waiting: dict[str, asyncio.Future[SubmitReply]] = {}
+
+    async def __aenter__(self) -> Client:
+        self._connection = await aio_pika.connect_robust(self.amqp_url, timeout=10)
+        self._channel = await self._connection.channel(publisher_confirms=True)
+        self._replies = await self._channel.declare_queue(exclusive=True, auto_delete=True)
+        await self._replies.consume(self._on_reply, no_ack=True)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        if self._connection is not None:
+            await self._connection.close()
+
+    async def _on_reply(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        future = self._waiting.pop(message.correlation_id or "", None)
+        if future is not None and not future.done():
+            future.set_result(SubmitReply.model_validate_json(message.body))
+
+    async def submit(
+        self,
+        forum_id: str,
+        text: str,
+        *,
+        external_id: str,
+        display_name: str,
+        idempotency_key: str | None = None,
+        reply_timeout: float = 30.0,
+    ) -> SubmitReply:
+        """Publish ``conversation.message.submit`` and wait for the door's answer."""
+        command = SubmitMessage(
+            conversation_id=forum_id,
+            author=CommandAuthor(external_id=external_id, display_name=display_name),
+            text=text,
+            idempotency_key=idempotency_key or new_id(),
+        )
+        return await self.submit_raw(
+            command.model_dump_json(exclude_none=True).encode(), reply_timeout
+        )
+
+    async def submit_raw(self, body: bytes, reply_timeout: float = 30.0) -> SubmitReply:
+        """Publish any body as a submit command (bridges, and tests of bad input)."""
+        assert self._channel is not None and self._replies is not None
+        correlation_id = new_id()
+        future: asyncio.Future[SubmitReply] = asyncio.get_running_loop().create_future()
+        self._waiting[correlation_id] = future
+        exchange = await self._channel.get_exchange(topology.COMMANDS_EXCHANGE)
+        await exchange.publish(
+            aio_pika.Message(
+                body,
+                content_type="application/json",
+                correlation_id=correlation_id,
+                reply_to=self._replies.name,
+                message_id=correlation_id,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            ),
+            routing_key=topology.SUBMIT_COMMAND,
+        )
+        try:
+            return await asyncio.wait_for(future, reply_timeout)
+        finally:
+            self._waiting.pop(correlation_id, None)
+
+    async def watch(self, conversation_id: str) -> AsyncIterator[Message]:
+        """Lines posted to a conversation from now on, as they are published."""
+        assert self._channel is not None
+        queue = await self._channel.declare_queue(exclusive=True, auto_delete=True)
+        await queue.bind(
+            topology.EVENTS_EXCHANGE,
+            routing_key=topology.routing_key(MessagePosted.TYPE, conversation_id),
+        )
+        async with queue.iterator(no_ack=True) as deliveries:
+            async for delivery in deliveries:
+                payload = Envelope.model_validate_json(delivery.body).parse()
+                if isinstance(payload, MessagePosted):
+                    yield payload.message

@@ -1,0 +1,238 @@
+"""Bootstrap: agents, forums and joins (the seeds' ``createAgent`` / ``joinConversation``).
+
+A join creates the agent's monologue and its participants, points the forum participant's
+``metadata.monologueId`` at the monologue, seeds the ingestion and processor instances, and
+announces ``agent.forum.joined``. Every id is derived, so joining twice returns the same join.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from pydantic import Field, JsonValue
+
+from yoke.actor import create_instance_document, instance_state_id
+from yoke.ids import derive_id, new_id
+from yoke.models import (
+    Actor,
+    AgentForumJoined,
+    Conversation,
+    Participant,
+    WireModel,
+)
+from yoke.posting import Poster
+from yoke.store import Store
+
+DEFAULT_MODEL = "fixture-echo"
+DEFAULT_HOP_CAP = 4
+SYSTEM_ACTOR_ID = "system"
+
+INGESTION = "ingestion"
+PROCESSOR = "processor"
+
+
+class ScriptedCall(WireModel):
+    name: str
+    input: dict[str, JsonValue] = Field(default_factory=dict)
+
+
+class ScriptedOutput(WireModel):
+    """One step of the ``fixture-script`` model: text and/or tool calls."""
+
+    text: str | None = None
+    tool_calls: list[ScriptedCall] = Field(default_factory=list)
+
+
+class ProcessorConfig(WireModel):
+    """Seeded by the join, as in the seed's processor config schema."""
+
+    source_conversation_id: str
+    forum_participant_id: str
+    agent_actor_id: str
+    monologue_id: str
+    agent_participant_id: str
+    model: str = DEFAULT_MODEL
+    tools: list[str] = Field(default_factory=list)
+    instructions: str = ""
+    hop_cap: int = Field(default=DEFAULT_HOP_CAP, ge=1)
+    script: list[ScriptedOutput] = Field(default_factory=list)
+
+
+class ProcessorState(WireModel):
+    monologue_id: str
+    agent_participant_id: str
+
+
+class IngestionConfig(WireModel):
+    forum_id: str
+    agent_actor_id: str
+    forum_participant_id: str
+
+
+class IngestionState(WireModel):
+    pass
+
+
+class Join(WireModel):
+    """What ``yoke join`` prints, plus the ids that name the join."""
+
+    agent_actor_id: str
+    forum_id: str
+    forum_participant_id: str
+    monologue_id: str
+    monologue_participant_id: str
+
+
+def join_id(agent_actor_id: str, forum_id: str) -> str:
+    return derive_id("join", agent_actor_id, forum_id)
+
+
+def participant_id(conversation_id: str, actor_id: str) -> str:
+    return derive_id("participant", conversation_id, actor_id)
+
+
+async def create_agent(
+    store: Store,
+    name: str,
+    *,
+    model: str | None = None,
+    tools: list[str] | None = None,
+    instructions: str | None = None,
+    actor_id: str | None = None,
+) -> Actor:
+    """A new agent actor; its id is the ``authorActorId`` of its lines."""
+    meta: dict[str, JsonValue] = {}
+    if model:
+        meta["model"] = model
+    if tools:
+        meta["tools"] = list(tools)
+    if instructions:
+        meta["instructions"] = instructions
+    return await store.save_actor(
+        Actor(id=actor_id or new_id(), kind="agent", name=name, meta=meta)
+    )
+
+
+async def create_forum(store: Store, title: str, *, forum_id: str | None = None) -> Conversation:
+    return await store.save_conversation(
+        Conversation(id=forum_id or new_id(), kind="forum", title=title)
+    )
+
+
+async def ensure_system_actor(store: Store) -> Actor:
+    """The author of tool results and other lines the mesh itself writes."""
+    return await store.save_actor(Actor(id=SYSTEM_ACTOR_ID, kind="system", name="system"))
+
+
+async def join_conversation(
+    store: Store,
+    poster: Poster,
+    agent_actor_id: str,
+    forum_id: str,
+    *,
+    model: str | None = None,
+    tools: list[str] | None = None,
+    hop_cap: int = DEFAULT_HOP_CAP,
+    script: list[ScriptedOutput] | None = None,
+) -> Join:
+    """Join the agent to the forum (idempotent); join options override the agent's."""
+    agent = await store.get_actor(agent_actor_id)
+    if agent is None or agent.kind != "agent":
+        raise LookupError(f"unknown agent {agent_actor_id}")
+    forum = await store.get_conversation(forum_id)
+    if forum is None or forum.kind != "forum":
+        raise LookupError(f"unknown forum {forum_id}")
+    await ensure_system_actor(store)
+    key = join_id(agent.id, forum.id)
+    monologue = await store.save_conversation(
+        Conversation(
+            id=derive_id("monologue", key), kind="monologue", title=f"{agent.name} in {forum.title}"
+        )
+    )
+    forum_participant = await store.save_participant(
+        Participant(
+            id=participant_id(forum.id, agent.id),
+            conversation_id=forum.id,
+            actor_id=agent.id,
+            metadata={"monologueId": monologue.id},
+        )
+    )
+    if forum_participant.left_at is not None:  # joining again after a leave
+        await store.participants.update_one(
+            {"_id": forum_participant.id}, {"$set": {"leftAt": None}}
+        )
+    monologue_participant = await store.save_participant(
+        Participant(
+            id=participant_id(monologue.id, agent.id),
+            conversation_id=monologue.id,
+            actor_id=agent.id,
+        )
+    )
+    # The participant's metadata is the truth for the active monologue (compaction moves it).
+    active_monologue = str(forum_participant.metadata.get("monologueId") or monologue.id)
+    agent_tools = agent.meta.get("tools")
+    default_tools = [str(t) for t in agent_tools] if isinstance(agent_tools, list) else []
+    config = ProcessorConfig(
+        source_conversation_id=forum.id,
+        forum_participant_id=forum_participant.id,
+        agent_actor_id=agent.id,
+        monologue_id=active_monologue,
+        agent_participant_id=monologue_participant.id,
+        model=model or str(agent.meta.get("model") or DEFAULT_MODEL),
+        tools=tools if tools is not None else default_tools,
+        instructions=str(agent.meta.get("instructions") or ""),
+        hop_cap=hop_cap,
+        script=script or [],
+    )
+    state = ProcessorState(
+        monologue_id=active_monologue, agent_participant_id=monologue_participant.id
+    )
+    # Start both instances at the current end of what they watch: a new join answers new lines.
+    await store.insert_if_absent(
+        store.states,
+        create_instance_document(
+            PROCESSOR,
+            key,
+            watch=active_monologue,
+            config=config,
+            state=state,
+            watermark=await store.last_seq(active_monologue),
+        ),
+    )
+    await store.insert_if_absent(
+        store.states,
+        create_instance_document(
+            INGESTION,
+            key,
+            watch=forum.id,
+            config=IngestionConfig(
+                forum_id=forum.id,
+                agent_actor_id=agent.id,
+                forum_participant_id=forum_participant.id,
+            ),
+            state=IngestionState(),
+            watermark=await store.last_seq(forum.id),
+        ),
+    )
+    joined = AgentForumJoined(
+        agent_actor_id=agent.id,
+        forum_id=forum.id,
+        forum_participant_id=forum_participant.id,
+        monologue_id=active_monologue,
+        monologue_participant_id=monologue_participant.id,
+    )
+    await poster.emit(joined, event_id=derive_id("joined", key, active_monologue))
+    return Join(**joined.model_dump())
+
+
+async def leave_conversation(store: Store, agent_actor_id: str, forum_id: str) -> bool:
+    """End the join: no more lines are copied to the agent, so it stops answering there."""
+    key = join_id(agent_actor_id, forum_id)
+    removed = await store.states.delete_many(
+        {"_id": {"$in": [instance_state_id(INGESTION, key), instance_state_id(PROCESSOR, key)]}}
+    )
+    await store.participants.update_one(
+        {"_id": participant_id(forum_id, agent_actor_id)},
+        {"$set": {"leftAt": datetime.now(UTC)}},
+    )
+    return removed.deleted_count > 0

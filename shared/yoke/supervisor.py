@@ -1,0 +1,78 @@
+"""``yoke up``: the five services as separate processes, restarting any that dies."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+SERVICES = ("ingestion", "processor", "egress", "followup", "guardian")
+MAX_BACKOFF_SECONDS = 30.0
+
+
+@dataclass
+class Child:
+    name: str
+    process: asyncio.subprocess.Process | None = None
+    restarts: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+
+def say(text: str) -> None:
+    print(f"[yoke up] {text}", flush=True)
+
+
+async def start(child: Child) -> None:
+    child.process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", f"services.{child.name}"
+    )
+    child.started_at = time.monotonic()
+    say(f"started {child.name} (pid {child.process.pid})")
+
+
+async def watch(child: Child, stopping: asyncio.Event) -> None:
+    """Restart the child whenever it dies, backing off while it keeps dying young."""
+    backoff = 1.0
+    while not stopping.is_set():
+        assert child.process is not None
+        code = await child.process.wait()
+        if stopping.is_set():
+            return
+        lived = time.monotonic() - child.started_at
+        backoff = 1.0 if lived > 60 else min(backoff * 2, MAX_BACKOFF_SECONDS)
+        say(f"{child.name} exited with {code}; restarting in {backoff:.0f}s")
+        try:
+            await asyncio.wait_for(stopping.wait(), timeout=backoff)
+            return
+        except TimeoutError:
+            pass
+        child.restarts += 1
+        await start(child)
+
+
+async def run(names: tuple[str, ...] = SERVICES, grace: float = 30.0) -> int:
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopping.set)
+    children = [Child(name) for name in names]
+    for child in children:
+        await start(child)
+    watchers = [asyncio.create_task(watch(child, stopping)) for child in children]
+    await stopping.wait()
+    say("stopping services")
+    running = [c.process for c in children if c.process and c.process.returncode is None]
+    for process in running:
+        process.terminate()
+    try:
+        await asyncio.wait_for(asyncio.gather(*(p.wait() for p in running)), timeout=grace)
+    except TimeoutError:
+        for process in running:
+            if process.returncode is None:
+                process.kill()
+    for watcher in watchers:
+        watcher.cancel()
+    say("stopped")
+    return 0
