@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,7 @@ def run_relay(name: str, main: Callable[[], Coroutine[Any, Any, None]]) -> None:
     if not directory:
         asyncio.run(main())
         return
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(time.process_time)  # CPU, not waits: where the work goes
     profiler.enable()
     try:
         asyncio.run(main())

@@ -98,14 +98,26 @@ def amqp_url(servers: tuple[str, str, str]) -> Iterator[str]:
         api.delete(f"/api/vhosts/{vhost}")
 
 
-@pytest.fixture
-async def mongodb_url(mongodb_server_url: str) -> AsyncIterator[str]:
-    """A MongoDB URL naming a fresh database of its own, dropped after the test."""
-    parts = urlsplit(mongodb_server_url)
+async def _fresh_database(server_url: str) -> AsyncIterator[str]:
+    parts = urlsplit(server_url)
     name = f"yoke_test_{uuid.uuid4().hex[:12]}"
     yield urlunsplit(parts._replace(path="/" + name))
-    client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(mongodb_server_url)
+    client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(server_url)
     try:
         await client.drop_database(name)
     finally:
         await client.close()
+
+
+@pytest.fixture
+async def mongodb_url(mongodb_server_url: str) -> AsyncIterator[str]:
+    """A MongoDB URL naming a fresh database of its own, dropped after the test."""
+    async for url in _fresh_database(mongodb_server_url):
+        yield url
+
+
+@pytest.fixture(scope="module")
+async def module_mongodb_url(mongodb_server_url: str) -> AsyncIterator[str]:
+    """A fresh database shared by one test module (services started once per module use it)."""
+    async for url in _fresh_database(mongodb_server_url):
+        yield url
