@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -133,12 +134,15 @@ async def measure(side: Side, args: argparse.Namespace) -> Outcome:
     try:
         async with asyncio.timeout(START_WITHIN):
             await side.start()
-    except TimeoutError:
-        await side.stop()
-        raise RuntimeError(
-            f"{side.label}: not ready within {START_WITHIN:.0f}s (do the broker and the store"
-            " answer?)"
-        ) from None
+    except BaseException as error:
+        with contextlib.suppress(Exception):
+            await side.stop()
+        if isinstance(error, TimeoutError):
+            raise RuntimeError(
+                f"{side.label}: not ready within {START_WITHIN:.0f}s (do the broker and the"
+                " store answer?)"
+            ) from None
+        raise
     try:
         if args.warmup:
             progress(f"{side.label} warmup: {args.warmup} events (not measured)")

@@ -9,6 +9,7 @@ samples, then exit. Its stderr goes straight to ours, so its errors show.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import cProfile
 import json
 import os
@@ -31,6 +32,8 @@ REPORT_LIMIT = 256 * 1024 * 1024
 
 
 class Child:
+    """Parent side: one relay process, started until ready and stopped for its report."""
+
     def __init__(self, process: asyncio.subprocess.Process, module: str) -> None:
         self.process = process
         self.module = module
@@ -64,7 +67,8 @@ class Child:
 
     async def stop(self, *, within: float = 60) -> Samples:
         """SIGTERM, then the samples it reports as it exits."""
-        self.process.send_signal(signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # gone already (Ctrl-C reaches it too)
+            self.process.send_signal(signal.SIGTERM)
         report: dict[str, Any] = {}
         try:
             async with asyncio.timeout(within):
