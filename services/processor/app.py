@@ -10,18 +10,30 @@ transcript ends at its trigger (DESIGN invariant 1), so queued lines are each an
 
 from __future__ import annotations
 
+import json
 import logging
+from collections import Counter
 
 from yoke.actor import ActorContext, ActorDefinition, ActorRuntime
-from yoke.inference import provider_for
+from yoke.inference import InferenceRequest, ProviderFailed, cost_of, provider_for
 from yoke.joins import PROCESSOR, SYSTEM_ACTOR_ID, ProcessorConfig, ProcessorState
+from yoke.metrics import DOOM_LOOPS, LLM_COST, LLM_TOKENS, NOTICES, TOOL_CALLS
 from yoke.models import Message, MessageMeta, Part, TextPart, ToolCallPart, ToolResultPart
 from yoke.service import Service
-from yoke.tools import resolve_tools, run_tool_calls
+from yoke.tools import Tool, resolve_tools, run_tool_calls
 
 log = logging.getLogger(__name__)
 
 Context = ActorContext[ProcessorConfig, ProcessorState]
+
+# Doom-loop guard: the LOOP_LIMIT-th identical call within the last LOOP_WINDOW calls is refused.
+LOOP_LIMIT = 4
+LOOP_WINDOW = 10
+
+
+def call_signature(call: ToolCallPart) -> str:
+    """Tool name plus canonical arguments: what makes two calls "the same call"."""
+    return call.name + json.dumps(call.input, sort_keys=True, separators=(",", ":"))
 
 
 def is_step_trigger(config: ProcessorConfig, state: ProcessorState, message: Message) -> bool:
@@ -53,6 +65,16 @@ async def step(context: Context, trigger: Message) -> None:
             await run_tools(context, trigger, calls)
         return
     if any(isinstance(part, ToolResultPart) for part in trigger.parts):
+        if trigger.meta.loop_guard:
+            # The guard refused a repeated call: the step ends here rather than spin.
+            await post_notice(
+                context,
+                trigger,
+                "doom_loop",
+                "stopped a tool loop: the agent "
+                "kept requesting the same call; it answers again at the next line",
+            )
+            return
         await infer_once(context, trigger)
         return
     if not trigger.text:
@@ -69,32 +91,107 @@ async def step(context: Context, trigger: Message) -> None:
     await infer_once(context, trigger)
 
 
+def repeated_calls(
+    earlier: list[Message], calls: list[ToolCallPart], tools: dict[str, Tool]
+) -> set[str]:
+    """Call ids the doom-loop guard refuses: a 4th identical call within the last 10 calls."""
+    history = [
+        p for m in earlier if m.role == "agent" for p in m.parts if isinstance(p, ToolCallPart)
+    ]
+    window = [*history, *calls][-LOOP_WINDOW:]
+    counts = Counter(call_signature(call) for call in window)
+    return {
+        call.call_id
+        for call in calls
+        if counts[call_signature(call)] >= LOOP_LIMIT
+        and not (call.name in tools and tools[call.name].repeat_safe)
+    }
+
+
 async def run_tools(context: Context, trigger: Message, calls: list[ToolCallPart]) -> None:
     tools = resolve_tools(context.config.tools)
-    results = await run_tool_calls(
-        calls,
-        tools,
-        key_of=lambda call: context.effect_id("tool", call.call_id),
-        conversation_id=trigger.conversation_id,
-    )
+    earlier = await context.store.history(trigger.conversation_id, up_to_seq=trigger.seq - 1)
+    refused = repeated_calls(earlier, calls, tools)
+    runnable = [call for call in calls if call.call_id not in refused]
+    results = {
+        result.call_id: result
+        for result in await run_tool_calls(
+            runnable,
+            tools,
+            key_of=lambda call: context.effect_id("tool", call.call_id),
+            conversation_id=trigger.conversation_id,
+        )
+    }
+    for call in calls:
+        if call.call_id in refused:
+            DOOM_LOOPS.labels(call.name).inc()
+            results[call.call_id] = ToolResultPart(
+                call_id=call.call_id,
+                name=call.name,
+                output=f"refused: {call.name} was already requested {LOOP_LIMIT - 1} times with "
+                f"these arguments in the last {LOOP_WINDOW} calls; try something else",
+                is_error=True,
+            )
+        else:
+            TOOL_CALLS.labels(call.name, "error" if results[call.call_id].is_error else "ok").inc()
+    meta = carried_meta(context, trigger)
+    meta.loop_guard = True if refused else None
     await context.post(
         Message(
             id=context.effect_id("tool-results"),
             conversation_id=trigger.conversation_id,
             author_actor_id=SYSTEM_ACTOR_ID,
             role="user",
-            parts=list(results),
-            meta=carried_meta(context, trigger),
+            parts=[results[call.call_id] for call in calls],
+            meta=meta,
         )
     )
 
 
+def budget_spent(config: ProcessorConfig, state: ProcessorState) -> str | None:
+    if config.budget_tokens is not None and state.tokens_used >= config.budget_tokens:
+        return f"token budget spent ({state.tokens_used} of {config.budget_tokens})"
+    if config.budget_usd is not None and state.cost_usd >= config.budget_usd:
+        return f"cost budget spent (${state.cost_usd:.4f} of ${config.budget_usd:.4f})"
+    return None
+
+
+async def display_names(context: Context, transcript: list[Message]) -> dict[str, str]:
+    names: dict[str, str] = {}
+    for author_id in {message.author_actor_id for message in transcript}:
+        actor = await context.store.get_actor(author_id)
+        if actor is not None:
+            names[author_id] = actor.name
+    return names
+
+
 async def infer_once(context: Context, trigger: Message) -> None:
-    config = context.config
+    config, state = context.config, context.state
+    spent = budget_spent(config, state)
+    if spent:
+        await post_notice(context, trigger, "budget", f"no answer: {spent}")
+        return
     transcript = await context.store.history(trigger.conversation_id, up_to_seq=trigger.seq)
-    tools = resolve_tools(config.tools)
-    provider = provider_for(config.model, config.script)
-    result = await provider.infer(transcript, tools, call_id_prefix=context.effect_id("call"))
+    request = InferenceRequest(
+        transcript=transcript,
+        tools=resolve_tools(config.tools),
+        call_id_prefix=context.effect_id("call"),
+        instructions=config.instructions,
+        names=await display_names(context, transcript),
+    )
+    try:
+        result = await provider_for(config.model, config.script, context.settings).infer(request)
+    except ProviderFailed as error:
+        await post_notice(context, trigger, "provider", f"the model failed: {error}")
+        return
+    usage = result.usage
+    if usage is not None:
+        usage.cost_usd = cost_of(usage, context.settings)
+        state.tokens_used += usage.input_tokens + usage.output_tokens
+        state.cost_usd += usage.cost_usd
+        LLM_TOKENS.labels(usage.model, "input").inc(usage.input_tokens)
+        LLM_TOKENS.labels(usage.model, "output").inc(usage.output_tokens)
+        LLM_COST.labels(usage.model).inc(usage.cost_usd)
     if result.empty:
         return
     parts: list[Part] = []
@@ -106,11 +203,28 @@ async def infer_once(context: Context, trigger: Message) -> None:
             id=context.effect_id("output"),
             conversation_id=trigger.conversation_id,
             author_actor_id=config.agent_actor_id,
-            participant_id=context.state.agent_participant_id,
+            participant_id=state.agent_participant_id,
             role="agent",
             parts=parts,
             meta=carried_meta(context, trigger),
-            usage=result.usage,
+            usage=usage,
+        )
+    )
+
+
+async def post_notice(context: Context, trigger: Message, reason: str, text: str) -> None:
+    """A line for people and operators: never forwarded, never a trigger."""
+    NOTICES.labels(reason).inc()
+    log.warning(text, extra={"conversationId": trigger.conversation_id, "messageId": trigger.id})
+    await context.post(
+        Message(
+            id=context.effect_id("notice", reason),
+            conversation_id=trigger.conversation_id,
+            author_actor_id=SYSTEM_ACTOR_ID,
+            role="user",
+            type="notice",
+            parts=[TextPart(text=text)],
+            meta=carried_meta(context, trigger),
         )
     )
 

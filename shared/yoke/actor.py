@@ -25,6 +25,7 @@ from yoke.ids import derive_id
 from yoke.models import Message, MessagePosted
 from yoke.posting import Poster
 from yoke.service import Service
+from yoke.settings import Settings
 from yoke.store import Store
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class ActorContext(Generic[C, S]):
     trigger: Message
     watch: str
     service: str
+    settings: Settings
 
     def effect_id(self, kind: str, *extra: str) -> str:
         """A deterministic id for an effect of the trigger message (DESIGN invariant 4)."""
@@ -140,6 +142,7 @@ class ActorRuntime:
                     trigger=message,
                     watch=watch,
                     service=self.service.name,
+                    settings=self.service.settings,
                 )
                 await definition.handle(context, message)
                 watch = context.watch

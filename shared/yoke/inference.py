@@ -1,17 +1,35 @@
-"""Models behind ``infer``: one call from a transcript (and tools) to outputs plus usage.
+"""``infer``: one call from a transcript (and tools) to outputs plus token usage.
 
 ``fixture-echo`` answers its trigger line verbatim; ``fixture-script`` plays a list of outputs,
-one per agent step, for tests. Other model ids go to the OpenAI provider.
+one per agent step, for tests; any other model id goes to the OpenAI provider
+(:mod:`yoke.openai_provider`), which works with any OpenAI-compatible server.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Protocol
 
 from yoke.joins import ScriptedOutput
 from yoke.models import Message, TextPart, ToolCallPart, Usage
+from yoke.settings import Settings
 from yoke.tools import Tool
+
+
+class ProviderFailed(Exception):
+    """The model could not answer (gave up after retries, or refused the request)."""
+
+
+@dataclass
+class InferenceRequest:
+    transcript: list[Message]
+    tools: dict[str, Tool]
+    # Prefix for ids of the tool calls this step makes: derived, so a redelivery repeats them.
+    call_id_prefix: str
+    instructions: str = ""
+    names: dict[str, str] = field(default_factory=dict)
+    now: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
 @dataclass
@@ -26,9 +44,9 @@ class InferenceResult:
 
 
 class Provider(Protocol):
-    async def infer(
-        self, transcript: list[Message], tools: dict[str, Tool], *, call_id_prefix: str
-    ) -> InferenceResult: ...
+    model: str
+
+    async def infer(self, request: InferenceRequest) -> InferenceResult: ...
 
 
 def newest_user_text(transcript: list[Message]) -> str | None:
@@ -45,38 +63,63 @@ class EchoProvider:
 
     model = "fixture-echo"
 
-    async def infer(
-        self, transcript: list[Message], tools: dict[str, Tool], *, call_id_prefix: str
-    ) -> InferenceResult:
-        text = newest_user_text(transcript)
-        return InferenceResult(text=text, usage=Usage(model=self.model))
+    async def infer(self, request: InferenceRequest) -> InferenceResult:
+        return InferenceResult(
+            text=newest_user_text(request.transcript), usage=Usage(model=self.model)
+        )
 
 
 class ScriptedProvider:
-    """Step *k* of an agent (its *k*-th line in the monologue) plays ``script[k]``."""
+    """Step *k* of an agent (its *k*-th line in the transcript) plays ``script[k]``.
+
+    A script whose last entry has ``repeat`` set plays that entry forever (loop tests).
+    """
 
     model = "fixture-script"
 
     def __init__(self, script: list[ScriptedOutput]) -> None:
         self.script = script
 
-    async def infer(
-        self, transcript: list[Message], tools: dict[str, Tool], *, call_id_prefix: str
-    ) -> InferenceResult:
-        step = sum(1 for message in transcript if message.role == "agent")
+    async def infer(self, request: InferenceRequest) -> InferenceResult:
+        step = sum(1 for message in request.transcript if message.role == "agent")
         if step >= len(self.script):
-            return InferenceResult()
+            if not (self.script and self.script[-1].repeat):
+                return InferenceResult()
+            step = len(self.script) - 1
         output = self.script[step]
         calls = [
-            ToolCallPart(call_id=f"{call_id_prefix}-{index}", name=call.name, input=call.input)
+            ToolCallPart(
+                call_id=f"{request.call_id_prefix}-{index}", name=call.name, input=call.input
+            )
             for index, call in enumerate(output.tool_calls)
         ]
-        return InferenceResult(text=output.text, tool_calls=calls, usage=Usage(model=self.model))
+        return InferenceResult(
+            text=output.text,
+            tool_calls=calls,
+            usage=Usage(
+                model=self.model,
+                input_tokens=output.input_tokens,
+                output_tokens=output.output_tokens,
+            ),
+        )
 
 
-def provider_for(model: str, script: list[ScriptedOutput]) -> Provider:
+def provider_for(model: str, script: list[ScriptedOutput], settings: Settings) -> Provider:
     if model == "fixture-echo":
         return EchoProvider()
     if model == "fixture-script":
         return ScriptedProvider(script)
-    raise LookupError(f"no provider for model {model!r} (OpenAI models are not wired yet)")
+    if model.startswith("fixture-"):
+        raise ProviderFailed(f"unknown fixture model {model!r}")
+    from yoke.openai_provider import OpenAIProvider
+
+    return OpenAIProvider(model, settings)
+
+
+def cost_of(usage: Usage, settings: Settings) -> float:
+    """USD for the usage, from the price table (0 for models it does not list)."""
+    prices = settings.prices.get(usage.model)
+    if prices is None:
+        return 0.0
+    per_input, per_output = prices
+    return (usage.input_tokens * per_input + usage.output_tokens * per_output) / 1_000_000

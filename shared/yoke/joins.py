@@ -41,6 +41,10 @@ class ScriptedOutput(WireModel):
 
     text: str | None = None
     tool_calls: list[ScriptedCall] = Field(default_factory=list)
+    input_tokens: int = 0
+    output_tokens: int = 0
+    # On the last entry: play it again for every later step (a model stuck in a loop).
+    repeat: bool = False
 
 
 class ProcessorConfig(WireModel):
@@ -56,11 +60,17 @@ class ProcessorConfig(WireModel):
     instructions: str = ""
     hop_cap: int = Field(default=DEFAULT_HOP_CAP, ge=1)
     script: list[ScriptedOutput] = Field(default_factory=list)
+    # Checked before each model call; None means no limit.
+    budget_tokens: int | None = Field(default=None, ge=0)
+    budget_usd: float | None = Field(default=None, ge=0)
 
 
 class ProcessorState(WireModel):
     monologue_id: str
     agent_participant_id: str
+    # Running totals of the join's model usage.
+    tokens_used: int = 0
+    cost_usd: float = 0.0
 
 
 class IngestionConfig(WireModel):
@@ -134,6 +144,8 @@ async def join_conversation(
     tools: list[str] | None = None,
     hop_cap: int = DEFAULT_HOP_CAP,
     script: list[ScriptedOutput] | None = None,
+    budget_tokens: int | None = None,
+    budget_usd: float | None = None,
 ) -> Join:
     """Join the agent to the forum (idempotent); join options override the agent's."""
     agent = await store.get_actor(agent_actor_id)
@@ -183,6 +195,8 @@ async def join_conversation(
         instructions=str(agent.meta.get("instructions") or ""),
         hop_cap=hop_cap,
         script=script or [],
+        budget_tokens=budget_tokens,
+        budget_usd=budget_usd,
     )
     state = ProcessorState(
         monologue_id=active_monologue, agent_participant_id=monologue_participant.id

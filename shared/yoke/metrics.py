@@ -46,3 +46,18 @@ COMMANDS = Counter(
     "Outside commands answered, by outcome (accepted, duplicate, rejected).",
     ["outcome"],
 )
+LLM_REQUESTS = Counter(
+    "yoke_llm_requests", "Model requests by model and outcome.", ["model", "outcome"]
+)
+LLM_LATENCY = Histogram(
+    "yoke_llm_latency_seconds", "Model request latency.", ["model"], buckets=LATENCY_BUCKETS
+)
+LLM_TOKENS = Counter(
+    "yoke_llm_tokens", "Tokens used by model and kind (input, output).", ["model", "kind"]
+)
+LLM_COST = Counter("yoke_llm_cost_usd", "Model cost in USD from the price table.", ["model"])
+TOOL_CALLS = Counter("yoke_tool_calls", "Tool calls by tool and outcome.", ["tool", "outcome"])
+DOOM_LOOPS = Counter(
+    "yoke_doom_loops", "Tool calls refused as a repeat of the same call.", ["tool"]
+)
+NOTICES = Counter("yoke_notices", "Notices left in monologues, by reason.", ["reason"])

@@ -90,6 +90,9 @@ class ToolCallPart(WireModel):
     call_id: str
     name: str
     input: dict[str, JsonValue] = Field(default_factory=dict)
+    # Set when the model's arguments could not be read (say, invalid JSON): the tool is not
+    # run, and the model is told why in the result.
+    input_error: str | None = None
 
 
 class ToolResultPart(WireModel):
@@ -114,6 +117,11 @@ class MessageMeta(WireModel):
     causation_id: str | None = None
     in_reply_to: str | None = None
     agent_hops: int = Field(default=0, ge=0)
+    # Lines the mesh injects into a monologue as instructions (follow-up nudges, guardian
+    # steering): prompts mark them as such instead of quoting them as a person.
+    instruction: str | None = None
+    # Set on a tool_result whose calls the doom-loop guard refused: no inference follows it.
+    loop_guard: bool | None = None
 
 
 class Usage(WireModel):

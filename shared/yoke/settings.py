@@ -38,6 +38,13 @@ class Settings(BaseSettings):
     handler_attempts: int = Field(default=3, ge=1)
     retry_backoff_seconds: float = Field(default=0.2, ge=0)
 
+    # Model providers (OPENAI_API_KEY / OPENAI_BASE_URL are read by the openai client itself).
+    provider_request_timeout_seconds: float = Field(default=20.0, gt=0)
+    provider_give_up_seconds: float = Field(default=30.0, gt=0)
+    provider_retry_after_cap_seconds: float = Field(default=10.0, ge=0)
+    # USD per million tokens by model: {"gpt-4o-mini": [0.15, 0.6]} (input, output).
+    prices: dict[str, tuple[float, float]] = Field(default_factory=dict)
+
     def metrics_port_for(self, service: str) -> int:
         if self.metrics_port is not None:
             return self.metrics_port

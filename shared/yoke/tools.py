@@ -124,6 +124,8 @@ async def run_tool_call(
             call_id=call.call_id, name=call.name, output=output, is_error=is_error
         )
 
+    if call.input_error:
+        return result(f"could not read the input for {call.name}: {call.input_error}", True)
     tool = tools.get(call.name)
     if tool is None:
         known = ", ".join(sorted(tools)) or "none"
