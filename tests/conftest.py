@@ -11,11 +11,19 @@ import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
 import pytest
 from pymongo import AsyncMongoClient
+
+from tests.support.mesh import JoinFactory, Mesh
+from yoke.bus import Bus
+from yoke.client import Client
+from yoke.joins import Join, create_agent, create_forum, join_conversation
+from yoke.posting import Poster
+from yoke.store import Store
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 DEFAULT_MONGODB_URL = "mongodb://127.0.0.1:27017/yoke"
@@ -121,3 +129,63 @@ async def module_mongodb_url(mongodb_server_url: str) -> AsyncIterator[str]:
     """A fresh database shared by one test module (services started once per module use it)."""
     async for url in _fresh_database(mongodb_server_url):
         yield url
+
+
+# --- the mesh, for end-to-end test modules -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh_env() -> dict[str, str]:
+    """Extra environment for the mesh's services; a test module may override it."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+async def mesh(
+    amqp_url: str,
+    module_mongodb_url: str,
+    mesh_env: dict[str, str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[Mesh]:
+    """The five services as real processes on the module's vhost and database."""
+    mesh = Mesh(amqp_url, module_mongodb_url, Path(tmp_path_factory.mktemp("mesh")), mesh_env)
+    await mesh.start_all()
+    yield mesh
+    codes = mesh.stop_all()
+    assert all(code == 0 for code in codes.values()), codes  # clean SIGTERM shutdown
+
+
+@pytest.fixture(scope="module")
+async def store(module_mongodb_url: str) -> AsyncIterator[Store]:
+    store = Store(module_mongodb_url)
+    await store.ensure_indexes()
+    yield store
+    await store.close()
+
+
+@pytest.fixture(scope="module")
+async def poster(store: Store, amqp_url: str) -> AsyncIterator[Poster]:
+    bus = Bus(amqp_url, name="test-bootstrap")
+    await bus.connect()
+    yield Poster(store, bus, "test")
+    await bus.close()
+
+
+@pytest.fixture(scope="module")
+async def client(amqp_url: str, mesh: Mesh) -> AsyncIterator[Client]:
+    async with Client(amqp_url) as client:
+        yield client
+
+
+@pytest.fixture
+def new_join(store: Store, poster: Poster, mesh: Mesh) -> JoinFactory:
+    async def make(
+        forum_id: str | None = None, name: str = "echo", **options: object
+    ) -> tuple[str, Join]:
+        if forum_id is None:
+            forum_id = (await create_forum(store, "test forum")).id
+        agent = await create_agent(store, name)
+        join = await join_conversation(store, poster, agent.id, forum_id, **options)  # type: ignore[arg-type]
+        return forum_id, join
+
+    return make

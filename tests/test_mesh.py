@@ -4,106 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 
 import aio_pika
 import pytest
 
-from tests.support.mesh import Mesh
+from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
 from yoke import topology
-from yoke.bus import Bus
 from yoke.client import Client
 from yoke.joins import (
-    Join,
     ScriptedCall,
     ScriptedOutput,
-    create_agent,
-    create_forum,
-    join_conversation,
     leave_conversation,
 )
-from yoke.models import Message, ToolResultPart
-from yoke.posting import Poster
+from yoke.models import ToolResultPart
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-async def mesh(
-    amqp_url: str, module_mongodb_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Mesh]:
-    mesh = Mesh(amqp_url, module_mongodb_url, Path(tmp_path_factory.mktemp("mesh")))
-    await mesh.start_all()
-    yield mesh
-    codes = mesh.stop_all()
-    assert all(code == 0 for code in codes.values()), codes  # clean SIGTERM shutdown
-
-
-@pytest.fixture(scope="module")
-async def store(module_mongodb_url: str) -> AsyncIterator[Store]:
-    store = Store(module_mongodb_url)
-    await store.ensure_indexes()
-    yield store
-    await store.close()
-
-
-@pytest.fixture(scope="module")
-async def poster(store: Store, amqp_url: str) -> AsyncIterator[Poster]:
-    bus = Bus(amqp_url, name="test-bootstrap")
-    await bus.connect()
-    yield Poster(store, bus, "test")
-    await bus.close()
-
-
-@pytest.fixture(scope="module")
-async def client(amqp_url: str, mesh: Mesh) -> AsyncIterator[Client]:
-    async with Client(amqp_url) as client:
-        yield client
-
-
-JoinFactory = Callable[..., Awaitable[tuple[str, Join]]]
-
-
-@pytest.fixture
-def new_join(store: Store, poster: Poster, mesh: Mesh) -> JoinFactory:
-    async def make(
-        forum_id: str | None = None, name: str = "echo", **options: object
-    ) -> tuple[str, Join]:
-        if forum_id is None:
-            forum_id = (await create_forum(store, "test forum")).id
-        agent = await create_agent(store, name)
-        join = await join_conversation(store, poster, agent.id, forum_id, **options)  # type: ignore[arg-type]
-        return forum_id, join
-
-    return make
-
-
-async def say(client: Client, forum_id: str, text: str, who: str = "alice") -> str:
-    reply = await client.submit(forum_id, text, external_id=f"test:{who}", display_name=who)
-    assert reply.status == "accepted", reply.error
-    assert reply.message_id
-    return reply.message_id
-
-
-async def lines_until(
-    store: Store, conversation_id: str, done: Callable[[list[Message]], bool], timeout: float = 30
-) -> list[Message]:
-    found: list[Message] = []
-
-    async def check() -> bool:
-        nonlocal found
-        found = await store.history(conversation_id)
-        return done(found)
-
-    await eventually(check, timeout=timeout, what=f"lines in {conversation_id}")
-    return found
-
-
-def agent_lines(lines: list[Message]) -> list[Message]:
-    return [line for line in lines if line.role == "agent"]
 
 
 async def test_line_published_with_plain_aio_pika_is_answered_in_the_forum(

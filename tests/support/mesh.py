@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from tests.support.processes import ServiceProcess
+from tests.support.processes import ServiceProcess, eventually
+from yoke.client import Client
+from yoke.joins import Join
+from yoke.models import Message
+from yoke.store import Store
 from yoke.supervisor import SERVICES
+
+# new_join(forum_id=None, name="echo", **join options) -> (forum id, join)
+JoinFactory = Callable[..., Awaitable[tuple[str, Join]]]
 
 
 class Mesh:
-    def __init__(self, amqp_url: str, mongodb_url: str, log_dir: Path) -> None:
+    def __init__(
+        self, amqp_url: str, mongodb_url: str, log_dir: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.env = {
+            **(env or {}),
             "YOKE_AMQP_URL": amqp_url,
             "YOKE_MONGODB_URL": mongodb_url,
             "YOKE_SHARDS": "2",
@@ -38,3 +49,28 @@ class Mesh:
 
     def stop_all(self) -> dict[str, int]:
         return {name: process.stop() for name, process in self.processes.items()}
+
+
+async def say(client: Client, forum_id: str, text: str, who: str = "alice") -> str:
+    reply = await client.submit(forum_id, text, external_id=f"test:{who}", display_name=who)
+    assert reply.status == "accepted", reply.error
+    assert reply.message_id
+    return reply.message_id
+
+
+async def lines_until(
+    store: Store, conversation_id: str, done: Callable[[list[Message]], bool], timeout: float = 30
+) -> list[Message]:
+    found: list[Message] = []
+
+    async def check() -> bool:
+        nonlocal found
+        found = await store.history(conversation_id)
+        return done(found)
+
+    await eventually(check, timeout=timeout, what=f"lines in {conversation_id}")
+    return found
+
+
+def agent_lines(lines: list[Message]) -> list[Message]:
+    return [line for line in lines if line.role == "agent"]

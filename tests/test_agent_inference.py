@@ -1,0 +1,113 @@
+"""Inference inside the running mesh: an OpenAI-model agent, provider failures, budgets and the
+doom-loop guard, with the services as real processes and a real OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support.fake_openai import FakeOpenAI, completion, failure
+from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
+from yoke.client import Client
+from yoke.joins import ScriptedCall, ScriptedOutput
+from yoke.models import ToolResultPart
+from yoke.store import Store
+
+pytestmark = pytest.mark.slow
+SECRET = "sk-test-this-must-never-be-logged"
+
+
+@pytest.fixture(scope="module")
+def fake_openai() -> Iterator[FakeOpenAI]:
+    with FakeOpenAI() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
+    return {
+        "OPENAI_BASE_URL": fake_openai.base_url,
+        "OPENAI_API_KEY": SECRET,
+        "YOKE_PROVIDER_GIVE_UP_SECONDS": "2",
+        "YOKE_PROVIDER_REQUEST_TIMEOUT_SECONDS": "2",
+        "YOKE_PRICES": '{"gpt-test": [1000, 2000]}',
+    }
+
+
+async def test_an_openai_model_agent_answers_with_usage_and_cost(
+    store: Store, client: Client, new_join: JoinFactory, fake_openai: FakeOpenAI
+) -> None:
+    fake_openai.script(completion("hi from the model", prompt_tokens=50, completion_tokens=5))
+    forum_id, _ = await new_join(model="gpt-test")
+    await say(client, forum_id, "hello model", who="Grace")
+    forum = await lines_until(store, forum_id, lambda lines: len(lines) == 2)
+    answer = forum[1]
+    assert answer.text == "hi from the model"
+    assert answer.usage is not None
+    assert (answer.usage.input_tokens, answer.usage.output_tokens) == (50, 5)
+    assert answer.usage.cost_usd == pytest.approx((50 * 1000 + 5 * 2000) / 1_000_000)
+    assert fake_openai.requests[0]["messages"][-1]["content"] == "Grace: hello model"
+
+
+async def test_a_failing_provider_leaves_a_notice_and_the_next_line_is_answered(
+    store: Store, client: Client, new_join: JoinFactory, fake_openai: FakeOpenAI
+) -> None:
+    forum_id, join = await new_join(model="gpt-test")
+    fake_openai.script()
+    fake_openai.default = failure(500)
+    try:
+        await say(client, forum_id, "are you there?")
+        monologue = await lines_until(
+            store, join.monologue_id, lambda lines: any(m.type == "notice" for m in lines)
+        )
+    finally:
+        fake_openai.default = None
+    [notice] = [m for m in monologue if m.type == "notice"]
+    assert "gave up" in notice.text and "InternalServerError" in notice.text
+    assert len(fake_openai.requests) >= 2
+    await say(client, forum_id, "now?")
+    forum = await lines_until(store, forum_id, lambda lines: len(agent_lines(lines)) == 1)
+    assert forum[-1].text.startswith("echo: ")
+    assert all(line.type != "notice" for line in forum)  # notices are never forwarded
+
+
+async def test_no_call_is_made_once_the_budget_is_spent(
+    store: Store, client: Client, new_join: JoinFactory, fake_openai: FakeOpenAI
+) -> None:
+    fake_openai.script(completion("first", prompt_tokens=80, completion_tokens=20))
+    forum_id, join = await new_join(model="gpt-test", budget_tokens=100)
+    await say(client, forum_id, "one")
+    await lines_until(store, forum_id, lambda lines: len(lines) == 2)
+    await say(client, forum_id, "two")
+    monologue = await lines_until(
+        store, join.monologue_id, lambda lines: any(m.type == "notice" for m in lines)
+    )
+    assert len(fake_openai.requests) == 1
+    [notice] = [m for m in monologue if m.type == "notice"]
+    assert "token budget spent (100 of 100)" in notice.text
+    assert len(await store.history(forum_id)) == 3  # the second line, unanswered
+
+
+async def test_a_model_repeating_one_call_is_stopped_at_the_fourth(
+    store: Store, client: Client, new_join: JoinFactory
+) -> None:
+    loop = ScriptedOutput(tool_calls=[ScriptedCall(name="clock")], repeat=True)
+    forum_id, join = await new_join(model="fixture-script", tools=["clock"], script=[loop])
+    await say(client, forum_id, "what time is it, forever?")
+    monologue = await lines_until(
+        store, join.monologue_id, lambda lines: any(m.type == "notice" for m in lines)
+    )
+    results = [p for m in monologue for p in m.parts if isinstance(p, ToolResultPart)]
+    assert [r.is_error for r in results] == [False, False, False, True]
+    assert "refused" in results[-1].output
+    settled = len(monologue)
+    await asyncio.sleep(1.5)  # a quiet period: a spinning loop would keep writing
+    assert len(await store.history(join.monologue_id)) == settled
+    assert len(await store.history(forum_id)) == 1  # nothing reached the forum
+
+
+async def test_the_api_key_never_appears_in_service_output(mesh: Mesh) -> None:
+    for name, process in mesh.processes.items():
+        assert SECRET not in process.output(), name
