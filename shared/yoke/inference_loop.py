@@ -1,0 +1,79 @@
+"""``run_inference_loop``: infer -> tools -> infer, up to a bound, inside one call.
+
+For ephemeral actors (the guardian's runner) that need a complete pass in one delivery. The
+mesh's processor never loops: it takes one step per event (see services/processor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import partial
+
+from yoke.ids import derive_id
+from yoke.inference import InferenceRequest, Provider
+from yoke.joins import SYSTEM_ACTOR_ID
+from yoke.models import Message, Part, TextPart, ToolCallPart
+from yoke.tools import run_tool_calls
+
+MAX_ROUNDS = 8
+
+
+def _tool_key(prefix: str, call: ToolCallPart) -> str:
+    return derive_id("loop-tool", prefix, call.call_id)
+
+
+@dataclass
+class LoopResult:
+    text: str | None
+    rounds: int
+    # The lines the loop produced (agent turns and tool results), not persisted.
+    messages: list[Message] = field(default_factory=list)
+    exhausted: bool = False
+
+
+async def run_inference_loop(
+    provider: Provider,
+    request: InferenceRequest,
+    *,
+    agent_actor_id: str,
+    conversation_id: str,
+    max_rounds: int = MAX_ROUNDS,
+) -> LoopResult:
+    """Run rounds until the model answers without tool calls, or ``max_rounds`` pass."""
+    transcript = list(request.transcript)
+    produced: list[Message] = []
+    for round_index in range(max_rounds):
+        prefix = f"{request.call_id_prefix}-{round_index}"
+        result = await provider.infer(
+            replace(request, transcript=transcript, call_id_prefix=prefix)
+        )
+        parts: list[Part] = [TextPart(text=result.text)] if result.text else []
+        parts.extend(result.tool_calls)
+        turn = Message(
+            id=derive_id("loop-turn", prefix),
+            conversation_id=conversation_id,
+            author_actor_id=agent_actor_id,
+            role="agent",
+            parts=parts,
+            usage=result.usage,
+        )
+        transcript.append(turn)
+        produced.append(turn)
+        if not result.tool_calls:
+            return LoopResult(text=result.text, rounds=round_index + 1, messages=produced)
+        outputs = await run_tool_calls(
+            result.tool_calls,
+            request.tools,
+            key_of=partial(_tool_key, prefix),
+            conversation_id=conversation_id,
+        )
+        answer = Message(
+            id=derive_id("loop-results", prefix),
+            conversation_id=conversation_id,
+            author_actor_id=SYSTEM_ACTOR_ID,
+            role="user",
+            parts=list(outputs),
+        )
+        transcript.append(answer)
+        produced.append(answer)
+    return LoopResult(text=None, rounds=max_rounds, messages=produced, exhausted=True)
