@@ -111,3 +111,32 @@ async def test_a_model_repeating_one_call_is_stopped_at_the_fourth(
 async def test_the_api_key_never_appears_in_service_output(mesh: Mesh) -> None:
     for name, process in mesh.processes.items():
         assert SECRET not in process.output(), name
+
+
+async def test_slash_commands_are_answered_without_a_model_call(
+    store: Store, client: Client, new_join: JoinFactory, fake_openai: FakeOpenAI
+) -> None:
+    fake_openai.script(completion("remembered"), completion("fresh"))
+    forum_id, _ = await new_join(model="gpt-test", tools=["clock"])
+    await say(client, forum_id, "my name is Ada")
+    await lines_until(store, forum_id, lambda lines: len(lines) == 2)
+
+    await say(client, forum_id, "/status")
+    forum = await lines_until(store, forum_id, lambda lines: len(lines) == 4)
+    assert "model gpt-test" in forum[3].text and "tokens used 18" in forum[3].text
+    assert len(fake_openai.requests) == 1
+
+    await say(client, forum_id, "/reset")
+    await lines_until(store, forum_id, lambda lines: len(lines) == 6)
+    await say(client, forum_id, "who am I?")
+    await lines_until(store, forum_id, lambda lines: len(lines) == 8)
+    contents = [m.get("content") or "" for m in fake_openai.requests[1]["messages"]]
+    assert not any("my name is Ada" in c for c in contents)
+    assert any("who am I?" in c for c in contents)
+
+    await say(client, forum_id, "/model fixture-echo")
+    await lines_until(store, forum_id, lambda lines: len(lines) == 10)
+    await say(client, forum_id, "echo me")
+    forum = await lines_until(store, forum_id, lambda lines: len(lines) == 12)
+    assert forum[-1].text == "echo me"
+    assert len(fake_openai.requests) == 2

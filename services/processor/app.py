@@ -79,6 +79,9 @@ async def step(context: Context, trigger: Message) -> None:
         return
     if not trigger.text:
         return
+    if trigger.text.startswith("/") and trigger.meta.agent_hops == 0:
+        await answer_slash_command(context, trigger)
+        return
     if trigger.meta.agent_hops >= context.config.hop_cap:
         # DESIGN invariant 6: agents answering agents stop at the cap; people are never capped.
         log.info(
@@ -89,6 +92,43 @@ async def step(context: Context, trigger: Message) -> None:
         )
         return
     await infer_once(context, trigger)
+
+
+async def answer_slash_command(context: Context, trigger: Message) -> None:
+    """A person's ``/status``, ``/model NAME`` or ``/reset``: answered without any model call."""
+    config, state = context.config, context.state
+    command, _, argument = trigger.text.strip().partition(" ")
+    argument = argument.strip()
+    if command == "/status":
+        budget = []
+        if config.budget_tokens is not None:
+            budget.append(f"token budget {config.budget_tokens}")
+        if config.budget_usd is not None:
+            budget.append(f"cost budget ${config.budget_usd:.2f}")
+        answer = (
+            f"model {state.model or config.model}; tokens used {state.tokens_used}; "
+            f"cost ${state.cost_usd:.4f}; tools {', '.join(config.tools) or 'none'}"
+            + (f"; {', '.join(budget)}" if budget else "")
+        )
+    elif command == "/model" and argument:
+        state.model = argument
+        answer = f"model is now {argument}"
+    elif command == "/reset":
+        state.context_from_seq = trigger.seq + 1
+        answer = "starting afresh: earlier lines are no longer in my context"
+    else:
+        answer = f"unknown command {command}; try /status, /model NAME or /reset"
+    await context.post(
+        Message(
+            id=context.effect_id("output"),
+            conversation_id=trigger.conversation_id,
+            author_actor_id=config.agent_actor_id,
+            participant_id=state.agent_participant_id,
+            role="agent",
+            parts=[TextPart(text=answer)],
+            meta=carried_meta(context, trigger),
+        )
+    )
 
 
 def repeated_calls(
@@ -171,7 +211,9 @@ async def infer_once(context: Context, trigger: Message) -> None:
     if spent:
         await post_notice(context, trigger, "budget", f"no answer: {spent}")
         return
-    transcript = await context.store.history(trigger.conversation_id, up_to_seq=trigger.seq)
+    transcript = await context.store.history(
+        trigger.conversation_id, after_seq=max(0, state.context_from_seq - 1), up_to_seq=trigger.seq
+    )
     request = InferenceRequest(
         transcript=transcript,
         tools=resolve_tools(config.tools),
@@ -180,7 +222,8 @@ async def infer_once(context: Context, trigger: Message) -> None:
         names=await display_names(context, transcript),
     )
     try:
-        result = await provider_for(config.model, config.script, context.settings).infer(request)
+        model = state.model or config.model
+        result = await provider_for(model, config.script, context.settings).infer(request)
     except ProviderFailed as error:
         await post_notice(context, trigger, "provider", f"the model failed: {error}")
         return

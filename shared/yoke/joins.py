@@ -71,6 +71,10 @@ class ProcessorState(WireModel):
     # Running totals of the join's model usage.
     tokens_used: int = 0
     cost_usd: float = 0.0
+    # Set by the /model slash command; wins over the configured model.
+    model: str | None = None
+    # Set by /reset: the model sees only lines from this seq on.
+    context_from_seq: int = 0
 
 
 class IngestionConfig(WireModel):
