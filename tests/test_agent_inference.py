@@ -140,3 +140,32 @@ async def test_slash_commands_are_answered_without_a_model_call(
     forum = await lines_until(store, forum_id, lambda lines: len(lines) == 12)
     assert forum[-1].text == "echo me"
     assert len(fake_openai.requests) == 2
+
+
+async def test_compaction_under_traffic_loses_and_repeats_no_line(
+    store: Store, client: Client, new_join: JoinFactory
+) -> None:
+    forum_id, join = await new_join(compaction_threshold_tokens=120, compaction_keep=4)
+    texts = [f"line {index:03d}" for index in range(200)]
+    for text in texts:
+        await say(client, forum_id, text)
+    forum = await lines_until(
+        store, forum_id, lambda lines: len(agent_lines(lines)) >= 200, timeout=180
+    )
+    await asyncio.sleep(1)  # a quiet period: a line answered twice would show up here
+    forum = await store.history(forum_id)
+    replies = agent_lines(forum)
+    humans = [line for line in forum if line.role == "user"]
+    assert [r.text for r in replies] == texts
+    assert [r.meta.in_reply_to for r in replies] == [h.id for h in humans]
+
+    participant = await store.get_participant(join.forum_participant_id)
+    assert participant is not None
+    chain = participant.metadata["compactions"]
+    assert isinstance(chain, list) and len(chain) >= 2
+    newest = chain[-1]["toMonologueId"]  # type: ignore[index, call-overload]
+    assert participant.metadata["monologueId"] == newest
+    egress_join = await store.db["egress_joins"].find_one({"forumId": forum_id})
+    assert egress_join is not None and egress_join["monologueId"] == newest
+    summary = (await store.history(str(newest)))[0]
+    assert summary.meta.instruction == "summary" and summary.text.startswith("Earlier (")

@@ -6,8 +6,12 @@ redelivery posts nothing twice.
 
 from __future__ import annotations
 
+import json
 import logging
 
+from aio_pika.abc import AbstractIncomingMessage
+
+from yoke.consumer import key_from_header
 from yoke.ids import derive_id
 from yoke.joins import Join, join_id, participant_id
 from yoke.models import (
@@ -73,6 +77,7 @@ class Egress:
         if (
             line.role != "agent"
             or line.type != "message"
+            or line.meta.carried_from  # context carried by compaction: forwarded already
             or not forum_id
             or forum_id == line.conversation_id
         ):
@@ -105,8 +110,21 @@ class Egress:
         )
 
 
+def forum_lane(message: AbstractIncomingMessage) -> str:
+    """Lanes per forum, not per monologue: after a compaction, replies from the old and the new
+    monologue of one join must still reach the forum in the order they were written."""
+    key = key_from_header(message)
+    try:
+        body = json.loads(message.body)
+        forum = body["payload"]["message"]["meta"]["sourceConversationId"]
+    except (ValueError, KeyError, TypeError):
+        return key
+    return forum if isinstance(forum, str) and forum else key
+
+
 def register(service: Service) -> None:
     egress = Egress(service)
+    service.lane_key = forum_lane
     service.on_event(AgentForumJoined, egress.remember_join)
     service.on_event(MonologueCompacted, egress.follow_compaction)
     service.on_event(MessagePosted, egress.forward_agent_text)

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from yoke import topology
 from yoke.actor import ActorContext, ActorDefinition, ActorRuntime
+from yoke.compaction import carry_tail, chain_of
 from yoke.ids import derive_id
 from yoke.joins import INGESTION, IngestionConfig, IngestionState, participant_id
 from yoke.metrics import COMMANDS
@@ -146,6 +147,13 @@ async def copy_to_monologue(
             "forum participant has no monologueId", extra={"conversationId": line.conversation_id}
         )
         return
+    # A swap into this monologue may still be carrying the old one's last lines: carry them
+    # first (writers carry in order and each line once), so this line lands after them.
+    arrived_by = next(
+        (x for x in chain_of(forum_participant) if x.to_monologue_id == monologue_id), None
+    )
+    if arrived_by is not None:
+        await carry_tail(store, context.poster, forum_participant.id, arrived_by.from_monologue_id)
     author = await store.get_actor(line.author_actor_id)
     shadow = await store.save_actor(
         Actor(
@@ -162,7 +170,7 @@ async def copy_to_monologue(
             actor_id=shadow.id,
         )
     )
-    await context.post(
+    copy = await context.post(
         Message(
             id=derive_id("copy", monologue_id, line.id),
             conversation_id=monologue_id,
@@ -177,6 +185,10 @@ async def copy_to_monologue(
                 agent_hops=line.meta.agent_hops,
             ),
         )
+    )
+    # The monologue may have been compacted while this copy was written: if so, carry it on.
+    await carry_tail(
+        store, context.poster, context.config.forum_participant_id, monologue_id, copy.seq
     )
 
 

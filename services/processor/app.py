@@ -15,6 +15,7 @@ import logging
 from collections import Counter
 
 from yoke.actor import ActorContext, ActorDefinition, ActorRuntime
+from yoke.compaction import needs_compaction, swap_monologue
 from yoke.inference import InferenceRequest, ProviderFailed, cost_of, provider_for
 from yoke.joins import PROCESSOR, SYSTEM_ACTOR_ID, ProcessorConfig, ProcessorState
 from yoke.metrics import DOOM_LOOPS, LLM_COST, LLM_TOKENS, NOTICES, TOOL_CALLS
@@ -91,7 +92,15 @@ async def step(context: Context, trigger: Message) -> None:
             extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
         )
         return
-    await infer_once(context, trigger)
+    transcript = await context.store.history(
+        trigger.conversation_id,
+        after_seq=max(0, context.state.context_from_seq - 1),
+        up_to_seq=trigger.seq,
+    )
+    if needs_compaction(context.config, transcript):
+        await swap_monologue(context, trigger, transcript)  # the trigger is answered there
+        return
+    await infer_once(context, trigger, transcript)
 
 
 async def answer_slash_command(context: Context, trigger: Message) -> None:
@@ -205,15 +214,20 @@ async def display_names(context: Context, transcript: list[Message]) -> dict[str
     return names
 
 
-async def infer_once(context: Context, trigger: Message) -> None:
+async def infer_once(
+    context: Context, trigger: Message, transcript: list[Message] | None = None
+) -> None:
     config, state = context.config, context.state
     spent = budget_spent(config, state)
     if spent:
         await post_notice(context, trigger, "budget", f"no answer: {spent}")
         return
-    transcript = await context.store.history(
-        trigger.conversation_id, after_seq=max(0, state.context_from_seq - 1), up_to_seq=trigger.seq
-    )
+    if transcript is None:
+        transcript = await context.store.history(
+            trigger.conversation_id,
+            after_seq=max(0, state.context_from_seq - 1),
+            up_to_seq=trigger.seq,
+        )
     request = InferenceRequest(
         transcript=transcript,
         tools=resolve_tools(config.tools),

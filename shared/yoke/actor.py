@@ -56,9 +56,20 @@ class ActorContext(Generic[C, S]):
     async def post(self, message: Message) -> Message:
         return await self.poster.post(message)
 
-    def watch_conversation(self, conversation_id: str) -> None:
-        """Follow another conversation from its start (the monologue swap of compaction)."""
+    save: Callable[[str, int], Awaitable[None]] | None = None
+    repointed: bool = False
+
+    async def repoint(self, conversation_id: str, watermark: int) -> None:
+        """Follow another conversation from ``watermark`` on (the monologue swap), saved at once.
+
+        Saved before the handler returns because the new conversation's lane may start
+        delivering to this instance right away; after this, the handler must leave the state
+        alone, and the rest of the old conversation is no longer this instance's to handle.
+        """
+        assert self.save is not None
         self.watch = conversation_id
+        await self.save(conversation_id, watermark)
+        self.repointed = True
 
 
 @dataclass
@@ -129,7 +140,14 @@ class ActorRuntime:
             )
         config = definition.config_schema.model_validate(document["config"])
         state = definition.state_schema.model_validate(document["state"])
-        watch = str(document["watch"])
+        state_id = str(document["_id"])
+
+        async def save(watch: str, watermark: int) -> None:
+            document["watch"] = watch
+            document["watermark"] = watermark
+            document["state"] = state.model_dump(mode="json", by_alias=True)
+            await store.save_state(state_id, document)
+
         for message in pending:
             if definition.trigger(config, state, message):
                 context = ActorContext(
@@ -140,16 +158,12 @@ class ActorRuntime:
                     store=store,
                     poster=self.service.poster,
                     trigger=message,
-                    watch=watch,
+                    watch=event.conversation_id,
                     service=self.service.name,
                     settings=self.service.settings,
+                    save=save,
                 )
                 await definition.handle(context, message)
-                watch = context.watch
-            moved = watch != event.conversation_id
-            document["watermark"] = 0 if moved else message.seq
-            document["watch"] = watch
-            document["state"] = state.model_dump(mode="json", by_alias=True)
-            await store.save_state(str(document["_id"]), document)
-            if moved:
-                return
+                if context.repointed:
+                    return
+            await save(event.conversation_id, message.seq)

@@ -60,6 +60,10 @@ class ProcessorConfig(WireModel):
     instructions: str = ""
     hop_cap: int = Field(default=DEFAULT_HOP_CAP, ge=1)
     script: list[ScriptedOutput] = Field(default_factory=list)
+    # Compaction: past this many estimated tokens, continue in a new monologue that holds a
+    # summary and the last ``compaction_keep`` lines. None: never.
+    compaction_threshold_tokens: int | None = Field(default=None, ge=1)
+    compaction_keep: int = Field(default=6, ge=0)
     # Checked before each model call; None means no limit.
     budget_tokens: int | None = Field(default=None, ge=0)
     budget_usd: float | None = Field(default=None, ge=0)
@@ -150,6 +154,8 @@ async def join_conversation(
     script: list[ScriptedOutput] | None = None,
     budget_tokens: int | None = None,
     budget_usd: float | None = None,
+    compaction_threshold_tokens: int | None = None,
+    compaction_keep: int = 6,
 ) -> Join:
     """Join the agent to the forum (idempotent); join options override the agent's."""
     agent = await store.get_actor(agent_actor_id)
@@ -201,6 +207,8 @@ async def join_conversation(
         script=script or [],
         budget_tokens=budget_tokens,
         budget_usd=budget_usd,
+        compaction_threshold_tokens=compaction_threshold_tokens,
+        compaction_keep=compaction_keep,
     )
     state = ProcessorState(
         monologue_id=active_monologue, agent_participant_id=monologue_participant.id

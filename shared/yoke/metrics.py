@@ -61,3 +61,4 @@ DOOM_LOOPS = Counter(
     "yoke_doom_loops", "Tool calls refused as a repeat of the same call.", ["tool"]
 )
 NOTICES = Counter("yoke_notices", "Notices left in monologues, by reason.", ["reason"])
+COMPACTIONS = Counter("yoke_compactions", "Monologues compacted into a fresh one.")

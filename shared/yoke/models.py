@@ -122,6 +122,8 @@ class MessageMeta(WireModel):
     instruction: str | None = None
     # Set on a tool_result whose calls the doom-loop guard refused: no inference follows it.
     loop_guard: bool | None = None
+    # The line this one was carried from by compaction; egress never forwards such a line.
+    carried_from: str | None = None
 
 
 class Usage(WireModel):

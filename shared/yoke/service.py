@@ -67,6 +67,8 @@ class Service:
         )
         self.stopping = asyncio.Event()
         self._event_handlers: dict[str, EventHandler] = {}
+        # Which lane a shard delivery runs in: its conversation, unless a service says otherwise.
+        self.lane_key: Callable[[AbstractIncomingMessage], str] = key_from_header
         self._intakes: list[tuple[str, str, Route]] = []
         self._channels: list[AbstractChannel] = []
         self._consuming = False
@@ -112,7 +114,7 @@ class Service:
             bindings = [f"{event_type}.#" for event_type in self._event_handlers]
             queues = await self.bus.declare_shards(self.name, bindings, self.settings.shards)
             for queue in queues:
-                route = Route(queue, key_from_header, self._handle_event)
+                route = Route(queue, self.lane_key, self._handle_event)
                 on_message = self.dispatcher.on_message(route)
                 self._channels.append(await self.bus.consume(queue, on_message, prefetch=prefetch))
         for exchange, binding, route in self._intakes:
