@@ -28,9 +28,9 @@ test: services
 	@$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check shared services tests deploy
-	$(VENV)/bin/ruff format --check shared services tests deploy
-	$(VENV)/bin/mypy --strict shared/yoke services
+	$(VENV)/bin/ruff check shared services tests deploy bench
+	$(VENV)/bin/ruff format --check shared services tests deploy bench
+	$(VENV)/bin/mypy --strict shared/yoke services bench
 
 bench: services
 	@$(PY) -m bench
