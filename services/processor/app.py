@@ -19,7 +19,15 @@ from yoke.compaction import needs_compaction, swap_monologue
 from yoke.inference import InferenceRequest, ProviderFailed, cost_of, provider_for
 from yoke.joins import PROCESSOR, SYSTEM_ACTOR_ID, ProcessorConfig, ProcessorState
 from yoke.metrics import DOOM_LOOPS, LLM_COST, LLM_TOKENS, NOTICES, TOOL_CALLS
-from yoke.models import Message, MessageMeta, Part, TextPart, ToolCallPart, ToolResultPart
+from yoke.models import (
+    Message,
+    MessageMeta,
+    Part,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+    Usage,
+)
 from yoke.service import Service
 from yoke.tools import Tool, resolve_tools, run_tool_calls
 
@@ -127,15 +135,23 @@ async def answer_slash_command(context: Context, trigger: Message) -> None:
         answer = "starting afresh: earlier lines are no longer in my context"
     else:
         answer = f"unknown command {command}; try /status, /model NAME or /reset"
+    await post_agent_line(context, trigger, [TextPart(text=answer)])
+
+
+async def post_agent_line(
+    context: Context, trigger: Message, parts: list[Part], usage: Usage | None = None
+) -> None:
+    """The step's output, as the agent; its id derives from the trigger (one per step)."""
     await context.post(
         Message(
             id=context.effect_id("output"),
             conversation_id=trigger.conversation_id,
-            author_actor_id=config.agent_actor_id,
-            participant_id=state.agent_participant_id,
+            author_actor_id=context.config.agent_actor_id,
+            participant_id=context.state.agent_participant_id,
             role="agent",
-            parts=[TextPart(text=answer)],
+            parts=parts,
             meta=carried_meta(context, trigger),
+            usage=usage,
         )
     )
 
@@ -255,18 +271,7 @@ async def infer_once(
     if result.text:
         parts.append(TextPart(text=result.text))
     parts.extend(result.tool_calls)
-    await context.post(
-        Message(
-            id=context.effect_id("output"),
-            conversation_id=trigger.conversation_id,
-            author_actor_id=config.agent_actor_id,
-            participant_id=state.agent_participant_id,
-            role="agent",
-            parts=parts,
-            meta=carried_meta(context, trigger),
-            usage=usage,
-        )
-    )
+    await post_agent_line(context, trigger, parts, usage)
 
 
 async def post_notice(context: Context, trigger: Message, reason: str, text: str) -> None:
