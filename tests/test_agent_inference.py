@@ -51,6 +51,23 @@ async def test_an_openai_model_agent_answers_with_usage_and_cost(
     assert fake_openai.requests[0]["messages"][-1]["content"] == "Grace: hello model"
 
 
+async def test_an_openai_model_agent_uses_a_tool_then_answers(
+    store: Store, client: Client, new_join: JoinFactory, fake_openai: FakeOpenAI
+) -> None:
+    fake_openai.script(
+        completion(None, [("call-a", "calculator", '{"expression": "6*7"}')]),
+        completion("six times seven is 42"),
+    )
+    forum_id, _ = await new_join(model="gpt-test", tools=["calculator"])
+    await say(client, forum_id, "what is 6*7?")
+    forum = await lines_until(store, forum_id, lambda lines: len(lines) == 2)
+    assert forum[1].text == "six times seven is 42"
+    tool_messages = [m for m in fake_openai.requests[1]["messages"] if m["role"] == "tool"]
+    assert tool_messages == [{"role": "tool", "tool_call_id": "call-a", "content": "42"}]
+    schema = fake_openai.requests[0]["tools"][0]["function"]
+    assert schema["name"] == "calculator" and "expression" in schema["parameters"]["properties"]
+
+
 async def test_a_failing_provider_leaves_a_notice_and_the_next_line_is_answered(
     store: Store, client: Client, new_join: JoinFactory, fake_openai: FakeOpenAI
 ) -> None:
