@@ -160,6 +160,7 @@ stop() {
     if [ -f "$local_dir/rabbitmq.started" ]; then
         say "stopping RabbitMQ"
         rabbitmqctl stop >/dev/null 2>&1 || true
+        epmd -kill >/dev/null 2>&1 || true  # Erlang's port mapper, started along with RabbitMQ
         rm -f "$local_dir/rabbitmq.started"
     fi
     say "stopped what this script had started"

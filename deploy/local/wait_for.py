@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 import time
 
@@ -54,6 +55,8 @@ def main() -> None:
     parser.add_argument("url")
     parser.add_argument("--deadline", type=float, default=120)
     args = parser.parse_args()
+    # Refused connections are expected while a server starts; the progress lines say enough.
+    logging.disable(logging.CRITICAL)
     sys.exit(0 if asyncio.run(wait(args.kind, args.url, args.deadline)) else 1)
 
 
