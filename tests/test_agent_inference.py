@@ -186,3 +186,47 @@ async def test_compaction_under_traffic_loses_and_repeats_no_line(
     assert egress_join is not None and egress_join["monologueId"] == newest
     summary = (await store.history(str(newest)))[0]
     assert summary.meta.instruction == "summary" and summary.text.startswith("Earlier (")
+
+
+def sample(metrics: str, name: str, **labels: str) -> float:
+    """The value of one series in Prometheus text (0 when absent)."""
+    for line in metrics.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{key}="{value}"' in line for key, value in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_metrics_match_what_happened_and_carry_no_conversation_ids(
+    store: Store, client: Client, new_join: JoinFactory, fake_openai: FakeOpenAI, mesh: Mesh
+) -> None:
+    fake_openai.script(
+        *(completion(f"answer {i}", prompt_tokens=10, completion_tokens=2) for i in range(3))
+    )
+    before = {name: await process.metrics() for name, process in mesh.processes.items()}
+    forum_id, join = await new_join(model="gpt-test")
+    for index in range(3):
+        await say(client, forum_id, f"question {index}")
+    await lines_until(store, forum_id, lambda lines: len(lines) == 6)
+    after = {name: await process.metrics() for name, process in mesh.processes.items()}
+
+    def grew(process: str, name: str, **labels: str) -> float:
+        return sample(after[process], name, **labels) - sample(before[process], name, **labels)
+
+    assert grew("ingestion", "yoke_commands_total", outcome="accepted") == 3
+    posted = "conversation.message.posted"
+    assert grew("processor", "yoke_events_handled_total", event_type=posted, outcome="ok") >= 6
+    assert grew("processor", "yoke_llm_requests_total", model="gpt-test", outcome="ok") == 3
+    assert grew("processor", "yoke_llm_tokens_total", model="gpt-test", kind="input") == 30
+    assert grew("processor", "yoke_llm_cost_usd_total", model="gpt-test") == pytest.approx(
+        3 * (10 * 1000 + 2 * 2000) / 1_000_000
+    )
+    assert (
+        grew("egress", "yoke_messages_posted_total", service="egress", message_type="message") == 3
+    )
+    assert grew("egress", "yoke_event_lag_seconds_count", event_type=posted) >= 3
+    assert sample(after["processor"], "yoke_event_handling_seconds_count", event_type=posted) > 0
+    for service, text in after.items():
+        for conversation in (forum_id, join.monologue_id):
+            assert conversation not in text, service
