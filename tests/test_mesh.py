@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 
 import aio_pika
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
 from yoke import topology
+from yoke.bus import Bus
 from yoke.client import Client
 from yoke.joins import (
     ScriptedCall,
@@ -258,3 +261,77 @@ async def test_oversized_text_is_rejected_and_the_door_keeps_serving(
     assert await store.history(forum_id) == []
     await say(client, forum_id, "small enough")
     await lines_until(store, forum_id, lambda lines: len(lines) == 2)
+
+
+async def run_cli(mesh: Mesh, *args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "yoke.cli",
+        *args,
+        env={**os.environ, **mesh.env},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
+async def test_yoke_tail_shows_lines_as_they_are_posted(
+    client: Client, new_join: JoinFactory, mesh: Mesh
+) -> None:
+    forum_id, _ = await new_join(name="tailed")
+    tail = await run_cli(mesh, "tail", forum_id)
+    try:
+        assert tail.stdout is not None
+        # The tail's queue is bound once it runs: post until a line shows up, then its answer.
+        seen: list[str] = []
+
+        async def read_lines() -> None:
+            assert tail.stdout is not None
+            while len(seen) < 2:
+                seen.append((await tail.stdout.readline()).decode().strip())
+
+        reader = asyncio.create_task(read_lines())
+        for attempt in range(50):
+            await say(client, forum_id, f"tail me {attempt}", who="Tess")
+            done, _ = await asyncio.wait({reader}, timeout=0.5)
+            if done:
+                break
+        await asyncio.wait_for(reader, timeout=20)
+        assert any("Tess: tail me" in line for line in seen)
+        assert any("tailed: tail me" in line for line in seen)
+    finally:
+        tail.terminate()
+        await tail.wait()
+
+
+async def test_yoke_dlq_lists_dead_letters_with_service_and_error(
+    mesh: Mesh, amqp_url: str
+) -> None:
+    bus = Bus(amqp_url, name="test-dlq")
+    await bus.connect()
+    try:
+        await bus.publish(
+            topology.EVENTS_EXCHANGE,
+            "conversation.message.posted.nowhere",
+            b"{}",
+            message_id="dead-1",
+        )
+    finally:
+        await bus.close()
+    letters: list[dict[str, object]] = []
+
+    async def listed() -> bool:
+        nonlocal letters
+        process = await run_cli(mesh, "dlq", "list")
+        out, _ = await process.communicate()
+        letters = [json.loads(line) for line in out.decode().splitlines()]
+        return {str(x["service"]) for x in letters if x["messageId"] == "dead-1"} >= {
+            "ingestion",
+            "processor",
+            "egress",
+        }
+
+    await eventually(listed, timeout=30, what="the dead letter in every consuming service")
+    mine = [x for x in letters if x["messageId"] == "dead-1"]
+    assert all("x-yoke-conversation" in str(x["error"]) for x in mine)
+    assert all(x["routingKey"] == "conversation.message.posted.nowhere" for x in mine)

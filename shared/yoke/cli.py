@@ -126,25 +126,27 @@ async def history(args: argparse.Namespace) -> None:
     await with_store(action)
 
 
+async def print_lines(client: Client, store: Store, forum_id: str, *, agents_only: bool) -> None:
+    """Print the forum's lines as they are published, authors by name."""
+    names: dict[str, str] = {}
+    async for message in client.watch(forum_id):
+        if agents_only and message.role != "agent":
+            continue
+        if message.author_actor_id not in names:
+            actor = await store.get_actor(message.author_actor_id)
+            names[message.author_actor_id] = actor.name if actor else "?"
+        line = f"{names[message.author_actor_id]}: {message.text}"
+        print(line if agents_only else f"[{message.seq}] {line}", flush=True)
+
+
 async def chat(args: argparse.Namespace) -> None:
     settings = Settings()
     store = Store(settings.mongodb_url, app_name="yoke-chat")
-    names: dict[str, str] = {}
-
-    async def show_replies(client: Client) -> None:
-        async for message in client.watch(args.forum):
-            if message.role != "agent":
-                continue
-            if message.author_actor_id not in names:
-                actor = await store.get_actor(message.author_actor_id)
-                names[message.author_actor_id] = actor.name if actor else "agent"
-            print(f"{names[message.author_actor_id]}: {message.text}", flush=True)
-
     try:
         if await store.get_conversation(args.forum) is None:
             raise CommandError(f"unknown forum {args.forum}")
         async with Client(settings.amqp_url) as client:
-            watcher = asyncio.create_task(show_replies(client))
+            watcher = asyncio.create_task(print_lines(client, store, args.forum, agents_only=True))
             print(
                 f"talking in {args.forum} as {args.as_}; an empty line or Ctrl-D ends", flush=True
             )
@@ -160,6 +162,18 @@ async def chat(args: argparse.Namespace) -> None:
                     print(f"rejected: {reply.error}", file=sys.stderr, flush=True)
             await asyncio.sleep(0.5)  # let a reply that is on its way arrive
             watcher.cancel()
+    finally:
+        await store.close()
+
+
+async def tail(args: argparse.Namespace) -> None:
+    settings = Settings()
+    store = Store(settings.mongodb_url, app_name="yoke-tail")
+    try:
+        if await store.get_conversation(args.forum) is None:
+            raise CommandError(f"unknown forum {args.forum}")
+        async with Client(settings.amqp_url) as client:
+            await print_lines(client, store, args.forum, agents_only=False)
     finally:
         await store.close()
 
@@ -237,6 +251,9 @@ def parser() -> argparse.ArgumentParser:
     talking.add_argument("--forum", required=True)
     talking.add_argument("--as", dest="as_", required=True, metavar="NAME")
 
+    tailing = command(commands, "tail", tail, "follow a forum's lines live, as they are posted")
+    tailing.add_argument("forum")
+
     dlq = commands.add_parser("dlq", help="dead letters").add_subparsers(dest="sub", required=True)
     command(dlq, "list", dlq_list, "one JSON line per dead letter: service, error, attempts")
     command(dlq, "replay", dlq_replay, "republish every dead letter where it came from")
@@ -252,3 +269,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
