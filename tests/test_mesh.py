@@ -6,9 +6,12 @@ import asyncio
 import json
 import os
 import sys
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import aio_pika
+import httpx
 import pytest
+from aiormq.exceptions import ChannelAccessRefused
 
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
@@ -335,3 +338,60 @@ async def test_yoke_dlq_lists_dead_letters_with_service_and_error(
     mine = [x for x in letters if x["messageId"] == "dead-1"]
     assert all("x-yoke-conversation" in str(x["error"]) for x in mine)
     assert all(x["routingKey"] == "conversation.message.posted.nowhere" for x in mine)
+
+
+async def _ignore(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+    pass
+
+
+async def test_a_least_privilege_publisher_can_bridge_but_not_impersonate(
+    servers: tuple[str, str, str], amqp_url: str, store: Store, new_join: JoinFactory
+) -> None:
+
+    _, _, management = servers
+    parts = urlsplit(amqp_url)
+    vhost = unquote(parts.path[1:])
+    admin = (parts.username or "guest", parts.password or "guest")
+    user = f"bridge-{vhost[-6:]}"
+    async with httpx.AsyncClient(base_url=management, auth=admin, timeout=30) as api:
+        (
+            await api.put(f"/api/users/{user}", json={"password": "bridge", "tags": ""})
+        ).raise_for_status()
+        (
+            await api.put(f"/api/permissions/{vhost}/{user}", json=topology.PUBLISHER_PERMISSIONS)
+        ).raise_for_status()
+    bridge_url = urlunsplit(
+        parts._replace(netloc=f"{user}:bridge@{parts.hostname}:{parts.port or 5672}")
+    )
+    try:
+        forum_id, _ = await new_join(name="bridged")
+        async with Client(bridge_url) as bridge:
+            replies = bridge.watch(forum_id)
+            first = asyncio.ensure_future(anext(replies))
+            await asyncio.sleep(0.2)  # the watch queue is bound when anext starts consuming
+            reply = await bridge.submit(
+                forum_id, "from the bridge", external_id="b:1", display_name="Bri"
+            )
+            assert reply.status == "accepted"
+            seen = [await asyncio.wait_for(first, 20)]
+            while not any(m.role == "agent" for m in seen):
+                seen.append(await asyncio.wait_for(anext(replies), 20))
+            assert seen[-1].text == "from the bridge"
+
+        connection = await aio_pika.connect(bridge_url)
+        try:
+            channel = await connection.channel()
+            events = await channel.get_exchange(topology.EVENTS_EXCHANGE, ensure=False)
+            with pytest.raises(ChannelAccessRefused):
+                await events.publish(
+                    aio_pika.Message(b"{}"), routing_key="conversation.message.posted.x"
+                )
+            channel = await connection.channel()
+            queue = await channel.get_queue("yoke.processor.shard.000", ensure=False)
+            with pytest.raises(ChannelAccessRefused):
+                await queue.consume(_ignore)
+        finally:
+            await connection.close()
+    finally:
+        async with httpx.AsyncClient(base_url=management, auth=admin, timeout=30) as api:
+            await api.delete(f"/api/users/{user}")

@@ -27,7 +27,9 @@ class Client:
     async def __aenter__(self) -> Client:
         self._connection = await aio_pika.connect_robust(self.amqp_url, timeout=10)
         self._channel = await self._connection.channel(publisher_confirms=True)
-        self._replies = await self._channel.declare_queue(exclusive=True, auto_delete=True)
+        self._replies = await self._channel.declare_queue(
+            topology.BRIDGE_QUEUE_PREFIX + new_id(), exclusive=True, auto_delete=True
+        )
         await self._replies.consume(self._on_reply, no_ack=True)
         return self
 
@@ -87,7 +89,9 @@ class Client:
     async def watch(self, conversation_id: str) -> AsyncIterator[Message]:
         """Lines posted to a conversation from now on, as they are published."""
         assert self._channel is not None
-        queue = await self._channel.declare_queue(exclusive=True, auto_delete=True)
+        queue = await self._channel.declare_queue(
+            topology.BRIDGE_QUEUE_PREFIX + new_id(), exclusive=True, auto_delete=True
+        )
         await queue.bind(
             topology.EVENTS_EXCHANGE,
             routing_key=topology.routing_key(MessagePosted.TYPE, conversation_id),

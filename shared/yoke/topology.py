@@ -52,3 +52,13 @@ def quorum_queue_arguments() -> FieldTable:
         "x-delivery-limit": DELIVERY_LIMIT,
         "x-dead-letter-exchange": DEAD_LETTER_EXCHANGE,
     }
+
+
+# What an outside publisher (a bridge) may do, as RabbitMQ permission patterns: submit commands,
+# declare queues of its own (named ``bridge.*``), bind them to yoke.events and read them.
+BRIDGE_QUEUE_PREFIX = "bridge."
+PUBLISHER_PERMISSIONS = {
+    "configure": r"^bridge\..*",
+    "write": r"^(yoke\.commands|bridge\..*)$",
+    "read": r"^(yoke\.events|bridge\..*)$",
+}
