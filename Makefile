@@ -11,8 +11,9 @@ install: $(STAMP)
 # Re-installs only when the project's metadata changes; a no-op otherwise.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
-	@$(PY) -m pip install -q --upgrade pip
-	@$(PY) -m pip install -q -e '.[dev]'
+	@echo "[install] installing the project and its dev tools into $(VENV) (log: $(VENV)/install.log)"
+	@($(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e '.[dev]') \
+		>$(VENV)/install.log 2>&1 || (cat $(VENV)/install.log; exit 1)
 	@touch $(STAMP)
 
 services: install
