@@ -182,6 +182,12 @@ async def up(args: argparse.Namespace) -> None:
     await supervisor.run()
 
 
+async def asyncapi(args: argparse.Namespace) -> None:
+    from yoke.asyncapi import render
+
+    sys.stdout.write(render())
+
+
 async def dlq_list(args: argparse.Namespace) -> None:
     for letter in await list_dead_letters(Settings().amqp_url):
         print(json.dumps(letter, separators=(",", ":")))
@@ -253,6 +259,8 @@ def parser() -> argparse.ArgumentParser:
 
     tailing = command(commands, "tail", tail, "follow a forum's lines live, as they are posted")
     tailing.add_argument("forum")
+
+    command(commands, "asyncapi", asyncapi, "print the AsyncAPI 3 contract (commands, events)")
 
     dlq = commands.add_parser("dlq", help="dead letters").add_subparsers(dest="sub", required=True)
     command(dlq, "list", dlq_list, "one JSON line per dead letter: service, error, attempts")

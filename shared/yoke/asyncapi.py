@@ -1,0 +1,140 @@
+"""The AsyncAPI 3 contract of the mesh, generated from the pydantic models (``yoke asyncapi``).
+
+``docs/asyncapi.json`` is this document, checked in; a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from yoke import topology
+from yoke.models import (
+    AgentForumJoined,
+    Envelope,
+    MessagePosted,
+    MonologueCompacted,
+    SubmitMessage,
+    SubmitReply,
+)
+
+EVENTS = (MessagePosted, AgentForumJoined, MonologueCompacted)
+
+
+def _component_schemas() -> dict[str, Any]:
+    models: list[type[BaseModel]] = [SubmitMessage, SubmitReply, *EVENTS]
+    _, definitions = models_json_schema(
+        [(model, "serialization") for model in models],
+        ref_template="#/components/schemas/{model}",
+        by_alias=True,
+    )
+    schemas: dict[str, Any] = dict(definitions.get("$defs", {}))
+    envelope = Envelope.model_json_schema(by_alias=True)
+    for event in EVENTS:
+        properties = {**envelope["properties"]}
+        properties["type"] = {"const": event.TYPE, "type": "string"}
+        properties["payload"] = {"$ref": f"#/components/schemas/{event.__name__}"}
+        schemas[f"{event.__name__}Event"] = {
+            "title": f"{event.__name__}Event",
+            "type": "object",
+            "properties": properties,
+            "required": envelope["required"],
+        }
+    return schemas
+
+
+def _message(name: str, schema: str, summary: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "contentType": "application/json",
+        "summary": summary,
+        "payload": {"$ref": f"#/components/schemas/{schema}"},
+    }
+
+
+def asyncapi_document() -> dict[str, Any]:
+    messages = {
+        "submitMessage": _message(
+            "conversation.message.submit",
+            "SubmitMessage",
+            "A line from an outside system. Set reply_to for an answer with the same "
+            "correlation_id; each idempotencyKey is accepted once per conversation.",
+        ),
+        "submitReply": _message("submit reply", "SubmitReply", "The door's answer."),
+    }
+    for event in EVENTS:
+        key = event.__name__[0].lower() + event.__name__[1:]
+        messages[key] = _message(
+            event.TYPE, f"{event.__name__}Event", f"Routing key {event.TYPE}.<id>."
+        )
+    event_refs = {
+        key: {"$ref": f"#/components/messages/{key}"}
+        for key in messages
+        if key not in ("submitMessage", "submitReply")
+    }
+    return {
+        "asyncapi": "3.0.0",
+        "info": {
+            "title": "Yoke mesh",
+            "version": "1.0.0",
+            "description": "LLM agents in conversations, over RabbitMQ. Outside systems publish "
+            f"commands to the {topology.COMMANDS_EXCHANGE} exchange and bind their own queues "
+            f"to {topology.EVENTS_EXCHANGE} to receive events.",
+        },
+        "defaultContentType": "application/json",
+        "channels": {
+            "commands": {
+                "address": topology.SUBMIT_COMMAND,
+                "description": f"Topic exchange {topology.COMMANDS_EXCHANGE}.",
+                "messages": {"submitMessage": {"$ref": "#/components/messages/submitMessage"}},
+                "bindings": {
+                    "amqp": {
+                        "is": "routingKey",
+                        "exchange": {
+                            "name": topology.COMMANDS_EXCHANGE,
+                            "type": "topic",
+                            "durable": True,
+                        },
+                    }
+                },
+            },
+            "replies": {
+                "address": None,
+                "description": "The reply_to queue of the command.",
+                "messages": {"submitReply": {"$ref": "#/components/messages/submitReply"}},
+            },
+            "events": {
+                "address": "{eventType}.{id}",
+                "description": f"Topic exchange {topology.EVENTS_EXCHANGE}; the id is the "
+                "conversation for conversation.* events and the forum for agent.* events.",
+                "parameters": {"eventType": {}, "id": {}},
+                "messages": event_refs,
+                "bindings": {
+                    "amqp": {
+                        "is": "routingKey",
+                        "exchange": {
+                            "name": topology.EVENTS_EXCHANGE,
+                            "type": "topic",
+                            "durable": True,
+                        },
+                    }
+                },
+            },
+        },
+        "operations": {
+            "submit": {
+                "action": "receive",
+                "channel": {"$ref": "#/channels/commands"},
+                "reply": {"channel": {"$ref": "#/channels/replies"}},
+            },
+            "publishEvents": {"action": "send", "channel": {"$ref": "#/channels/events"}},
+        },
+        "components": {"schemas": _component_schemas(), "messages": messages},
+    }
+
+
+def render() -> str:
+    return json.dumps(asyncapi_document(), indent=2, sort_keys=True) + "\n"
