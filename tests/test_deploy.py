@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ import yaml
 from prometheus_client import REGISTRY
 
 import yoke.metrics  # noqa: F401  (registers every yoke_ series)
+from yoke import topology
 from yoke.settings import DEFAULT_METRICS_PORTS, Settings
 from yoke.supervisor import SERVICES
 
@@ -55,6 +57,18 @@ def test_every_service_runs_from_the_image_with_the_settings_the_code_reads() ->
         "rabbitmq_consistent_hash_exchange",
     ):
         assert plugin in plugins
+
+
+def test_rabbitmq_definitions_give_bridges_least_privilege() -> None:
+    definitions = json.loads((ROOT / "deploy/rabbitmq/definitions.json").read_text())
+    permissions = {p["user"]: p for p in definitions["permissions"]}
+    publisher = {k: permissions["publisher"][k] for k in ("configure", "write", "read")}
+    assert publisher == topology.PUBLISHER_PERMISSIONS
+    assert {u["name"] for u in definitions["users"]} == {"yoke", "publisher"}
+    conf = (ROOT / "deploy/rabbitmq/rabbitmq.conf").read_text()
+    assert "load_definitions = /etc/rabbitmq/definitions.json" in conf
+    mounts = load("docker-compose.yml")["services"]["rabbitmq"]["volumes"]
+    assert any(m.endswith(":/etc/rabbitmq/definitions.json:ro") for m in mounts)
 
 
 def test_the_image_runs_as_a_user_with_a_health_check() -> None:
