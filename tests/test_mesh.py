@@ -395,3 +395,35 @@ async def test_a_least_privilege_publisher_can_bridge_but_not_impersonate(
     finally:
         async with httpx.AsyncClient(base_url=management, auth=admin, timeout=30) as api:
             await api.delete(f"/api/users/{user}")
+
+
+async def test_yoke_dlq_replay_sends_letters_back_where_they_came_from(
+    mesh: Mesh, amqp_url: str
+) -> None:
+    bus = Bus(amqp_url, name="test-replay")
+    await bus.connect()
+    try:
+        # Still malformed after a replay: each service dead-letters it again, proving it went
+        # back to yoke.events under its original routing key.
+        await bus.publish(
+            topology.EVENTS_EXCHANGE,
+            "conversation.message.posted.replayed",
+            b"[]",
+            message_id="dead-2",
+        )
+    finally:
+        await bus.close()
+
+    async def letters() -> list[dict[str, object]]:
+        process = await run_cli(mesh, "dlq", "list")
+        out, _ = await process.communicate()
+        return [json.loads(line) for line in out.decode().splitlines()]
+
+    async def three_dead() -> bool:
+        return sum(x["messageId"] == "dead-2" for x in await letters()) == 3
+
+    await eventually(three_dead, timeout=30, what="dead-2 in every consuming service")
+    replay = await run_cli(mesh, "dlq", "replay")
+    _, err = await replay.communicate()
+    assert replay.returncode == 0 and "replayed" in err.decode()
+    await eventually(three_dead, timeout=30, what="dead-2 dead-lettered again after the replay")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import aio_pika
 
 from yoke import topology
@@ -46,8 +48,24 @@ async def list_dead_letters(amqp_url: str, limit: int = 10_000) -> list[dict[str
     return letters
 
 
+def replay_target(headers: Mapping[str, object], routing_key: str) -> tuple[str, str]:
+    """Where a letter goes back: to the service that failed it, not to every subscriber.
+
+    Events go to that service's shard exchange (which hashes the conversation header, so the
+    letter lands on its conversation's shard); commands go to its intake queue.
+    """
+    service = str(headers.get(topology.DEAD_SERVICE_HEADER) or "")
+    original = str(headers.get(topology.DEAD_EXCHANGE_HEADER) or "")
+    original_key = str(headers.get(topology.DEAD_ROUTING_KEY_HEADER) or routing_key)
+    if not service:
+        return original, original_key
+    if original == topology.COMMANDS_EXCHANGE:
+        return "", topology.intake_queue(service)
+    return topology.shard_exchange(service), original_key
+
+
 async def replay_dead_letters(amqp_url: str) -> int:
-    """Republish each dead letter to its original exchange and routing key, then drop it."""
+    """Send each dead letter back to the service that failed it, then drop it."""
     connection = await aio_pika.connect(amqp_url, timeout=10)
     replayed = 0
     try:
@@ -55,14 +73,16 @@ async def replay_dead_letters(amqp_url: str) -> int:
         queue = await channel.declare_queue(
             topology.DEAD_LETTER_QUEUE, durable=True, arguments={"x-queue-type": "quorum"}
         )
-        while (message := await queue.get(no_ack=False, fail=False)) is not None:
+        # Only what is there now: a letter that fails again comes back behind us, and
+        # replaying it in the same run would go round forever.
+        waiting = queue.declaration_result.message_count or 0
+        while replayed < waiting and (message := await queue.get(no_ack=False, fail=False)):
             headers = dict(message.headers or {})
-            exchange_name = str(headers.get(topology.DEAD_EXCHANGE_HEADER) or "")
-            routing_key = str(headers.get(topology.DEAD_ROUTING_KEY_HEADER) or message.routing_key)
+            exchange_name, routing_key = replay_target(headers, message.routing_key or "")
             for name in _OUR_HEADERS:
                 headers.pop(name, None)
             exchange = (
-                await channel.get_exchange(exchange_name)
+                await channel.get_exchange(exchange_name, ensure=False)
                 if exchange_name
                 else channel.default_exchange
             )
