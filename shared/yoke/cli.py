@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 from yoke import supervisor
@@ -139,43 +140,41 @@ async def print_lines(client: Client, store: Store, forum_id: str, *, agents_onl
         print(line if agents_only else f"[{message.seq}] {line}", flush=True)
 
 
-async def chat(args: argparse.Namespace) -> None:
+@contextlib.asynccontextmanager
+async def in_forum(forum_id: str) -> AsyncIterator[tuple[Store, Client]]:
+    """The store and an AMQP client, for commands that follow a forum that must exist."""
     settings = Settings()
-    store = Store(settings.mongodb_url, app_name="yoke-chat")
+    store = Store(settings.mongodb_url, app_name="yoke-cli")
     try:
-        if await store.get_conversation(args.forum) is None:
-            raise CommandError(f"unknown forum {args.forum}")
+        if await store.get_conversation(forum_id) is None:
+            raise CommandError(f"unknown forum {forum_id}")
         async with Client(settings.amqp_url) as client:
-            watcher = asyncio.create_task(print_lines(client, store, args.forum, agents_only=True))
-            print(
-                f"talking in {args.forum} as {args.as_}; an empty line or Ctrl-D ends", flush=True
-            )
-            loop = asyncio.get_running_loop()
-            while True:
-                line = await loop.run_in_executor(None, sys.stdin.readline)
-                if not line.strip():
-                    break
-                reply = await client.submit(
-                    args.forum, line.strip(), external_id=f"cli:{args.as_}", display_name=args.as_
-                )
-                if reply.status != "accepted":
-                    print(f"rejected: {reply.error}", file=sys.stderr, flush=True)
-            await asyncio.sleep(0.5)  # let a reply that is on its way arrive
-            watcher.cancel()
+            yield store, client
     finally:
         await store.close()
+
+
+async def chat(args: argparse.Namespace) -> None:
+    async with in_forum(args.forum) as (store, client):
+        watcher = asyncio.create_task(print_lines(client, store, args.forum, agents_only=True))
+        print(f"talking in {args.forum} as {args.as_}; an empty line or Ctrl-D ends", flush=True)
+        loop = asyncio.get_running_loop()
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line.strip():
+                break
+            reply = await client.submit(
+                args.forum, line.strip(), external_id=f"cli:{args.as_}", display_name=args.as_
+            )
+            if reply.status != "accepted":
+                print(f"rejected: {reply.error}", file=sys.stderr, flush=True)
+        await asyncio.sleep(0.5)  # let a reply that is on its way arrive
+        watcher.cancel()
 
 
 async def tail(args: argparse.Namespace) -> None:
-    settings = Settings()
-    store = Store(settings.mongodb_url, app_name="yoke-tail")
-    try:
-        if await store.get_conversation(args.forum) is None:
-            raise CommandError(f"unknown forum {args.forum}")
-        async with Client(settings.amqp_url) as client:
-            await print_lines(client, store, args.forum, agents_only=False)
-    finally:
-        await store.close()
+    async with in_forum(args.forum) as (store, client):
+        await print_lines(client, store, args.forum, agents_only=False)
 
 
 async def up(args: argparse.Namespace) -> None:
