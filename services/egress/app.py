@@ -11,6 +11,7 @@ import logging
 
 from aio_pika.abc import AbstractIncomingMessage
 
+from yoke.compaction import chain_of
 from yoke.consumer import key_from_header
 from yoke.ids import derive_id
 from yoke.joins import Join, join_id, participant_id
@@ -35,6 +36,8 @@ class Egress:
         self.service = service
         self.store: Store = service.store
         self.joins = service.store.db[JOINS]
+        # Monologues whose predecessors are known to be fully forwarded.
+        self._settled: set[str] = set()
 
     async def remember_join(self, event: AgentForumJoined) -> None:
         join = Join(**event.model_dump())
@@ -73,18 +76,9 @@ class Egress:
 
     async def forward_agent_text(self, event: MessagePosted) -> None:
         line = event.message
-        forum_id = line.meta.source_conversation_id
-        if (
-            line.role != "agent"
-            or line.type != "message"
-            or line.meta.carried_from  # context carried by compaction: forwarded already
-            or not forum_id
-            or forum_id == line.conversation_id
-        ):
+        if not forwardable(line):
             return
-        texts = [part for part in line.parts if isinstance(part, TextPart)]
-        if not texts:
-            return
+        forum_id = str(line.meta.source_conversation_id)
         join = await self.find_join(line.author_actor_id, forum_id)
         if join is None:
             log.warning(
@@ -92,14 +86,43 @@ class Egress:
                 extra={"conversationId": line.conversation_id, "messageId": line.id},
             )
             return
+        await self.forward_backlog(join, line.conversation_id)
+        await self.post_to_forum(join, line)
+
+    async def forward_backlog(self, join: Join, monologue_id: str) -> None:
+        """Replies still in flight from the monologue a compaction left go out first.
+
+        Their events travel on another shard and may arrive after the new monologue's first
+        reply; forwarding them here keeps the forum in the order the agent wrote.
+        """
+        if monologue_id in self._settled:
+            return
+        participant = await self.store.get_participant(join.forum_participant_id)
+        chain = chain_of(participant) if participant else []
+        link = next((x for x in chain if x.to_monologue_id == monologue_id), None)
+        if link is not None:
+            await self.forward_backlog(join, link.from_monologue_id)
+            pending: list[Message] = []
+            # The swap ended the old monologue: nothing is written to it after this check.
+            for line in reversed(await self.store.history(link.from_monologue_id)):
+                if not forwardable(line):
+                    continue
+                if await self.store.get_message(forward_id(line)) is not None:
+                    break
+                pending.append(line)
+            for line in reversed(pending):
+                await self.post_to_forum(join, line)
+        self._settled.add(monologue_id)
+
+    async def post_to_forum(self, join: Join, line: Message) -> None:
         await self.service.poster.post(
             Message(
-                id=derive_id("egress", line.id),
-                conversation_id=forum_id,
+                id=forward_id(line),
+                conversation_id=join.forum_id,
                 author_actor_id=line.author_actor_id,
                 participant_id=join.forum_participant_id,
                 role="agent",
-                parts=list(texts),
+                parts=[part for part in line.parts if isinstance(part, TextPart)],
                 meta=MessageMeta(
                     causation_id=line.id,
                     in_reply_to=line.meta.in_reply_to,
@@ -108,6 +131,24 @@ class Egress:
                 usage=line.usage,
             )
         )
+
+
+def forward_id(line: Message) -> str:
+    """The forum line's id derives from the monologue line's: a redelivery posts nothing twice."""
+    return derive_id("egress", line.id)
+
+
+def forwardable(line: Message) -> bool:
+    """Agent text written in a monologue for a forum; never context carried by compaction."""
+    forum_id = line.meta.source_conversation_id
+    return (
+        line.role == "agent"
+        and line.type == "message"
+        and not line.meta.carried_from
+        and bool(forum_id)
+        and forum_id != line.conversation_id
+        and any(isinstance(part, TextPart) for part in line.parts)
+    )
 
 
 def forum_lane(message: AbstractIncomingMessage) -> str:
