@@ -53,14 +53,7 @@ def line(phase: str, conversation: str, index: int) -> Message:
 def typical_event_bytes() -> int:
     """Size of a posted event the bench sends, so the raw side can carry as many bytes."""
     message = line("load", "conv-000", 0).model_copy(update={"seq": 1})
-    payload = MessagePosted(
-        conversation_id=message.conversation_id,
-        message_id=message.id,
-        message_type=message.type,
-        author_actor_id=message.author_actor_id,
-        seq=message.seq,
-        message=message,
-    )
+    payload = MessagePosted.of(message)
     return len(Envelope.wrap(new_id(), payload).model_dump_json())
 
 

@@ -18,13 +18,12 @@ from yoke import topology
 from yoke.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.compaction import carry_tail, chain_of
 from yoke.ids import derive_id
-from yoke.joins import INGESTION, IngestionConfig, IngestionState, participant_id
+from yoke.joins import INGESTION, IngestionConfig, IngestionState, ensure_participant
 from yoke.metrics import COMMANDS
 from yoke.models import (
     Actor,
     Message,
     MessageMeta,
-    Participant,
     SubmitMessage,
     SubmitReply,
     TextPart,
@@ -103,11 +102,7 @@ class Door:
                 external_id=command.author.external_id,
             )
         )
-        participant = await self.store.save_participant(
-            Participant(
-                id=participant_id(forum.id, author.id), conversation_id=forum.id, actor_id=author.id
-            )
-        )
+        participant = await ensure_participant(self.store, forum.id, author.id)
         extra = dict(command.meta or {})
         for reserved in ("agentHops", "inReplyTo", "causationId"):
             extra.pop(reserved, None)
@@ -163,13 +158,7 @@ async def copy_to_monologue(
             meta={"sourceActorId": line.author_actor_id},
         )
     )
-    shadow_participant = await store.save_participant(
-        Participant(
-            id=participant_id(monologue_id, shadow.id),
-            conversation_id=monologue_id,
-            actor_id=shadow.id,
-        )
-    )
+    shadow_participant = await ensure_participant(store, monologue_id, shadow.id)
     copy = await context.post(
         Message(
             id=derive_id("copy", monologue_id, line.id),

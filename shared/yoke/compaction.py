@@ -30,7 +30,7 @@ from yoke.joins import (
     SYSTEM_ACTOR_ID,
     ProcessorConfig,
     ProcessorState,
-    participant_id,
+    ensure_participant,
 )
 from yoke.metrics import COMPACTIONS
 from yoke.models import (
@@ -176,13 +176,7 @@ async def swap_monologue(
     await store.save_conversation(
         Conversation(id=new_id, kind="monologue", title=forum.title if forum else "")
     )
-    agent_participant = await store.save_participant(
-        Participant(
-            id=participant_id(new_id, config.agent_actor_id),
-            conversation_id=new_id,
-            actor_id=config.agent_actor_id,
-        )
-    )
+    agent_participant = await ensure_participant(store, new_id, config.agent_actor_id)
     last = await poster.post(
         Message(
             id=derive_id("summary", new_id),

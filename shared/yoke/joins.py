@@ -109,6 +109,23 @@ def participant_id(conversation_id: str, actor_id: str) -> str:
     return derive_id("participant", conversation_id, actor_id)
 
 
+async def ensure_participant(
+    store: Store,
+    conversation_id: str,
+    actor_id: str,
+    metadata: dict[str, JsonValue] | None = None,
+) -> Participant:
+    """The actor's participant in the conversation (created once; its id is derived)."""
+    return await store.save_participant(
+        Participant(
+            id=participant_id(conversation_id, actor_id),
+            conversation_id=conversation_id,
+            actor_id=actor_id,
+            metadata=metadata or {},
+        )
+    )
+
+
 async def create_agent(
     store: Store,
     name: str,
@@ -171,25 +188,14 @@ async def join_conversation(
             id=derive_id("monologue", key), kind="monologue", title=f"{agent.name} in {forum.title}"
         )
     )
-    forum_participant = await store.save_participant(
-        Participant(
-            id=participant_id(forum.id, agent.id),
-            conversation_id=forum.id,
-            actor_id=agent.id,
-            metadata={"monologueId": monologue.id},
-        )
+    forum_participant = await ensure_participant(
+        store, forum.id, agent.id, {"monologueId": monologue.id}
     )
     if forum_participant.left_at is not None:  # joining again after a leave
         await store.participants.update_one(
             {"_id": forum_participant.id}, {"$set": {"leftAt": None}}
         )
-    monologue_participant = await store.save_participant(
-        Participant(
-            id=participant_id(monologue.id, agent.id),
-            conversation_id=monologue.id,
-            actor_id=agent.id,
-        )
-    )
+    monologue_participant = await ensure_participant(store, monologue.id, agent.id)
     # The participant's metadata is the truth for the active monologue (compaction moves it).
     active_monologue = str(forum_participant.metadata.get("monologueId") or monologue.id)
     agent_tools = agent.meta.get("tools")

@@ -166,6 +166,18 @@ class MessagePosted(WireModel):
     seq: int
     message: Message
 
+    @classmethod
+    def of(cls, message: Message) -> MessagePosted:
+        """The event announcing a stored message."""
+        return cls(
+            conversation_id=message.conversation_id,
+            message_id=message.id,
+            message_type=message.type,
+            author_actor_id=message.author_actor_id,
+            seq=message.seq,
+            message=message,
+        )
+
     @property
     def key(self) -> str:
         return self.conversation_id

@@ -53,14 +53,7 @@ class Poster:
         await self.bus.publish_event(Envelope.wrap(event_id, payload), payload.key)
 
     async def _publish(self, message: Message) -> None:
-        payload = MessagePosted(
-            conversation_id=message.conversation_id,
-            message_id=message.id,
-            message_type=message.type,
-            author_actor_id=message.author_actor_id,
-            seq=message.seq,
-            message=message,
-        )
+        payload = MessagePosted.of(message)
         # The event id derives from the message: a republished event is recognisably the same.
         await self.emit(payload, event_id=derive_id("posted", message.id))
         await self.store.mark_published(message.id)
