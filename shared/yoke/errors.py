@@ -114,7 +114,8 @@ class RetryPolicy:
     cap: float = 5.0
 
     def delay(self, attempt: int) -> float:
-        return min(self.cap, self.backoff * 2 ** max(0, attempt - 1)) * random.uniform(0.5, 1.5)
+        base: float = min(self.cap, self.backoff * 2.0 ** max(0, attempt - 1))
+        return base * random.uniform(0.5, 1.5)
 
     async def run(
         self,
