@@ -3,6 +3,8 @@
 Agent lines become assistant turns (text and tool calls), tool results become tool messages,
 people are named by display name (never by id), injected instructions are marked as such,
 and notices are left out. The system prompt carries the agent's instructions and the time.
+Whatever order lines were written in, the chat obeys the provider's tool-call order rules
+(DESIGN invariant 10).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 from yoke.models import Message, TextPart, ToolCallPart, ToolResultPart
 
 ChatMessage = dict[str, Any]
+
+NO_RESULT = "no result is available for this call (the tool run did not finish)"
 
 
 def system_prompt(instructions: str, now: datetime) -> str:
@@ -29,31 +33,45 @@ def system_prompt(instructions: str, now: datetime) -> str:
 def to_chat_messages(
     transcript: list[Message], names: dict[str, str], instructions: str, now: datetime
 ) -> list[ChatMessage]:
+    """The transcript as chat messages that obey the provider's order rules for any interleaving.
+
+    Each assistant turn with tool calls is followed at once by one tool message per call: the
+    first result of that call later in the transcript is pulled up to it, so lines written while
+    the tools ran (a person's, an instruction, even another agent line) come after the results.
+    A call id the transcript already used is dropped, and so is a result with no call before it
+    in the window (the window started mid-round, after a ``/reset`` or a compaction cut). A call
+    whose result never came (the transcript ends mid-round, the tool run failed) gets a
+    synthetic error result rather than being dropped: the model keeps a true record of what it
+    asked and learns that it got nothing back, so it can retry or say so, instead of forgetting
+    the request, or seeing an assistant turn with neither text nor calls.
+    """
+    results: dict[str, list[tuple[int, ToolResultPart]]] = {}
+    for index, message in enumerate(transcript):
+        if message.role != "agent" and message.type != "notice":
+            for part in message.parts:
+                if isinstance(part, ToolResultPart):
+                    results.setdefault(part.call_id, []).append((index, part))
     chat: list[ChatMessage] = [{"role": "system", "content": system_prompt(instructions, now)}]
-    for message in transcript:
+    called: set[str] = set()
+    for index, message in enumerate(transcript):
         if message.type == "notice":
             continue
         text = "\n".join(p.text for p in message.parts if isinstance(p, TextPart))
         if message.role == "agent":
-            calls = [p for p in message.parts if isinstance(p, ToolCallPart)]
-            turn: ChatMessage = {"role": "assistant", "content": text or None}
-            if calls:
-                turn["tool_calls"] = [
-                    {
-                        "id": call.call_id,
-                        "type": "function",
-                        "function": {"name": call.name, "arguments": json.dumps(call.input)},
-                    }
-                    for call in calls
-                ]
-            chat.append(turn)
+            calls: list[ToolCallPart] = []
+            for part in message.parts:
+                if isinstance(part, ToolCallPart) and part.call_id not in called:
+                    called.add(part.call_id)
+                    calls.append(part)
+            if not text and not calls:
+                continue
+            chat.append(assistant_turn(text, calls))
+            for call in calls:
+                result = next((r for at, r in results.get(call.call_id, []) if at > index), None)
+                chat.append(tool_message(call, result))
             continue
-        results = [p for p in message.parts if isinstance(p, ToolResultPart)]
-        for result in results:
-            output = f"ERROR: {result.output}" if result.is_error else result.output
-            chat.append({"role": "tool", "tool_call_id": result.call_id, "content": output})
         if not text:
-            continue
+            continue  # tool results went out with their calls above
         if message.meta.instruction:
             chat.append(
                 {"role": "user", "content": f"[{message.meta.instruction} instruction] {text}"}
@@ -62,3 +80,25 @@ def to_chat_messages(
             speaker = names.get(message.author_actor_id, "someone")
             chat.append({"role": "user", "content": f"{speaker}: {text}"})
     return chat
+
+
+def assistant_turn(text: str, calls: list[ToolCallPart]) -> ChatMessage:
+    turn: ChatMessage = {"role": "assistant", "content": text or None}
+    if calls:
+        turn["tool_calls"] = [
+            {
+                "id": call.call_id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": json.dumps(call.input)},
+            }
+            for call in calls
+        ]
+    return turn
+
+
+def tool_message(call: ToolCallPart, result: ToolResultPart | None) -> ChatMessage:
+    if result is None:
+        output = f"ERROR: {NO_RESULT}"
+    else:
+        output = f"ERROR: {result.output}" if result.is_error else result.output
+    return {"role": "tool", "tool_call_id": call.call_id, "content": output}

@@ -1,4 +1,8 @@
-"""An OpenAI-compatible HTTP server for tests: real HTTP, scripted answers, recorded requests."""
+"""An OpenAI-compatible HTTP server for tests: real HTTP, scripted answers, recorded requests.
+
+Like OpenAI it refuses a prompt that breaks the message-order rules
+(:mod:`tests.support.chat_rules`) with a 400, without using up a scripted reply; refused requests are kept in ``rejected``.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from tests.support.chat_rules import Violation, first_violation
 
 
 @dataclass
@@ -70,6 +76,7 @@ class FakeOpenAI:
         self.replies: deque[Reply] = deque()
         self.default: Reply | None = None
         self.requests: list[dict[str, Any]] = []
+        self.rejected: list[tuple[dict[str, Any], Violation]] = []
         self._lock = threading.Lock()
         fake = self
 
@@ -77,9 +84,15 @@ class FakeOpenAI:
             def do_POST(self) -> None:
                 length = int(self.headers.get("content-length", "0"))
                 body = json.loads(self.rfile.read(length) or b"{}")
+                violation = first_violation(body.get("messages") or [])
+                reply: Reply | None
                 with fake._lock:
                     fake.requests.append(body)
-                    reply = fake.replies.popleft() if fake.replies else fake.default
+                    if violation is not None:
+                        fake.rejected.append((body, violation))
+                        reply = Reply(status=400, body=violation.error_body())
+                    else:
+                        reply = fake.replies.popleft() if fake.replies else fake.default
                 if reply is None:
                     reply = completion(f"echo: {body['messages'][-1].get('content')}")
                 payload = json.dumps(reply.body).encode()
@@ -106,6 +119,7 @@ class FakeOpenAI:
             self.replies.clear()
             self.replies.extend(replies)
             self.requests.clear()
+            self.rejected.clear()
 
     def __enter__(self) -> FakeOpenAI:
         self.thread.start()
