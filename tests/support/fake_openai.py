@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server for tests: real HTTP, scripted answers, recorded requests.
 
 Like OpenAI it refuses a prompt that breaks the message-order rules
-(:mod:`tests.support.chat_rules`) with a 400, without using up a scripted reply; refused requests are kept in ``rejected``.
+(:mod:`tests.support.chat_rules`) with a 400, without using up a scripted reply; refused
+requests are kept in ``rejected``.
 """
 
 from __future__ import annotations
