@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
 import aio_pika
 from aio_pika.abc import (
     AbstractChannel,
     AbstractExchange,
     AbstractIncomingMessage,
+    AbstractQueue,
     AbstractRobustConnection,
 )
 from aiormq.exceptions import AMQPError
@@ -26,6 +28,34 @@ from yoke.models import Envelope
 log = logging.getLogger(__name__)
 
 PUBLISH_RETRY_SECONDS = 30.0
+# How soon a dropped connection is tried again (aio-pika's default is 5 s).
+RECONNECT_INTERVAL_SECONDS = 1.0
+
+OnMessage = Callable[[AbstractIncomingMessage], Awaitable[None]]
+
+
+@dataclass
+class Subscription:
+    """One consumed queue: its own channel, the queue object and the consumer's tag."""
+
+    queue_name: str
+    on_message: OnMessage
+    prefetch: int
+    channel: AbstractChannel
+    queue: AbstractQueue
+    tag: str
+
+    def problem(self) -> str | None:
+        """Why this queue is not being consumed right now, or None when it is."""
+        if self.channel.is_closed:
+            return f"{self.queue_name}: channel closed"
+        underlay = getattr(self.channel, "_channel", None)
+        consumers = getattr(getattr(underlay, "channel", None), "consumers", None)
+        if consumers is None:
+            return f"{self.queue_name}: channel not open"
+        if self.tag not in consumers:
+            return f"{self.queue_name}: no consumer"
+        return None
 
 
 class Bus:
@@ -37,11 +67,14 @@ class Bus:
         self._connection: AbstractRobustConnection | None = None
         self._publisher: AbstractChannel | None = None
         self._exchanges: dict[str, AbstractExchange] = {}
-        self._consumer_channels: list[AbstractChannel] = []
+        self.subscriptions: list[Subscription] = []
 
     async def connect(self) -> None:
         self._connection = await aio_pika.connect_robust(
-            self.url, client_properties={"connection_name": self.name}, timeout=10
+            self.url,
+            client_properties={"connection_name": self.name},
+            timeout=10,
+            reconnect_interval=RECONNECT_INTERVAL_SECONDS,
         )
         self._publisher = await self._connection.channel(publisher_confirms=True)
         await self.declare_core()
@@ -54,14 +87,21 @@ class Bus:
 
     @property
     def is_connected(self) -> bool:
-        return self._connection is not None and not self._connection.is_closed
+        """Connected right now (a robust connection that is reconnecting is not)."""
+        connection = self._connection
+        return (
+            connection is not None
+            and not connection.is_closed
+            and connection.connected.is_set()
+            and connection.transport is not None
+        )
 
     async def close(self) -> None:
         """Close consumer channels first (never basic.cancel: see DESIGN §4), then the rest."""
-        for channel in self._consumer_channels:
-            if not channel.is_closed:
-                await channel.close()
-        self._consumer_channels.clear()
+        for subscription in self.subscriptions:
+            if not subscription.channel.is_closed:
+                await subscription.channel.close()
+        self.subscriptions.clear()
         if self._connection is not None and not self._connection.is_closed:
             await self._connection.close()
 
@@ -96,9 +136,7 @@ class Bus:
         names = []
         for index in range(shards):
             name = topology.shard_queue(service, index)
-            queue = await channel.declare_queue(
-                name, durable=True, arguments=topology.quorum_queue_arguments()
-            )
+            queue = await channel.declare_queue(name, **topology.QUORUM_QUEUE)
             await queue.bind(exchange, routing_key="1")  # equal weights
             names.append(name)
         return names
@@ -107,9 +145,7 @@ class Bus:
         """One single-active-consumer queue for commands that carry their key in the body."""
         channel = self._channel()
         name = topology.intake_queue(service)
-        queue = await channel.declare_queue(
-            name, durable=True, arguments=topology.quorum_queue_arguments()
-        )
+        queue = await channel.declare_queue(name, **topology.QUORUM_QUEUE)
         await queue.bind(self._exchanges[exchange], routing_key=binding)
         return name
 
@@ -182,16 +218,42 @@ class Bus:
     # --- consuming ---------------------------------------------------------------------
 
     async def consume(
-        self,
-        queue_name: str,
-        on_message: Callable[[AbstractIncomingMessage], Awaitable[None]],
-        *,
-        prefetch: int,
-    ) -> AbstractChannel:
-        """Consume a queue on a channel of its own, with ``prefetch`` unacked deliveries."""
+        self, queue_name: str, on_message: OnMessage, *, prefetch: int
+    ) -> Subscription:
+        """Consume a queue on a channel of its own, with ``prefetch`` unacked deliveries.
+
+        The queue is declared (not merely looked up) on that channel: aio-pika's robust channel
+        restores, after a reconnect, only the queues and consumers it declared itself.
+        """
         channel = await self.connection.channel()
         await channel.set_qos(prefetch_count=prefetch)
-        queue = await channel.get_queue(queue_name, ensure=False)
-        await queue.consume(on_message)
-        self._consumer_channels.append(channel)
-        return channel
+        queue = await channel.declare_queue(queue_name, **topology.QUORUM_QUEUE)
+        tag = await queue.consume(on_message)
+        subscription = Subscription(queue_name, on_message, prefetch, channel, queue, tag)
+        self.subscriptions.append(subscription)
+        return subscription
+
+    def problems(self) -> list[str]:
+        """What keeps this process from consuming everything it should (empty: nothing)."""
+        if not self.is_connected or self.connection.reconnecting:
+            return ["broker connection down"]
+        return [p for s in self.subscriptions if (p := s.problem()) is not None]
+
+    async def resubscribe(self, subscription: Subscription) -> None:
+        """Consume ``subscription``'s queue again on a fresh channel (after a lost consumer).
+
+        The old channel is closed, not cancelled: its unacked deliveries go back to the queue
+        and return, in order, to whoever consumes it (DESIGN §4).
+        """
+        old = subscription.channel
+        if not old.is_closed:
+            await old.close()
+        fresh = await self.consume(
+            subscription.queue_name, subscription.on_message, prefetch=subscription.prefetch
+        )
+        self.subscriptions.remove(fresh)
+        subscription.channel, subscription.queue, subscription.tag = (
+            fresh.channel,
+            fresh.queue,
+            fresh.tag,
+        )

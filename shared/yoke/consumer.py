@@ -1,15 +1,15 @@
 """From a delivery to a handler: lanes, bounded retries, dead letters, acks.
 
 DESIGN invariants 3 and 5: deliveries run serially per conversation key and concurrently
-across keys; a handler that keeps failing is dead-lettered with its error after a bounded number
-of attempts and its conversation goes on; malformed input is dead-lettered at once.
+across keys; a transient failure (see :mod:`yoke.errors`) is waited out with the delivery held;
+a handler that keeps failing for good is dead-lettered with its error after a bounded number of
+attempts and its conversation goes on; malformed input is dead-lettered at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -18,13 +18,14 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from yoke import topology
 from yoke.bus import Bus
+from yoke.errors import DeadLetter, Permanent, RetryPolicy, Stopping
 from yoke.lanes import Lanes
 from yoke.metrics import DEAD_LETTERS, EVENTS_HANDLED, HANDLING_SECONDS, LANES_ACTIVE
 
 log = logging.getLogger(__name__)
 
 
-class Malformed(Exception):
+class Malformed(Permanent):
     """The delivery can never be handled (bad JSON, wrong schema, no key): dead-letter it."""
 
 
@@ -52,13 +53,19 @@ def event_type_of(message: AbstractIncomingMessage) -> str:
 
 
 class Dispatcher:
-    """Feeds one process's deliveries into per-conversation lanes."""
+    """Feeds one process's deliveries into per-conversation lanes, under one retry policy.
 
-    def __init__(self, service: str, bus: Bus, *, attempts: int, backoff: float) -> None:
+    Transient failures are waited out (the delivery stays unacked and its lane waits); a
+    permanent one is retried ``policy.attempts`` times, then dead-lettered with its reason.
+    """
+
+    def __init__(
+        self, service: str, bus: Bus, *, policy: RetryPolicy, stopping: asyncio.Event | None = None
+    ) -> None:
         self.service = service
         self.bus = bus
-        self.attempts = attempts
-        self.backoff = backoff
+        self.policy = policy
+        self.stopping = stopping or asyncio.Event()
         self.lanes = Lanes()
 
     def on_message(self, route: Route) -> Callable[[AbstractIncomingMessage], Awaitable[None]]:
@@ -78,49 +85,53 @@ class Dispatcher:
     async def _process(self, route: Route, key: str, message: AbstractIncomingMessage) -> None:
         event_type = event_type_of(message)
         previous = _broker_attempts(message)
-        for attempt in range(1, self.attempts + 1):
+        extra = {"conversationId": key, "messageId": message.message_id}
+        attempts = 0
+
+        async def attempt() -> None:
+            nonlocal attempts
+            attempts += 1
             started = time.perf_counter()
             try:
                 await route.handle(message)
-            except Malformed as error:
-                log.warning(
-                    "dead-lettering malformed delivery: %s",
-                    error,
-                    extra={"conversationId": key, "messageId": message.message_id},
-                )
-                await self._dead_letter(message, "malformed", str(error), previous + attempt)
-                return
-            except Exception as error:
+            finally:
                 HANDLING_SECONDS.labels(self.service, event_type).observe(
                     time.perf_counter() - started
                 )
-                if attempt == self.attempts:
-                    log.error(
-                        "handler failed %d times, dead-lettering: %r",
-                        attempt,
-                        error,
-                        extra={"conversationId": key, "messageId": message.message_id},
-                        exc_info=True,
-                    )
-                    await self._dead_letter(message, "failed", repr(error), previous + attempt)
-                    EVENTS_HANDLED.labels(self.service, event_type, "dead_lettered").inc()
-                    return
-                EVENTS_HANDLED.labels(self.service, event_type, "retried").inc()
-                delay = self.backoff * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
-                log.warning(
-                    "handler failed (attempt %d of %d), retrying in %.2fs: %r",
-                    attempt,
-                    self.attempts,
-                    delay,
-                    error,
-                    extra={"conversationId": key, "messageId": message.message_id},
-                )
-                await asyncio.sleep(delay)
-                continue
-            HANDLING_SECONDS.labels(self.service, event_type).observe(time.perf_counter() - started)
-            EVENTS_HANDLED.labels(self.service, event_type, "ok").inc()
-            await _ack(message)
+
+        def retried(error: BaseException, transient: bool) -> None:
+            EVENTS_HANDLED.labels(self.service, event_type, "retried").inc()
+
+        try:
+            await self.policy.run(
+                attempt,
+                stopping=self.stopping,
+                describe="handler",
+                extra=extra,
+                on_retry=retried,
+                give_up_at_once=(Malformed, DeadLetter),
+            )
+        except Stopping:
+            return  # left unacked: the next consumer of the queue gets it
+        except Malformed as error:
+            log.warning("dead-lettering malformed delivery: %s", error, extra=extra)
+            await self._dead_letter(message, "malformed", str(error), previous + attempts)
+            EVENTS_HANDLED.labels(self.service, event_type, "dead_lettered").inc()
             return
+        except Exception as error:
+            reason = str(error) if isinstance(error, DeadLetter) else repr(error)
+            log.error(
+                "handler failed for good after %d attempts, dead-lettering: %s",
+                attempts,
+                reason,
+                extra=extra,
+                exc_info=not isinstance(error, DeadLetter),
+            )
+            await self._dead_letter(message, "failed", reason, previous + attempts)
+            EVENTS_HANDLED.labels(self.service, event_type, "dead_lettered").inc()
+            return
+        EVENTS_HANDLED.labels(self.service, event_type, "ok").inc()
+        await _ack(message)
 
     async def _dead_letter(
         self, message: AbstractIncomingMessage, reason: str, error: str, attempts: int

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -41,6 +41,10 @@ class Transient(Exception):
 
 class Permanent(Exception):
     """Retrying cannot help: the input is invalid or the code has a bug."""
+
+
+class DeadLetter(Permanent):
+    """Already retried and recorded: dead-letter the delivery now, with this reason."""
 
 
 class Stopping(Exception):
@@ -123,8 +127,9 @@ class RetryPolicy:
         *,
         stopping: asyncio.Event | None = None,
         describe: str = "work",
-        extra: dict[str, object] | None = None,
+        extra: Mapping[str, object] | None = None,
         on_retry: Callable[[BaseException, bool], None] | None = None,
+        give_up_at_once: tuple[type[BaseException], ...] = (),
     ) -> T:
         """Run ``work`` until it succeeds; raise its permanent error once attempts run out.
 
@@ -135,6 +140,8 @@ class RetryPolicy:
         while True:
             try:
                 return await work()
+            except give_up_at_once:
+                raise
             except Exception as error:
                 transient = is_transient(error)
                 if transient:

@@ -7,7 +7,8 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-HealthCheck = Callable[[], Awaitable[bool]]
+# What keeps the process from serving: an empty list means healthy.
+HealthCheck = Callable[[], Awaitable[list[str]]]
 
 
 class HealthServer:
@@ -38,9 +39,9 @@ class HealthServer:
             if path == "/metrics":
                 status, content_type, body = 200, CONTENT_TYPE_LATEST, generate_latest()
             elif path == "/healthz":
-                ok = await self.healthy()
-                status, content_type = (200 if ok else 503), "text/plain"
-                body = b"ok\n" if ok else b"unavailable\n"
+                problems = await self.healthy()
+                status, content_type = (503 if problems else 200), "text/plain"
+                body = ("".join(f"{p}\n" for p in problems) or "ok\n").encode()
             else:
                 status, content_type, body = 404, "text/plain", b"not found\n"
             reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]

@@ -6,17 +6,19 @@ Services (``services/<name>``) only register handlers; everything operational li
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
+from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
 from yoke import topology
 from yoke.bus import Bus
 from yoke.consumer import Dispatcher, Malformed, Route, event_type_of, key_from_header
+from yoke.errors import RetryPolicy
 from yoke.health import HealthServer
 from yoke.logs import configure_logging
 from yoke.metrics import EVENT_LAG_SECONDS
@@ -28,6 +30,8 @@ from yoke.store import Store
 log = logging.getLogger(__name__)
 
 P = TypeVar("P", bound=EventPayload)
+# How often the consumer watchdog looks for queues this process no longer consumes.
+CONSUMER_CHECK_SECONDS = 2.0
 EventHandler = Callable[[EventPayload], Awaitable[None]]
 
 
@@ -59,21 +63,25 @@ class Service:
         )
         self.bus = Bus(self.settings.amqp_url, name=name)
         self.poster = Poster(self.store, self.bus, name)
+        self.stopping = asyncio.Event()
         self.dispatcher = Dispatcher(
             name,
             self.bus,
-            attempts=self.settings.handler_attempts,
-            backoff=self.settings.retry_backoff_seconds,
+            policy=RetryPolicy(
+                attempts=self.settings.handler_attempts,
+                backoff=self.settings.retry_backoff_seconds,
+                cap=self.settings.retry_cap_seconds,
+            ),
+            stopping=self.stopping,
         )
-        self.stopping = asyncio.Event()
         self._event_handlers: dict[str, EventHandler] = {}
         # Which lane a shard delivery runs in: its conversation, unless a service says otherwise.
         self.lane_key: Callable[[AbstractIncomingMessage], str] = key_from_header
         self._intakes: list[tuple[str, str, Route]] = []
-        self._channels: list[AbstractChannel] = []
         self._consuming = False
         self._health: HealthServer | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
 
     # --- registration ------------------------------------------------------------------
 
@@ -104,7 +112,7 @@ class Service:
         await self.bus.connect()
         if health:
             port = self.settings.metrics_port_for(self.name)
-            self._health = HealthServer(port, self.healthy)
+            self._health = HealthServer(port, self.problems)
             await self._health.start()
         self._sweeper = asyncio.create_task(
             self.poster.run_sweeper(self.settings.outbox_grace_seconds, self.stopping)
@@ -116,18 +124,23 @@ class Service:
             for queue in queues:
                 route = Route(queue, self.lane_key, self._handle_event)
                 on_message = self.dispatcher.on_message(route)
-                self._channels.append(await self.bus.consume(queue, on_message, prefetch=prefetch))
+                await self.bus.consume(queue, on_message, prefetch=prefetch)
         for exchange, binding, route in self._intakes:
             queue = await self.bus.declare_intake(self.name, exchange, binding)
             on_message = self.dispatcher.on_message(Route(queue, route.key_of, route.handle))
-            self._channels.append(await self.bus.consume(queue, on_message, prefetch=prefetch))
+            await self.bus.consume(queue, on_message, prefetch=prefetch)
         self._consuming = True
+        self._watchdog = asyncio.create_task(self._watch_consumers())
         log.info("%s consuming (%d shards)", self.name, self.settings.shards)
 
     async def stop(self) -> None:
         """Stop taking deliveries, finish the in-flight ones, then close channels (not cancel)."""
         self.stopping.set()
         self._consuming = False
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
         await self.dispatcher.drain()
         await self.bus.close()
         if self._sweeper is not None:
@@ -147,17 +160,44 @@ class Service:
         log.info("%s stopping", self.name)
         await self.stop()
 
-    async def healthy(self) -> bool:
-        if not (self._consuming and self.bus.is_connected):
-            return False
-        if any(channel.is_closed for channel in self._channels):
-            return False
+    async def problems(self) -> list[str]:
+        """Why this process is not fully serving (empty when healthy): ``/healthz`` says these."""
+        if not self._consuming:
+            return ["not consuming yet" if not self.stopping.is_set() else "stopping"]
+        problems = self.bus.problems()
         try:
             async with asyncio.timeout(2):
                 await self.store.ping()
-        except Exception:
-            return False
-        return True
+        except Exception as error:
+            problems.append(f"store unreachable: {error!r}"[:300])
+        return problems
+
+    async def _watch_consumers(self) -> None:
+        """Re-consume any queue whose consumer is gone while the connection is up.
+
+        aio-pika restores consumers after a reconnect and after a broker-side cancel; this is
+        the safety net for whatever it misses (a queue left without our consumer for two checks
+        in a row is subscribed again on a fresh channel).
+        """
+        suspects: set[str] = set()
+        while not self.stopping.is_set():
+            await asyncio.sleep(CONSUMER_CHECK_SECONDS)
+            if self.bus.problems() == ["broker connection down"]:
+                suspects.clear()
+                continue
+            for subscription in list(self.bus.subscriptions):
+                problem = subscription.problem()
+                if problem is None:
+                    suspects.discard(subscription.queue_name)
+                elif subscription.queue_name not in suspects:
+                    suspects.add(subscription.queue_name)
+                else:
+                    log.warning("consuming %s again (%s)", subscription.queue_name, problem)
+                    try:
+                        await self.bus.resubscribe(subscription)
+                        suspects.discard(subscription.queue_name)
+                    except Exception as error:
+                        log.warning("could not consume %s yet: %r", subscription.queue_name, error)
 
     # --- delivery ----------------------------------------------------------------------
 

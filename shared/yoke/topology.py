@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pamqp.common import FieldTable
 
 EVENTS_EXCHANGE = "yoke.events"
@@ -46,6 +48,7 @@ def intake_queue(service: str) -> str:
 
 
 def quorum_queue_arguments() -> FieldTable:
+    """Shard and intake queues: quorum, single active consumer, bounded redeliveries."""
     return {
         "x-queue-type": "quorum",
         "x-single-active-consumer": True,
@@ -62,3 +65,7 @@ PUBLISHER_PERMISSIONS = {
     "write": r"^(yoke\.commands|bridge\..*)$",
     "read": r"^(yoke\.events|bridge\..*)$",
 }
+
+
+# Every declaration of a shard or intake queue uses exactly these (a mismatch is refused).
+QUORUM_QUEUE: dict[str, Any] = {"durable": True, "arguments": quorum_queue_arguments()}

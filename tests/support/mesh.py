@@ -18,7 +18,13 @@ JoinFactory = Callable[..., Awaitable[tuple[str, Join]]]
 
 class Mesh:
     def __init__(
-        self, amqp_url: str, mongodb_url: str, log_dir: Path, env: dict[str, str] | None = None
+        self,
+        amqp_url: str,
+        mongodb_url: str,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        *,
+        launch: dict[str, tuple[list[str], dict[str, str]]] | None = None,
     ) -> None:
         self.env = {
             **(env or {}),
@@ -28,10 +34,14 @@ class Mesh:
             "YOKE_RETRY_BACKOFF_SECONDS": "0.05",
         }
         self.log_dir = log_dir
+        # Per service: other arguments to python (a test-support wrapper) and extra environment.
+        self.launch = launch or {}
         self.processes: dict[str, ServiceProcess] = {}
 
     def start(self, name: str) -> ServiceProcess:
-        process = ServiceProcess(["-m", f"services.{name}"], self.env, self.log_dir / f"{name}.log")
+        args, env = self.launch.get(name, (["-m", f"services.{name}"], {}))
+        log_path = self.log_dir / f"{name}.log"
+        process = ServiceProcess(args, {**self.env, **env}, log_path)
         self.processes[name] = process
         return process
 

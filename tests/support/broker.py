@@ -1,0 +1,71 @@
+"""RabbitMQ's management API from tests: force-close connections, see who consumes what."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote, unquote, urlsplit
+
+import httpx
+
+
+class Management:
+    """The management API of the broker behind ``amqp_url``, scoped to its vhost."""
+
+    def __init__(self, management_url: str, amqp_url: str) -> None:
+        parts = urlsplit(amqp_url)
+        self.vhost = unquote(parts.path[1:]) or "/"
+        self.auth = (parts.username or "guest", parts.password or "guest")
+        self.base = management_url
+
+    def _client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.base, auth=self.auth, timeout=30)
+
+    @property
+    def _vhost(self) -> str:
+        return quote(self.vhost, safe="")
+
+    async def connections(self) -> list[dict[str, Any]]:
+        async with self._client() as api:
+            response = await api.get(f"/api/vhosts/{self._vhost}/connections")
+            response.raise_for_status()
+            found: list[dict[str, Any]] = response.json()
+            return found
+
+    async def close_connections(self, name_prefix: str = "") -> int:
+        """Force-close the vhost's connections whose client name starts with ``name_prefix``."""
+        closed = 0
+        async with self._client() as api:
+            response = await api.get(f"/api/vhosts/{self._vhost}/connections")
+            response.raise_for_status()
+            for connection in response.json():
+                client_name = (connection.get("client_properties") or {}).get(
+                    "connection_name", ""
+                )
+                if not str(client_name).startswith(name_prefix):
+                    continue
+                await api.delete(
+                    f"/api/connections/{quote(connection['name'], safe='')}",
+                    headers={"X-Reason": "test: broker connection closed"},
+                )
+                closed += 1
+        return closed
+
+    async def refuse_connections(self, refuse: bool = True) -> None:
+        """Hold the vhost's connection limit at 0 (new connections refused), or lift it."""
+        async with self._client() as api:
+            path = f"/api/vhost-limits/{self._vhost}/max-connections"
+            response = await (
+                api.put(path, json={"value": 0}) if refuse else api.delete(path)
+            )
+            response.raise_for_status()
+
+    async def queues(self) -> dict[str, dict[str, Any]]:
+        async with self._client() as api:
+            response = await api.get(f"/api/queues/{self._vhost}")
+            response.raise_for_status()
+            return {queue["name"]: queue for queue in response.json()}
+
+    async def delete_queue(self, name: str) -> None:
+        async with self._client() as api:
+            response = await api.delete(f"/api/queues/{self._vhost}/{quote(name, safe='')}")
+            response.raise_for_status()
