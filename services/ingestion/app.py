@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
@@ -17,10 +18,12 @@ from pydantic import ValidationError
 from yoke import topology
 from yoke.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.compaction import carry_tail, chain_of
+from yoke.consumer import Malformed
 from yoke.ids import derive_id
 from yoke.joins import INGESTION, IngestionConfig, IngestionState, ensure_participant
 from yoke.metrics import COMMANDS
 from yoke.models import (
+    MAX_ID_CHARS,
     Actor,
     Message,
     MessageMeta,
@@ -33,16 +36,90 @@ from yoke.service import Service, describe_validation_error
 log = logging.getLogger(__name__)
 
 UNKEYED = "?unkeyed"
+# Deeper than any good command (its meta nests at most MAX_META_DEPTH levels), and shallow
+# enough that no parser recursion is ever at risk.
+MAX_BODY_DEPTH = 32
+# A body past this is never parsed just to find its key (the door rejects it for its size).
+MAX_KEYED_BODY_BYTES = 1 << 20
+
+# A JSON string; an unterminated one runs to the end, so a match never fails and the scan
+# stays linear (a pattern that can fail after a long run is quadratic on '"\\"\\"...').
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"?', re.DOTALL)
+_NOT_BRACKETS = bytes(byte for byte in range(256) if byte not in b"[]{}")
+_MESH_META_KEYS = frozenset(
+    name
+    for field_name, field in MessageMeta.model_fields.items()
+    for name in (field_name, field.alias)
+    if name
+)
 
 
-def command_key(message: AbstractIncomingMessage) -> str:
-    """Commands carry no header: key them by the conversationId in the body (FIFO per forum)."""
+def nesting_depth(body: bytes, limit: int = MAX_BODY_DEPTH) -> int:
+    """How deep a JSON body nests (at most ``limit + 1``: it stops there).
+
+    Counted on the raw bytes, brackets inside strings left out, so that no parser recursion is
+    risked: ``json.loads`` raises ``RecursionError`` about 1,000 levels down.
+    """
+    depth = deepest = 0
+    for byte in _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS):
+        if byte in b"[{":
+            depth += 1
+            if depth > limit:
+                return depth
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def command_key(message: AbstractIncomingMessage, max_bytes: int = MAX_KEYED_BODY_BYTES) -> str:
+    """Commands carry no header: key them by the conversationId in the body (FIFO per forum).
+
+    Never raises, whatever the body: a body with no usable key shares one lane, and the door
+    answers it.
+    """
     try:
-        body = json.loads(message.body)
-    except ValueError:
-        return UNKEYED
-    key = body.get("conversationId") if isinstance(body, dict) else None
-    return key if isinstance(key, str) and key else UNKEYED
+        body = message.body
+        if len(body) > max_bytes or nesting_depth(body) > MAX_BODY_DEPTH:
+            return UNKEYED
+        parsed = json.loads(body)
+        key = parsed.get("conversationId") if isinstance(parsed, dict) else None
+        if isinstance(key, str) and 0 < len(key) <= MAX_ID_CHARS:
+            return key
+    except Exception:
+        pass  # a key function that raises takes the delivery down with no answer
+    return UNKEYED
+
+
+def _not_a_json_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_command(body: bytes, max_bytes: int) -> SubmitMessage | str:
+    """The command in ``body``, or why it is rejected.
+
+    The raw checks come first, each cheap and bounded: size, UTF-8, nesting depth. Then the
+    schema, whose validators refuse what the store cannot hold.
+    """
+    if len(body) > max_bytes:
+        return f"command is {len(body)} bytes; the limit is {max_bytes}"
+    try:
+        text = body.decode()
+    except UnicodeDecodeError as error:
+        return f"body is not valid UTF-8 ({error.reason} at byte {error.start})"
+    depth = nesting_depth(body)
+    if depth > MAX_BODY_DEPTH:
+        return f"body is nested too deeply (more than {MAX_BODY_DEPTH} levels)"
+    try:
+        parsed = json.loads(text, parse_constant=_not_a_json_constant)
+    except ValueError as error:
+        return f"body is not valid JSON: {error}"
+    if not isinstance(parsed, dict):
+        return f"the command must be a JSON object, not {type(parsed).__name__}"
+    try:
+        return SubmitMessage.model_validate(parsed)
+    except ValidationError as error:
+        return f"invalid command: {describe_validation_error(error)}"
 
 
 class Door:
@@ -52,6 +129,10 @@ class Door:
         self.service = service
         self.store = service.store
         self.max_text_bytes = service.settings.max_text_bytes
+        self.max_body_bytes = self.max_text_bytes * 2 + 4096
+
+    def key(self, message: AbstractIncomingMessage) -> str:
+        return command_key(message, self.max_body_bytes)
 
     async def handle(self, message: AbstractIncomingMessage) -> None:
         reply = await self.submit(message.body)
@@ -60,8 +141,11 @@ class Door:
             log.warning(
                 "rejected command: %s",
                 reply.error,
-                extra={"messageId": message.message_id, "conversationId": command_key(message)},
+                extra={"messageId": message.message_id, "conversationId": self.key(message)},
             )
+            if not message.reply_to:
+                # Nobody to answer: the dead-letter queue keeps it, with the reason.
+                raise Malformed(f"rejected command: {reply.error}")
         if message.reply_to:
             await self.service.bus.reply(
                 message.reply_to,
@@ -70,15 +154,9 @@ class Door:
             )
 
     async def submit(self, body: bytes) -> SubmitReply:
-        limit = self.max_text_bytes * 2 + 4096
-        if len(body) > limit:
-            return _rejected(f"command is {len(body)} bytes; the limit is {limit}")
-        try:
-            command = SubmitMessage.model_validate_json(body)
-        except ValidationError as error:
-            if any(e["type"] == "json_invalid" for e in error.errors()):
-                return _rejected("body is not valid JSON")
-            return _rejected(f"invalid command: {describe_validation_error(error)}")
+        command = parse_command(body, self.max_body_bytes)
+        if isinstance(command, str):
+            return _rejected(command)
         size = len(command.text.encode())
         if size > self.max_text_bytes:
             return _rejected(
@@ -103,9 +181,9 @@ class Door:
             )
         )
         participant = await ensure_participant(self.store, forum.id, author.id)
-        extra = dict(command.meta or {})
-        for reserved in ("agentHops", "inReplyTo", "causationId"):
-            extra.pop(reserved, None)
+        # The mesh sets its own meta (hops, routing, causality): a command's are dropped, so a
+        # wrong type there cannot fail the write.
+        extra = {k: v for k, v in (command.meta or {}).items() if k not in _MESH_META_KEYS}
         stored = await self.service.poster.post(
             Message(
                 id=message_id,
@@ -192,5 +270,5 @@ INGESTION_ACTOR = ActorDefinition(
 
 def register(service: Service) -> None:
     door = Door(service)
-    service.on_intake(topology.COMMANDS_EXCHANGE, topology.SUBMIT_COMMAND, command_key, door.handle)
+    service.on_intake(topology.COMMANDS_EXCHANGE, topology.SUBMIT_COMMAND, door.key, door.handle)
     ActorRuntime(service, [INGESTION_ACTOR])

@@ -6,10 +6,12 @@ Stored documents keep their ``id`` as MongoDB's ``_id``.
 
 from __future__ import annotations
 
+import json
+import math
 from datetime import UTC, datetime
 from typing import Annotated, Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, JsonValue, field_validator
 from pydantic.alias_generators import to_camel
 
 
@@ -239,20 +241,116 @@ class Envelope(WireModel):
 
 # --- commands ----------------------------------------------------------------------------
 
+# Limits on what outside systems may send (DESIGN §3 AMQP): a command past them is rejected
+# with a reason naming the field, before anything is written.
+MAX_ID_CHARS = 128
+MAX_KEY_CHARS = 256
+MAX_NAME_CHARS = 200
+MAX_META_KEY_CHARS = 128
+MAX_META_DEPTH = 8
+MAX_META_BYTES = 16_384
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def unstorable(text: str) -> str | None:
+    """Why the store cannot hold ``text``, or None.
+
+    FerretDB's PostgreSQL backend (jsonb) cannot hold U+0000 and BSON keys cannot either;
+    a lone surrogate cannot be encoded as UTF-8 at all.
+    """
+    if "\x00" in text:
+        return "contains U+0000 (NUL), which the store cannot hold"
+    try:
+        text.encode()
+    except UnicodeEncodeError as error:
+        return (
+            f"contains a lone surrogate U+{ord(text[error.start]):04X}, which is not Unicode text"
+        )
+    return None
+
+
+def _storable(value: object) -> object:
+    # Before pydantic's own str check, which refuses a lone surrogate without saying why.
+    if isinstance(value, str) and (problem := unstorable(value)) is not None:
+        raise ValueError(problem)
+    return value
+
+
+def _meta_problem(value: JsonValue, path: str, depth: int) -> str | None:
+    """The first thing in a meta value the store cannot hold, or that is out of bounds."""
+    if isinstance(value, dict | list) and depth > MAX_META_DEPTH:
+        return f"meta is nested too deeply (more than {MAX_META_DEPTH} levels)"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if len(key) > MAX_META_KEY_CHARS:
+                return (
+                    f"a key at {path or 'the top'} is {len(key)} characters; "
+                    f"the limit is {MAX_META_KEY_CHARS}"
+                )
+            if (problem := unstorable(key)) is not None:
+                return f"a key at {path or 'the top'} {problem}"
+            if "." in key:
+                return f"key {key!r} contains '.', which the store refuses in keys"
+            if key.startswith("$"):
+                return f"key {key!r} starts with '$', which the store refuses in keys"
+            if problem := _meta_problem(item, f"{path}.{key}" if path else key, depth + 1):
+                return problem
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            if (problem := _meta_problem(item, f"{path}[{index}]", depth + 1)) is not None:
+                return problem
+    elif isinstance(value, str):
+        if (problem := unstorable(value)) is not None:
+            return f"{path}: {problem}"
+    elif isinstance(value, bool):
+        return None
+    elif isinstance(value, int):
+        if not _INT64[0] <= value <= _INT64[1]:
+            return f"{path}: {value} is not a 64-bit integer"
+    elif isinstance(value, float) and not math.isfinite(value):
+        return f"{path}: {value} is not a finite number"
+    return None
+
+
+CommandId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS), BeforeValidator(_storable)]
+CommandKey = Annotated[
+    str, Field(min_length=1, max_length=MAX_KEY_CHARS), BeforeValidator(_storable)
+]
+
 
 class CommandAuthor(WireModel):
-    external_id: str = Field(min_length=1)
-    display_name: str = Field(min_length=1)
+    external_id: CommandKey
+    display_name: Annotated[
+        str, Field(min_length=1, max_length=MAX_NAME_CHARS), BeforeValidator(_storable)
+    ]
 
 
 class SubmitMessage(WireModel):
-    """``conversation.message.submit``, published by outside systems on ``yoke.commands``."""
+    """``conversation.message.submit``, published by outside systems on ``yoke.commands``.
 
-    conversation_id: str = Field(min_length=1)
+    No string may hold U+0000 or a lone surrogate (the store cannot hold them); ``meta`` nests
+    at most 8 levels and 16 KiB, its keys hold no '.' and no leading '$', its numbers are finite
+    and its integers fit in 64 bits. A command that breaks a rule is rejected, naming the field.
+    """
+
+    conversation_id: CommandId
     author: CommandAuthor
-    text: str = Field(min_length=1)
-    idempotency_key: str = Field(min_length=1)
+    text: Annotated[str, Field(min_length=1), BeforeValidator(_storable)]
+    idempotency_key: CommandKey
     meta: dict[str, JsonValue] | None = None
+
+    @field_validator("meta")
+    @classmethod
+    def _bounded_meta(cls, meta: dict[str, JsonValue] | None) -> dict[str, JsonValue] | None:
+        if meta is None:
+            return None
+        problem = _meta_problem(meta, "", 1)
+        if problem is not None:
+            raise ValueError(problem)
+        size = len(json.dumps(meta, ensure_ascii=False).encode())
+        if size > MAX_META_BYTES:
+            raise ValueError(f"meta is {size} bytes; the limit is {MAX_META_BYTES}")
+        return meta
 
 
 class SubmitReply(WireModel):
