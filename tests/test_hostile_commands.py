@@ -124,8 +124,15 @@ async def door(
     yield process
     output = process.output()
     assert mesh.stop_all() == {"ingestion": 0}
-    assert "Consumer callback failed" not in output
-    assert "Traceback" not in output, output[-3000:]
+    # What hostile commands did before: a key function that raised, writes the store refused.
+    for symptom in (
+        "Consumer callback failed",
+        "RecursionError",
+        "UnicodeEncodeError",
+        "unsupported Unicode escape sequence",
+        "InvalidDocument",
+    ):
+        assert symptom not in output, f"{symptom} in the ingestion log"
 
 
 @pytest.fixture(scope="module")
