@@ -15,6 +15,60 @@ _OUR_HEADERS = {
     topology.DEAD_EXCHANGE_HEADER,
     topology.DEAD_ROUTING_KEY_HEADER,
 }
+# What RabbitMQ adds when it dead-letters (or redelivers) a message itself. Stripped on replay,
+# so a replayed letter starts afresh rather than looking like it died again.
+_BROKER_HEADERS = {
+    "x-death",
+    "x-delivery-count",
+    "x-first-death-reason",
+    "x-first-death-queue",
+    "x-first-death-exchange",
+    "x-last-death-reason",
+    "x-last-death-queue",
+    "x-last-death-exchange",
+}
+
+
+def broker_death(headers: Mapping[str, object]) -> Mapping[str, object] | None:
+    """The newest ``x-death`` entry of a letter RabbitMQ dead-lettered (delivery limit, ...).
+
+    Such a letter carries none of our headers: the broker gave up on it, not a handler.
+    """
+    deaths = headers.get("x-death")
+    if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
+        return deaths[0]
+    return None
+
+
+def service_of_queue(queue: str) -> str | None:
+    """``processor`` for ``yoke.processor.shard.003`` or ``yoke.processor.commands``."""
+    parts = queue.split(".")
+    if len(parts) >= 3 and parts[0] == "yoke" and parts[2] in ("shard", "commands"):
+        return parts[1]
+    return None
+
+
+def describe(headers: Mapping[str, object]) -> dict[str, object]:
+    """Service, error and attempts of a letter, ours or the broker's."""
+    death = None if topology.DEAD_SERVICE_HEADER in headers else broker_death(headers)
+    if death is None:
+        return {
+            "service": headers.get(topology.DEAD_SERVICE_HEADER),
+            "error": headers.get(topology.DEAD_ERROR_HEADER),
+            "attempts": headers.get(topology.DEAD_ATTEMPTS_HEADER),
+            "exchange": headers.get(topology.DEAD_EXCHANGE_HEADER),
+            "routingKey": headers.get(topology.DEAD_ROUTING_KEY_HEADER),
+        }
+    queue = str(death.get("queue") or "")
+    keys = death.get("routing-keys")
+    return {
+        "service": service_of_queue(queue),
+        "error": f"dead-lettered by RabbitMQ: {death.get('reason')} in queue {queue}",
+        "attempts": headers.get("x-delivery-count"),
+        "exchange": death.get("exchange"),
+        "routingKey": keys[0] if isinstance(keys, list) and keys else None,
+        "queue": queue,
+    }
 
 
 async def list_dead_letters(amqp_url: str, limit: int = 10_000) -> list[dict[str, object]]:
@@ -30,17 +84,7 @@ async def list_dead_letters(amqp_url: str, limit: int = 10_000) -> list[dict[str
             message = await queue.get(no_ack=False, fail=False)
             if message is None:
                 break
-            headers = message.headers or {}
-            letters.append(
-                {
-                    "messageId": message.message_id,
-                    "service": headers.get(topology.DEAD_SERVICE_HEADER),
-                    "error": headers.get(topology.DEAD_ERROR_HEADER),
-                    "attempts": headers.get(topology.DEAD_ATTEMPTS_HEADER),
-                    "exchange": headers.get(topology.DEAD_EXCHANGE_HEADER),
-                    "routingKey": headers.get(topology.DEAD_ROUTING_KEY_HEADER),
-                }
-            )
+            letters.append({"messageId": message.message_id, **describe(message.headers or {})})
         # Closing the channel with the deliveries unacked puts them all back.
         await channel.close()
     finally:
@@ -52,8 +96,12 @@ def replay_target(headers: Mapping[str, object], routing_key: str) -> tuple[str,
     """Where a letter goes back: to the service that failed it, not to every subscriber.
 
     Events go to that service's shard exchange (which hashes the conversation header, so the
-    letter lands on its conversation's shard); commands go to its intake queue.
+    letter lands on its conversation's shard); commands go to its intake queue. A letter the
+    broker dead-lettered itself goes back to the queue it died in, through the default exchange.
     """
+    death = None if topology.DEAD_SERVICE_HEADER in headers else broker_death(headers)
+    if death is not None and death.get("queue"):
+        return "", str(death["queue"])
     service = str(headers.get(topology.DEAD_SERVICE_HEADER) or "")
     original = str(headers.get(topology.DEAD_EXCHANGE_HEADER) or "")
     original_key = str(headers.get(topology.DEAD_ROUTING_KEY_HEADER) or routing_key)
@@ -79,7 +127,7 @@ async def replay_dead_letters(amqp_url: str) -> int:
         while replayed < waiting and (message := await queue.get(no_ack=False, fail=False)):
             headers = dict(message.headers or {})
             exchange_name, routing_key = replay_target(headers, message.routing_key or "")
-            for name in _OUR_HEADERS:
+            for name in _OUR_HEADERS | _BROKER_HEADERS:
                 headers.pop(name, None)
             exchange = (
                 await channel.get_exchange(exchange_name, ensure=False)
