@@ -99,9 +99,17 @@ async def leave(args: argparse.Namespace) -> None:
 
 async def post(args: argparse.Namespace) -> None:
     async with Client(Settings().amqp_url) as client:
-        reply = await client.submit(
-            args.forum, args.text, external_id=f"cli:{args.author}", display_name=args.author
-        )
+        try:
+            reply = await client.submit(
+                args.forum,
+                args.text,
+                external_id=f"cli:{args.author}",
+                display_name=args.author,
+                reply_timeout=args.timeout,
+            )
+        except TimeoutError as error:
+            # Nobody consumes the commands (ingestion down) or it is too busy to answer.
+            raise CommandError(f"no answer within {args.timeout:g} s") from error
     if reply.status != "accepted":
         raise CommandError(reply.error or "rejected")
     print(reply.message_id)
@@ -163,9 +171,13 @@ async def chat(args: argparse.Namespace) -> None:
             line = await loop.run_in_executor(None, sys.stdin.readline)
             if not line.strip():
                 break
-            reply = await client.submit(
-                args.forum, line.strip(), external_id=f"cli:{args.as_}", display_name=args.as_
-            )
+            try:
+                reply = await client.submit(
+                    args.forum, line.strip(), external_id=f"cli:{args.as_}", display_name=args.as_
+                )
+            except TimeoutError:
+                print("no answer within 30 s: is the mesh running?", file=sys.stderr, flush=True)
+                continue
             if reply.status != "accepted":
                 print(f"rejected: {reply.error}", file=sys.stderr, flush=True)
         await asyncio.sleep(0.5)  # let a reply that is on its way arrive
@@ -246,6 +258,9 @@ def parser() -> argparse.ArgumentParser:
     posting = command(commands, "post", post, "submit a line through yoke.commands; prints its id")
     posting.add_argument("--forum", required=True)
     posting.add_argument("--author", required=True, help="your name (external id cli:NAME)")
+    posting.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds to wait for the answer (default 30)"
+    )
     posting.add_argument("text")
 
     showing = command(commands, "history", history, "a conversation's lines in seq order")
