@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install services services-stop run test lint bench clean
+.PHONY: install services services-stop run test lint bench chaos clean
 
 install: $(STAMP)
 
@@ -35,6 +35,10 @@ lint: install
 
 bench: services
 	@$(PY) -m bench
+
+# Kills services and restarts the RabbitMQ and FerretDB that `make services` started: run alone.
+chaos: services
+	@$(PY) -m tests.chaos $(CHAOS_ARGS)
 
 clean:
 	rm -rf $(VENV) .local .mypy_cache .ruff_cache .pytest_cache

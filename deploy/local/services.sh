@@ -5,6 +5,9 @@
 #                       127.0.0.1:5672 / :27017, else (Debian, root) install and start RabbitMQ
 #                       and FerretDB on PostgreSQL; otherwise explain what is missing.
 #   services.sh stop    stops only what `start` started (markers in .local/).
+#   services.sh ferretdb-stop|ferretdb-start|rabbitmq-stop-app|rabbitmq-start-app
+#                       (for `make chaos`) take a server away and bring it back, again only
+#                       one that `start` started; FerretDB comes back exactly as `start` runs it.
 #
 # Everything it starts logs into .local/ (gitignored), with pid files and start markers.
 set -euo pipefail
@@ -99,8 +102,12 @@ start_ferretdb() {
         || su postgres -c "psql -qc \"CREATE DATABASE ferretdb OWNER ferretdb\""
     local bin="$local_dir/bin/ferretdb"
     [ -x "$bin" ] || build_ferretdb "$bin"
+    launch_ferretdb "$bin"
+}
+
+launch_ferretdb() { # binary
     say "starting FerretDB on PostgreSQL (log: $local_dir/ferretdb.log)"
-    nohup "$bin" --handler=postgresql \
+    nohup "$1" --handler=postgresql \
         --postgresql-url="postgres://ferretdb:ferretdb@127.0.0.1:5432/ferretdb?pool_max_conns=$ferretdb_pool" \
         --listen-addr=127.0.0.1:27017 --telemetry=disable --log-level=warn \
         --state-dir="$local_dir" --debug-addr=- >"$local_dir/ferretdb.log" 2>&1 &
@@ -141,7 +148,7 @@ Start one with 'docker compose up -d rabbitmq mongodb', or set YOKE_MONGODB_URL.
     say "ready"
 }
 
-stop() {
+stop_ferretdb() {
     if [ -f "$local_dir/ferretdb.pid" ]; then
         local pid
         pid=$(cat "$local_dir/ferretdb.pid")
@@ -151,6 +158,10 @@ stop() {
         fi
         rm -f "$local_dir/ferretdb.pid"
     fi
+}
+
+stop() {
+    stop_ferretdb
     if [ -f "$local_dir/postgresql.started" ]; then
         say "stopping PostgreSQL"
         # shellcheck disable=SC2046
@@ -166,8 +177,37 @@ stop() {
     say "stopped what this script had started"
 }
 
+# For `make chaos`: take away and bring back only servers that `start` started itself.
+ferretdb_stop() {
+    [ -f "$local_dir/ferretdb.pid" ] || die "FerretDB was not started by this script (no $local_dir/ferretdb.pid)"
+    stop_ferretdb
+}
+
+ferretdb_start() {
+    [ -x "$local_dir/bin/ferretdb" ] || die "FerretDB was never built by this script (no $local_dir/bin/ferretdb)"
+    if [ -f "$local_dir/ferretdb.pid" ] && kill -0 "$(cat "$local_dir/ferretdb.pid")" 2>/dev/null; then
+        die "FerretDB is running already (pid $(cat "$local_dir/ferretdb.pid"))"
+    fi
+    if port_open 27017; then die "something else answers on 127.0.0.1:27017"; fi
+    launch_ferretdb "$local_dir/bin/ferretdb"
+    wait_for "the MongoDB-wire server" mongodb "mongodb://127.0.0.1:27017/yoke"
+}
+
+rabbitmq_app() { # stop_app|start_app
+    [ -f "$local_dir/rabbitmq.started" ] || die "RabbitMQ was not started by this script (no $local_dir/rabbitmq.started)"
+    say "rabbitmqctl $1"
+    rabbitmqctl "$1" >/dev/null || die "rabbitmqctl $1 failed"
+    if [ "$1" = start_app ]; then
+        wait_for RabbitMQ amqp "amqp://guest:guest@127.0.0.1:5672/"
+    fi
+}
+
 case "${1:-start}" in
     start) start ;;
     stop) stop ;;
-    *) die "usage: $0 start|stop" ;;
+    ferretdb-stop) ferretdb_stop ;;
+    ferretdb-start) ferretdb_start ;;
+    rabbitmq-stop-app) rabbitmq_app stop_app ;;
+    rabbitmq-start-app) rabbitmq_app start_app ;;
+    *) die "usage: $0 start|stop|ferretdb-stop|ferretdb-start|rabbitmq-stop-app|rabbitmq-start-app" ;;
 esac
