@@ -15,6 +15,7 @@ from yoke.compaction import chain_of
 from yoke.consumer import key_from_header
 from yoke.ids import derive_id
 from yoke.joins import Join, join_id, participant_id
+from yoke.lru import LRUCache
 from yoke.models import (
     AgentForumJoined,
     Message,
@@ -37,7 +38,7 @@ class Egress:
         self.store: Store = service.store
         self.joins = service.store.db[JOINS]
         # Monologues whose predecessors are known to be fully forwarded.
-        self._settled: set[str] = set()
+        self._settled: LRUCache[str, bool] = LRUCache()
 
     async def remember_join(self, event: AgentForumJoined) -> None:
         join = Join(**event.model_dump())
@@ -112,7 +113,7 @@ class Egress:
                 pending.append(line)
             for line in reversed(pending):
                 await self.post_to_forum(join, line)
-        self._settled.add(monologue_id)
+        self._settled[monologue_id] = True
 
     async def post_to_forum(self, join: Join, line: Message) -> None:
         await self.service.poster.post(

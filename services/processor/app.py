@@ -18,7 +18,15 @@ from yoke.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.compaction import needs_compaction, swap_monologue
 from yoke.inference import InferenceRequest, ProviderFailed, cost_of, provider_for
 from yoke.joins import PROCESSOR, SYSTEM_ACTOR_ID, ProcessorConfig, ProcessorState
-from yoke.metrics import DOOM_LOOPS, LLM_COST, LLM_TOKENS, NOTICES, TOOL_CALLS
+from yoke.metrics import (
+    DOOM_LOOPS,
+    LLM_COST,
+    LLM_TOKENS,
+    NOTICES,
+    TOOL_CALLS,
+    model_label,
+    tool_label,
+)
 from yoke.models import (
     Message,
     MessageMeta,
@@ -189,7 +197,7 @@ async def run_tools(context: Context, trigger: Message, calls: list[ToolCallPart
     }
     for call in calls:
         if call.call_id in refused:
-            DOOM_LOOPS.labels(call.name).inc()
+            DOOM_LOOPS.labels(tool_label(call.name)).inc()
             results[call.call_id] = ToolResultPart(
                 call_id=call.call_id,
                 name=call.name,
@@ -198,7 +206,8 @@ async def run_tools(context: Context, trigger: Message, calls: list[ToolCallPart
                 is_error=True,
             )
         else:
-            TOOL_CALLS.labels(call.name, "error" if results[call.call_id].is_error else "ok").inc()
+            outcome = "error" if results[call.call_id].is_error else "ok"
+            TOOL_CALLS.labels(tool_label(call.name), outcome).inc()
     meta = carried_meta(context, trigger)
     meta.loop_guard = True if refused else None
     await context.post(
@@ -262,9 +271,10 @@ async def infer_once(
         usage.cost_usd = cost_of(usage, context.settings)
         state.tokens_used += usage.input_tokens + usage.output_tokens
         state.cost_usd += usage.cost_usd
-        LLM_TOKENS.labels(usage.model, "input").inc(usage.input_tokens)
-        LLM_TOKENS.labels(usage.model, "output").inc(usage.output_tokens)
-        LLM_COST.labels(usage.model).inc(usage.cost_usd)
+        model = model_label(usage.model, context.settings.prices)
+        LLM_TOKENS.labels(model, "input").inc(usage.input_tokens)
+        LLM_TOKENS.labels(model, "output").inc(usage.output_tokens)
+        LLM_COST.labels(model).inc(usage.cost_usd)
     if result.empty:
         return
     parts: list[Part] = []

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Container, Iterable
+
 from prometheus_client import Counter, Gauge, Histogram
+
+from yoke.tools import BUILTIN_TOOLS
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -62,3 +66,46 @@ DOOM_LOOPS = Counter(
 )
 NOTICES = Counter("yoke_notices", "Notices left in monologues, by reason.", ["reason"])
 COMPACTIONS = Counter("yoke_compactions", "Monologues compacted into a fresh one.")
+
+
+# --- bounded label values ----------------------------------------------------------------------
+# A person's ``/model ANYTHING`` and a model's invented tool names would otherwise become label
+# values, one series each, for as long as the process lives.
+
+OTHER = "other"
+# The built-in fixture providers' models (``yoke.inference``): the only ``fixture-`` names that
+# ever reach a label, since any other ``fixture-`` model fails before a request is made.
+FIXTURE_MODELS = frozenset({"fixture-echo", "fixture-script"})
+SPARE_MODELS = 50
+
+
+class BoundedLabel:
+    """Known values as they are, then the first ``spare`` others as seen; the rest ``other``."""
+
+    def __init__(self, known: Iterable[str], *, spare: int = 0) -> None:
+        self.known = frozenset(known)
+        self.spare = spare
+        self._seen: set[str] = set()
+
+    def __call__(self, value: str, *, also: Container[str] = ()) -> str:
+        """``also``: values the caller knows are bounded (configuration, e.g. the price table)."""
+        if value in self.known or value in also or value in self._seen:
+            return value
+        if len(self._seen) < self.spare:
+            self._seen.add(value)
+            return value
+        return OTHER
+
+
+_MODELS = BoundedLabel(FIXTURE_MODELS, spare=SPARE_MODELS)
+_TOOLS = BoundedLabel(BUILTIN_TOOLS)
+
+
+def model_label(model: str, prices: Container[str] = ()) -> str:
+    """A model as a label value: fixtures, priced models (``Settings.prices``), 50 more seen."""
+    return _MODELS(model, also=prices)
+
+
+def tool_label(name: str) -> str:
+    """A tool as a label value: the built-in tools; anything a model invents is ``other``."""
+    return _TOOLS(name)

@@ -19,7 +19,7 @@ import openai
 from openai import AsyncOpenAI
 
 from yoke.inference import InferenceRequest, InferenceResult, ProviderFailed
-from yoke.metrics import LLM_LATENCY, LLM_REQUESTS
+from yoke.metrics import LLM_LATENCY, LLM_REQUESTS, model_label
 from yoke.models import ToolCallPart, Usage
 from yoke.prompting import to_chat_messages
 from yoke.settings import Settings
@@ -53,6 +53,8 @@ class OpenAIProvider:
     def __init__(self, model: str, settings: Settings) -> None:
         self.model = model
         self.settings = settings
+        # The model as a metric label: bounded, whatever a person typed after /model.
+        self.label = model_label(model, settings.prices)
         self.client = AsyncOpenAI(max_retries=0, timeout=settings.provider_request_timeout_seconds)
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
@@ -92,7 +94,7 @@ class OpenAIProvider:
                     timeout=max(0.1, min(settings.provider_request_timeout_seconds, remaining)),
                 )
             except RETRYABLE as error:
-                LLM_REQUESTS.labels(self.model, "retryable_error").inc()
+                LLM_REQUESTS.labels(self.label, "retryable_error").inc()
                 delay = min(8.0, 0.5 * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
                 hinted = retry_after_seconds(error)
                 if hinted is not None:
@@ -106,13 +108,13 @@ class OpenAIProvider:
                 await asyncio.sleep(delay)
                 continue
             except openai.APIStatusError as error:
-                LLM_REQUESTS.labels(self.model, "error").inc()
+                LLM_REQUESTS.labels(self.label, "error").inc()
                 raise ProviderFailed(f"{self.model}: {describe(error)}: {error.message}") from error
             except openai.OpenAIError as error:
-                LLM_REQUESTS.labels(self.model, "error").inc()
+                LLM_REQUESTS.labels(self.label, "error").inc()
                 raise ProviderFailed(f"{self.model}: {describe(error)}") from error
-            LLM_REQUESTS.labels(self.model, "ok").inc()
-            LLM_LATENCY.labels(self.model).observe(time.monotonic() - request_started)
+            LLM_REQUESTS.labels(self.label, "ok").inc()
+            LLM_LATENCY.labels(self.label).observe(time.monotonic() - request_started)
             return response
 
     def _result(self, response: Any, call_id_prefix: str) -> InferenceResult:

@@ -15,6 +15,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import CollectionInvalid, DuplicateKeyError, OperationFailure
 
+from yoke.lru import LRUCache
 from yoke.models import Actor, Conversation, Message, Participant
 
 Doc = dict[str, Any]
@@ -52,7 +53,7 @@ class Store:
         self.messages: AsyncCollection[Doc] = self.db["messages"]
         self.states: AsyncCollection[Doc] = self.db["actor_states"]
         # Highest seq this process knows to exist per conversation: saves a query per post.
-        self._last_seq: dict[str, int] = {}
+        self._last_seq: LRUCache[str, int] = LRUCache()
 
     async def ensure_indexes(self) -> None:
         """Create collections and indexes; idempotent, every service runs it at start-up.
