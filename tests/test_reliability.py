@@ -2,7 +2,7 @@
 aside without blocking its conversation, and one join's failure leaves the others answering.
 
 The processor and ingestion run under ``tests.support.poison``: a line holding ``POISON`` makes
-the processor's handler fail for good, and ``INGEST-POISON`` makes ingestion fail to copy a line
+the processor's handler fail for good, and ``INGEST-JAM`` makes ingestion fail to copy a line
 for one agent only.
 """
 
@@ -50,7 +50,7 @@ async def mesh(
             "processor": _poisoned("processor"),
             "ingestion": _poisoned(
                 "ingestion",
-                {"YOKE_TEST_POISON": "INGEST-POISON", "YOKE_TEST_POISON_AGENT": POISONED_AGENT},
+                {"YOKE_TEST_POISON": "INGEST-JAM", "YOKE_TEST_POISON_AGENT": POISONED_AGENT},
             ),
         },
     )
@@ -160,7 +160,9 @@ async def test_a_deleted_shard_queue_is_reported_then_consumed_again(
         for forum in forums:
             await say(client, forum.id, "hello")
     for forum, agent_id in zip(forums, agents, strict=True):
-        await lines_until(store, forum.id, lambda lines, a=agent_id: _answers(lines, a) == ["hello"])
+        await lines_until(
+            store, forum.id, lambda lines, a=agent_id: _answers(lines, a) == ["hello"]
+        )
 
 
 async def test_a_poison_line_is_set_aside_and_the_next_lines_are_answered(
@@ -178,7 +180,9 @@ async def test_a_poison_line_is_set_aside_and_the_next_lines_are_answered(
     )
     assert lines[0].id == first
     # One notice in the monologue names the line and the reason; the forum never sees it.
-    join_state = await store.states.find_one({"actor": "processor", "config.agentActorId": agent_id})
+    join_state = await store.states.find_one(
+        {"actor": "processor", "config.agentActorId": agent_id}
+    )
     assert join_state is not None
     monologue = join_state["watch"]
 
@@ -244,14 +248,30 @@ async def test_one_joins_failure_does_not_stop_the_other_joins_of_its_forum(
     healthy_agent = await _join(store, poster, forum.id)
     poisoned_agent = await _join(store, poster, forum.id, agent_id=POISONED_AGENT)
     async with Client(amqp_url) as client:
-        await say(client, forum.id, "INGEST-POISON first")
-        await say(client, forum.id, "second")
-    await lines_until(
+        first = await say(client, forum.id, "INGEST-JAM first")
+        second = await say(client, forum.id, "second")
+
+    def replied(lines: list[Message], agent_id: str) -> set[str]:
+        """The people's lines the agent answered (agents also answer each other here)."""
+        return {
+            str(line.meta.in_reply_to)
+            for line in agent_lines(lines)
+            if line.author_actor_id == agent_id and line.meta.in_reply_to in (first, second)
+        }
+
+    lines = await lines_until(
         store,
         forum.id,
-        lambda lines: _answers(lines, healthy_agent) == ["INGEST-POISON first", "second"]
-        and _answers(lines, poisoned_agent) == ["second"],
+        lambda lines: (
+            replied(lines, healthy_agent) == {first, second}
+            and replied(lines, poisoned_agent) == {second}
+        ),
     )
+    # A notice in the forum says which line the poisoned join could not take (one per line:
+    # the healthy agent's echo of it jams the poisoned join too).
+    notices = [line for line in lines if line.type == "notice"]
+    assert [n for n in notices if first in n.text]
+    assert len({n.meta.causation_id for n in notices}) == len(notices)
 
 
 async def test_leave_wins_over_a_late_state_save(store: Store, poster: Poster) -> None:

@@ -21,14 +21,19 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
 
+from yoke.errors import DeadLetter, Stopping
+from yoke.failures import Failure
 from yoke.ids import derive_id
-from yoke.models import Message, MessagePosted
+from yoke.models import Message, MessageMeta, MessagePosted, TextPart
 from yoke.posting import Poster
 from yoke.service import Service
 from yoke.settings import Settings
 from yoke.store import Store
 
 log = logging.getLogger(__name__)
+
+# The author of lines the mesh itself writes: tool results, notices.
+SYSTEM_ACTOR_ID = "system"
 
 C = TypeVar("C", bound=BaseModel)
 S = TypeVar("S", bound=BaseModel)
@@ -109,7 +114,11 @@ def create_instance_document(
 
 
 class ActorRuntime:
-    """Drives registered actor definitions from ``conversation.message.posted`` events."""
+    """Drives registered actor definitions from ``conversation.message.posted`` events.
+
+    Each instance is advanced on its own: a line that fails one instance for good is set aside
+    for that instance only (see :meth:`_set_aside`) and every other instance goes on.
+    """
 
     def __init__(self, service: Service, definitions: list[ActorDefinition[Any, Any]]) -> None:
         self.service = service
@@ -117,20 +126,25 @@ class ActorRuntime:
         service.on_event(MessagePosted, self.on_posted)
 
     async def on_posted(self, event: MessagePosted) -> None:
+        set_aside: list[str] = []
         for definition in self.definitions:
             # Read them all first: a cursor held open across handlers pins a server connection.
             documents = await self.service.store.states_watching(
                 definition.name, event.conversation_id
             )
             for document in documents:
-                await self._advance(definition, document, event)
+                set_aside += await self._advance(definition, document, event)
+        if set_aside:
+            # Recorded, noticed and passed over already: the letter is for an operator's replay.
+            raise DeadLetter("; ".join(set_aside))
 
     async def _advance(
         self, definition: ActorDefinition[Any, Any], document: dict[str, Any], event: MessagePosted
-    ) -> None:
+    ) -> list[str]:
+        """Handle the instance's lines up to the event's; returns what had to be set aside."""
         watermark = int(document.get("watermark", 0))
         if event.seq <= watermark:
-            return
+            return await self._retry_set_aside(definition, document, event.seq)
         store = self.service.store
         if event.seq == watermark + 1:
             pending = [event.message]
@@ -138,32 +152,173 @@ class ActorRuntime:
             pending = await store.history(
                 event.conversation_id, after_seq=watermark, up_to_seq=event.seq
             )
-        config = definition.config_schema.model_validate(document["config"])
-        state = definition.state_schema.model_validate(document["state"])
-        state_id = str(document["_id"])
-
-        async def save(watch: str, watermark: int) -> None:
-            document["watch"] = watch
-            document["watermark"] = watermark
-            document["state"] = state.model_dump(mode="json", by_alias=True)
-            await store.save_state(state_id, document)
-
+        set_aside: list[str] = []
         for message in pending:
-            if definition.trigger(config, state, message):
-                context = ActorContext(
-                    actor=definition.name,
-                    instance_id=str(document["instanceId"]),
-                    config=config,
-                    state=state,
-                    store=store,
-                    poster=self.service.poster,
-                    trigger=message,
-                    watch=event.conversation_id,
-                    service=self.service.name,
-                    settings=self.service.settings,
-                    save=save,
-                )
-                await definition.handle(context, message)
-                if context.repointed:
-                    return
-            await save(event.conversation_id, message.seq)
+            outcome = await self._run(definition, document, message, event.conversation_id)
+            if outcome == "repointed":
+                break
+            if outcome is not None:
+                set_aside.append(outcome)
+                _remember_failure(document, message.seq)
+            await self._save(document, event.conversation_id, message.seq)
+        return set_aside
+
+    async def _run(
+        self,
+        definition: ActorDefinition[Any, Any],
+        document: dict[str, Any],
+        message: Message,
+        watch: str,
+    ) -> str | None:
+        """Run the handler on ``message`` under the retry policy.
+
+        Returns None when done, ``"repointed"`` when the instance now follows another
+        conversation, or the reason the line was set aside after its last attempt.
+        """
+        config = definition.config_schema.model_validate(document["config"])
+        if not definition.trigger(
+            config, definition.state_schema.model_validate(document["state"]), message
+        ):
+            return None
+        state_id = str(document["_id"])
+        repointed = False
+
+        async def attempt() -> None:
+            nonlocal repointed
+            # A fresh state per attempt: a failed attempt's half-made changes are not kept.
+            state = definition.state_schema.model_validate(document["state"])
+
+            async def save(watch: str, watermark: int) -> None:
+                document["state"] = state.model_dump(mode="json", by_alias=True)
+                await self._save(document, watch, watermark)
+
+            context = ActorContext(
+                actor=definition.name,
+                instance_id=str(document["instanceId"]),
+                config=config,
+                state=state,
+                store=self.service.store,
+                poster=self.service.poster,
+                trigger=message,
+                watch=watch,
+                service=self.service.name,
+                settings=self.service.settings,
+                save=save,
+            )
+            await definition.handle(context, message)
+            repointed = context.repointed
+            if not repointed:
+                document["state"] = state.model_dump(mode="json", by_alias=True)
+
+        try:
+            await self.service.dispatcher.policy.run(
+                attempt,
+                stopping=self.service.stopping,
+                describe=f"{definition.name} handler",
+                extra={"conversationId": message.conversation_id, "messageId": message.id},
+            )
+        except Stopping:
+            raise
+        except Exception as error:
+            log.error(
+                "%s failed for good on a line; setting it aside: %r",
+                definition.name,
+                error,
+                extra={"conversationId": message.conversation_id, "messageId": message.id},
+                exc_info=True,
+            )
+            await self._set_aside(definition, state_id, message, error)
+            return f"{definition.name} {document['instanceId']}: line {message.id}: {error!r}"
+        return "repointed" if repointed else None
+
+    async def _set_aside(
+        self,
+        definition: ActorDefinition[Any, Any],
+        state_id: str,
+        message: Message,
+        error: Exception,
+    ) -> None:
+        """Record the failure (a unique insert) and say so once in the conversation.
+
+        The watermark then moves past the line (the caller saves it), so the next lines are
+        answered; ``yoke dlq replay`` of the letter runs the line again while its record is open.
+        """
+        store = self.service.store
+        reason = f"{type(error).__name__}: {error}"[:500]
+        await store.record_failure(
+            Failure(
+                id=derive_id("failure", state_id, message.id),
+                state_id=state_id,
+                actor=definition.name,
+                service=self.service.name,
+                conversation_id=message.conversation_id,
+                message_id=message.id,
+                seq=message.seq,
+                error=reason,
+            )
+        )
+        await self.service.poster.post(
+            Message(
+                id=derive_id("failure-notice", state_id, message.id),
+                conversation_id=message.conversation_id,
+                author_actor_id=SYSTEM_ACTOR_ID,
+                role="user",
+                type="notice",
+                parts=[
+                    TextPart(
+                        text=f"could not handle line {message.id} (seq {message.seq}): {reason}. "
+                        "It was set aside for an operator (yoke dlq replay runs it again); "
+                        "later lines are answered."
+                    )
+                ],
+                meta=MessageMeta(causation_id=message.id),
+            )
+        )
+
+    async def _retry_set_aside(
+        self, definition: ActorDefinition[Any, Any], document: dict[str, Any], up_to_seq: int
+    ) -> list[str]:
+        """A redelivery (say, a replayed dead letter): run again the lines set aside up to it."""
+        seqs = sorted(seq for seq in _failed_seqs(document) if seq <= up_to_seq)
+        if not seqs:
+            return []
+        store = self.service.store
+        still: list[str] = []
+        watch, watermark = str(document["watch"]), int(document["watermark"])
+        for failure in await store.open_failures(str(document["_id"])):
+            if failure.seq not in seqs:
+                continue
+            message = await store.get_message(failure.message_id)
+            outcome = (
+                await self._run(definition, document, message, watch)
+                if message is not None
+                else None
+            )
+            if outcome is not None and outcome != "repointed":
+                still.append(outcome)
+                continue
+            await store.close_failure(failure.id)
+            document["failed"] = [seq for seq in _failed_seqs(document) if seq != failure.seq]
+            await self._save(document, watch, watermark)
+            log.info(
+                "a line set aside earlier was handled on replay",
+                extra={"conversationId": failure.conversation_id, "messageId": failure.message_id},
+            )
+        return still
+
+    async def _save(self, document: dict[str, Any], watch: str, watermark: int) -> None:
+        document["watch"] = watch
+        document["watermark"] = watermark
+        await self.service.store.save_state(str(document["_id"]), document)
+
+
+# An instance keeps the seqs of its open failures (bounded): a redelivery checks them for free.
+MAX_REMEMBERED_FAILURES = 100
+
+
+def _failed_seqs(document: dict[str, Any]) -> list[int]:
+    return [int(seq) for seq in document.get("failed") or []]
+
+
+def _remember_failure(document: dict[str, Any], seq: int) -> None:
+    document["failed"] = [*_failed_seqs(document), seq][-MAX_REMEMBERED_FAILURES:]

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 
 from pydantic import Field, JsonValue
 
+from yoke.actor import SYSTEM_ACTOR_ID as SYSTEM_ACTOR_ID
 from yoke.actor import create_instance_document, instance_state_id
 from yoke.ids import derive_id, new_id
 from yoke.models import (
@@ -25,7 +26,6 @@ from yoke.store import Store
 
 DEFAULT_MODEL = "fixture-echo"
 DEFAULT_HOP_CAP = 4
-SYSTEM_ACTOR_ID = "system"
 
 INGESTION = "ingestion"
 PROCESSOR = "processor"

@@ -15,8 +15,9 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import CollectionInvalid, DuplicateKeyError, OperationFailure
 
+from yoke.failures import Failure
 from yoke.lru import LRUCache
-from yoke.models import Actor, Conversation, Message, Participant
+from yoke.models import Actor, Conversation, Message, Participant, utcnow
 
 Doc = dict[str, Any]
 NAMESPACE_EXISTS = 48
@@ -36,6 +37,7 @@ class Store:
         "messages",
         "actor_states",
         "egress_joins",
+        "failures",
     )
 
     def __init__(self, url: str, *, app_name: str = "yoke", pool_size: int = 16) -> None:
@@ -52,6 +54,7 @@ class Store:
         self.participants: AsyncCollection[Doc] = self.db["participants"]
         self.messages: AsyncCollection[Doc] = self.db["messages"]
         self.states: AsyncCollection[Doc] = self.db["actor_states"]
+        self.failures: AsyncCollection[Doc] = self.db["failures"]
         # Highest seq this process knows to exist per conversation: saves a query per post.
         self._last_seq: LRUCache[str, int] = LRUCache()
 
@@ -80,6 +83,7 @@ class Store:
         await self.participants.create_index([("actorId", ASCENDING)], name="actor")
         await self.actors.create_index([("externalId", ASCENDING)], name="external_id")
         await self.states.create_index([("actor", ASCENDING), ("watch", ASCENDING)], name="watch")
+        await self.failures.create_index([("stateId", ASCENDING)], name="state")
 
     async def ping(self) -> None:
         await self.db.command("ping")
@@ -224,5 +228,24 @@ class Store:
         return await self.states.find_one({"_id": state_id})
 
     async def save_state(self, state_id: str, document: Doc) -> None:
-        """Replace the state document; one lane owns each state (one writer)."""
-        await self.states.replace_one({"_id": state_id}, document, upsert=True)
+        """Replace the state document; one lane owns each state (one writer).
+
+        Never an upsert: a join that was left (its state deleted) stays left, whatever a step
+        that was still running saves afterwards.
+        """
+        await self.states.replace_one({"_id": state_id}, document)
+
+    # --- failures ----------------------------------------------------------------------
+
+    async def record_failure(self, failure: Failure) -> None:
+        await self.insert_if_absent(self.failures, failure.to_document())
+
+    async def open_failures(self, state_id: str) -> list[Failure]:
+        found = await self.failures.find({"stateId": state_id, "open": True}).to_list()
+        return sorted((Failure.from_document(d) for d in found), key=lambda f: f.seq)
+
+    async def close_failure(self, failure_id: str) -> None:
+        """Mark a failure handled; its instance's lane is its one writer."""
+        await self.failures.update_one(
+            {"_id": failure_id}, {"$set": {"open": False, "resolvedAt": utcnow()}}
+        )

@@ -78,7 +78,15 @@ async def lines_until(
         found = await store.history(conversation_id)
         return done(found)
 
-    await eventually(check, timeout=timeout, what=f"lines in {conversation_id}")
+    try:
+        await eventually(check, timeout=timeout, what=f"lines in {conversation_id}")
+    except AssertionError as error:
+        shown = "\n".join(
+            f"  {m.seq} {m.role}/{m.type} {m.author_actor_id[:8]} {m.text[:60]!r}"
+            f" inReplyTo={m.meta.in_reply_to}"
+            for m in found[-40:]
+        )
+        raise AssertionError(f"{error}; the last lines were:\n{shown}") from None
     return found
 
 
