@@ -17,6 +17,7 @@ from yoke.dead_letters import list_dead_letters, replay_dead_letters
 from yoke.joins import create_agent, create_forum, join_conversation, leave_conversation
 from yoke.models import Message
 from yoke.posting import Poster
+from yoke.reshard import ReshardRefused, reshard
 from yoke.settings import Settings
 from yoke.store import Store
 
@@ -209,6 +210,22 @@ async def dlq_replay(args: argparse.Namespace) -> None:
     print(f"replayed {count} dead letters", file=sys.stderr)
 
 
+async def reshard_shards(args: argparse.Namespace) -> None:
+    async def action(store: Store) -> None:
+        services = args.service or list(supervisor.SERVICES)
+        try:
+            done = await reshard(Settings().amqp_url, store, args.shards, services)
+        except ReshardRefused as error:
+            raise CommandError(str(error)) from error
+        for item in done:
+            line = {"service": item.service, "from": item.before, "to": item.after}
+            print(json.dumps({**line, "moved": item.moved}))
+        if not done:
+            print(f"every shard count is already {args.shards}", file=sys.stderr)
+
+    await with_store(action)
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
         prog="yoke",
@@ -279,6 +296,18 @@ def parser() -> argparse.ArgumentParser:
     dlq = commands.add_parser("dlq", help="dead letters").add_subparsers(dest="sub", required=True)
     command(dlq, "list", dlq_list, "one JSON line per dead letter: service, error, attempts")
     command(dlq, "replay", dlq_replay, "republish every dead letter where it came from")
+
+    resharding = command(
+        commands,
+        "reshard",
+        reshard_shards,
+        "with every service stopped: move each service's shard queues to N shards, "
+        "waiting messages included; then start them with YOKE_SHARDS=N",
+    )
+    resharding.add_argument("shards", type=int, metavar="N")
+    resharding.add_argument(
+        "--service", action="append", help="only this service (repeatable; default all)"
+    )
     return root
 
 

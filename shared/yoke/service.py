@@ -24,6 +24,7 @@ from yoke.logs import configure_logging
 from yoke.metrics import EVENT_LAG_SECONDS
 from yoke.models import Envelope, EventPayload, utcnow
 from yoke.posting import Poster
+from yoke.reshard import check_shard_count
 from yoke.settings import Settings
 from yoke.store import Store
 
@@ -120,6 +121,7 @@ class Service:
         prefetch = self.settings.prefetch
         if self._event_handlers:
             bindings = [f"{event_type}.#" for event_type in self._event_handlers]
+            await check_shard_count(self.bus, self.store, self.name, self.settings.shards)
             queues = await self.bus.declare_shards(self.name, bindings, self.settings.shards)
             for queue in queues:
                 route = Route(queue, self.lane_key, self._handle_event)
