@@ -276,7 +276,7 @@ class Run:
                     f"{self.plan.recovery_timeout:.0f} s; injected no further faults"
                 )
                 self._unhealthy(f"after '{what}'", await self.mesh.health(), quiet_ok=True)
-                await self._report_consumers(0)
+                await self._report_consumers(0, f"after '{what}'")
                 return
             bad = await self.mesh.wait_healthy(self.plan.recovery_timeout)
             if bad:
@@ -305,7 +305,7 @@ class Run:
         bad = await self.mesh.wait_healthy(timeout)
         if bad:
             self._unhealthy("at the end", bad)
-        await self._report_consumers(timeout)
+        await self._report_consumers(timeout, "at the end")
         unpublished: list[str] = []
 
         async def outbox_empty() -> bool:
@@ -350,7 +350,7 @@ class Run:
             else:
                 self.notes.append(f"{name} exited with {code} without chaos killing it")
 
-    async def _report_consumers(self, timeout: float) -> None:
+    async def _report_consumers(self, timeout: float, when: str) -> None:
         """Every shard and intake queue must have a consumer (health can say 200 without)."""
         idle: list[str] = []
 
@@ -363,7 +363,7 @@ class Run:
             return not idle
 
         if not await self._wait_async(all_consumed, timeout):
-            self.problems.append("queues without a consumer: " + ", ".join(idle))
+            self.problems.append(f"queues without a consumer {when}: " + ", ".join(idle))
 
     async def _idle_queues(self) -> list[str]:
         async with httpx.AsyncClient(
