@@ -23,6 +23,7 @@ from aio_pika.abc import (
 from aiormq.exceptions import AMQPError
 
 from yoke import topology
+from yoke.errors import Transient
 from yoke.models import Envelope
 
 log = logging.getLogger(__name__)
@@ -193,7 +194,8 @@ class Bus:
                 return
             except (TimeoutError, AMQPError, ConnectionError, RuntimeError) as error:
                 if loop.time() + delay > deadline:
-                    raise
+                    # The broker is away: whoever asked should wait and try again, not give up.
+                    raise Transient(f"publish to {exchange} failed: {error!r}") from error
                 log.warning("publish to %s failed (%s); retrying", exchange, error)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)

@@ -140,6 +140,8 @@ class RetryPolicy:
         while True:
             try:
                 return await work()
+            except Stopping:
+                raise
             except give_up_at_once:
                 raise
             except Exception as error:
