@@ -6,6 +6,8 @@
 
 It never loops within a delivery and never decides what people see (egress does). The step's
 transcript ends at its trigger (DESIGN invariant 1), so queued lines are each answered once.
+A line that lands while the agent's tools run is answered by the step after their results, not
+by a model call of its own (DESIGN invariant 10).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections import Counter
 
 from yoke.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.compaction import needs_compaction, swap_monologue
+from yoke.ids import derive_id
 from yoke.inference import InferenceRequest, ProviderFailed, cost_of, provider_for
 from yoke.joins import PROCESSOR, SYSTEM_ACTOR_ID, ProcessorConfig, ProcessorState
 from yoke.metrics import (
@@ -82,21 +85,11 @@ async def step(context: Context, trigger: Message) -> None:
             await run_tools(context, trigger, calls)
         return
     if any(isinstance(part, ToolResultPart) for part in trigger.parts):
-        if trigger.meta.loop_guard:
-            # The guard refused a repeated call: the step ends here rather than spin.
-            await post_notice(
-                context,
-                trigger,
-                "doom_loop",
-                "stopped a tool loop: the agent "
-                "kept requesting the same call; it answers again at the next line",
-            )
-            return
-        await infer_once(context, trigger)
+        await answer_tool_results(context, trigger)
         return
     if not trigger.text:
         return
-    if trigger.text.startswith("/") and trigger.meta.agent_hops == 0:
+    if is_slash_command(trigger):
         await answer_slash_command(context, trigger)
         return
     if trigger.meta.agent_hops >= context.config.hop_cap:
@@ -108,15 +101,117 @@ async def step(context: Context, trigger: Message) -> None:
             extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
         )
         return
-    transcript = await context.store.history(
-        trigger.conversation_id,
-        after_seq=max(0, context.state.context_from_seq - 1),
-        up_to_seq=trigger.seq,
-    )
+    transcript = await context_window(context, trigger)
+    if await results_on_their_way(context, transcript):
+        log.info(
+            "not answering yet: the step after the pending tool results answers this line",
+            extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
+        )
+        return
     if needs_compaction(context.config, transcript):
         await swap_monologue(context, trigger, transcript)  # the trigger is answered there
         return
     await infer_once(context, trigger, transcript)
+
+
+async def answer_tool_results(context: Context, trigger: Message) -> None:
+    """Infer once on the results, answering too any line that arrived while the tools ran."""
+    transcript = await context_window(context, trigger)
+    round_index = call_line_index(transcript, trigger)
+    if round_index is None:
+        # Their call is out of context (a /reset meanwhile): nothing here waits for them.
+        log.info(
+            "not answering: the tool results' call is no longer in context",
+            extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
+        )
+        return
+    waiting = [
+        line
+        for line in transcript[round_index + 1 : -1]
+        if line.role == "user" and wants_model_answer(context.config, line)
+    ]
+    if trigger.meta.loop_guard and not waiting:
+        # The guard refused a repeated call: the step ends here rather than spin.
+        await post_notice(
+            context,
+            trigger,
+            "doom_loop",
+            "stopped a tool loop: the agent "
+            "kept requesting the same call; it answers again at the next line",
+        )
+        return
+    await infer_once(context, trigger, transcript)
+
+
+def is_slash_command(line: Message) -> bool:
+    """A person's ``/command``: answered by the processor itself, never by the model."""
+    return line.text.startswith("/") and line.meta.agent_hops == 0
+
+
+def wants_model_answer(config: ProcessorConfig, line: Message) -> bool:
+    """A user text line the model answers: not a slash command, not past the hop cap."""
+    return (
+        line.type == "message"
+        and bool(line.text)
+        and not is_slash_command(line)
+        and line.meta.agent_hops < config.hop_cap
+    )
+
+
+async def context_window(context: Context, trigger: Message) -> list[Message]:
+    """The step's transcript: from the context start (``/reset``) up to its trigger."""
+    return await context.store.history(
+        trigger.conversation_id,
+        after_seq=max(0, context.state.context_from_seq - 1),
+        up_to_seq=trigger.seq,
+    )
+
+
+def call_line_index(transcript: list[Message], results: Message) -> int | None:
+    """Where in the transcript the agent made the calls ``results`` answer (None: not in it)."""
+    answered = {part.call_id for part in results.parts if isinstance(part, ToolResultPart)}
+    for index in range(len(transcript) - 1, -1, -1):
+        line = transcript[index]
+        if line.role == "agent" and any(
+            isinstance(part, ToolCallPart) and part.call_id in answered for part in line.parts
+        ):
+            return index
+    return None
+
+
+def open_round(transcript: list[Message]) -> Message | None:
+    """The agent's latest tool-call line, when no result of its calls follows it here."""
+    for index in range(len(transcript) - 1, -1, -1):
+        line = transcript[index]
+        called = {part.call_id for part in line.parts if isinstance(part, ToolCallPart)}
+        if line.role != "agent" or not called:
+            continue
+        answered = any(
+            isinstance(part, ToolResultPart) and part.call_id in called
+            for later in transcript[index + 1 :]
+            for part in later.parts
+        )
+        return None if answered else line
+    return None
+
+
+def tool_results_id(context: Context, call_line: Message) -> str:
+    """The id of the results message the step of ``call_line`` writes (one per call line)."""
+    return derive_id("tool-results", context.instance_id, call_line.id)
+
+
+async def results_on_their_way(context: Context, transcript: list[Message]) -> bool:
+    """Whether the trigger landed while a tool round was pending, and its results are written.
+
+    Steps run in seq order, so the round's own step is over: its results are either written
+    after the trigger, and their step (whose transcript holds the trigger) answers it, or they
+    never will be (the step failed for good), and then the trigger is answered now rather than
+    never; the prompt marks the lost results as missing.
+    """
+    call_line = open_round(transcript)
+    if call_line is None:
+        return False
+    return await context.store.get_message(tool_results_id(context, call_line)) is not None
 
 
 async def answer_slash_command(context: Context, trigger: Message) -> None:
@@ -212,7 +307,7 @@ async def run_tools(context: Context, trigger: Message, calls: list[ToolCallPart
     meta.loop_guard = True if refused else None
     await context.post(
         Message(
-            id=context.effect_id("tool-results"),
+            id=tool_results_id(context, trigger),
             conversation_id=trigger.conversation_id,
             author_actor_id=SYSTEM_ACTOR_ID,
             role="user",
@@ -239,20 +334,12 @@ async def display_names(context: Context, transcript: list[Message]) -> dict[str
     return names
 
 
-async def infer_once(
-    context: Context, trigger: Message, transcript: list[Message] | None = None
-) -> None:
+async def infer_once(context: Context, trigger: Message, transcript: list[Message]) -> None:
     config, state = context.config, context.state
     spent = budget_spent(config, state)
     if spent:
         await post_notice(context, trigger, "budget", f"no answer: {spent}")
         return
-    if transcript is None:
-        transcript = await context.store.history(
-            trigger.conversation_id,
-            after_seq=max(0, state.context_from_seq - 1),
-            up_to_seq=trigger.seq,
-        )
     request = InferenceRequest(
         transcript=transcript,
         tools=resolve_tools(config.tools),

@@ -1,0 +1,153 @@
+"""The processor's steps around a tool round, against the real store: a line that lands while
+the tools run waits for their results, unless the results will never come."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from services.processor.app import open_round, step, tool_results_id
+from yoke.actor import ActorContext
+from yoke.joins import ProcessorConfig, ProcessorState
+from yoke.models import Message, MessageMeta, Part, TextPart, ToolCallPart, ToolResultPart
+from yoke.settings import Settings
+from yoke.store import Store
+
+
+class StorePoster:
+    """Writes what a step posts straight to the store (no events: one step at a time here)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.posted: list[Message] = []
+
+    async def post(self, message: Message) -> Message:
+        stored, _ = await self.store.insert_message(message)
+        self.posted.append(stored)
+        return stored
+
+
+class Monologue:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.id = uuid.uuid4().hex
+        self.poster = StorePoster(store)
+        self.config = ProcessorConfig(
+            source_conversation_id="forum",
+            forum_participant_id="fp",
+            agent_actor_id="agent",
+            monologue_id=self.id,
+            agent_participant_id="ap",
+            hop_cap=2,
+        )
+        self.state = ProcessorState(monologue_id=self.id, agent_participant_id="ap")
+
+    def context(self, trigger: Message) -> ActorContext[ProcessorConfig, ProcessorState]:
+        return ActorContext(
+            actor="processor",
+            instance_id="join",
+            config=self.config,
+            state=self.state,
+            store=self.store,
+            poster=self.poster,  # type: ignore[arg-type]
+            trigger=trigger,
+            watch=self.id,
+            service="processor",
+            settings=Settings(),
+        )
+
+    async def write(
+        self, role: str, *parts: Part, message_id: str | None = None, **meta: Any
+    ) -> Message:
+        stored, _ = await self.store.insert_message(
+            Message(
+                id=message_id or uuid.uuid4().hex,
+                conversation_id=self.id,
+                author_actor_id="agent" if role == "agent" else "h1",
+                role="agent" if role == "agent" else "user",
+                parts=list(parts),
+                meta=MessageMeta(**meta),
+            )
+        )
+        return stored
+
+    async def say(self, text: str, **meta: Any) -> Message:
+        return await self.write("user", TextPart(text=text), **meta)
+
+    async def call(self) -> Message:
+        return await self.write("agent", ToolCallPart(call_id="c1", name="clock"))
+
+    async def results(self, call: Message, *, written: bool = True, **meta: Any) -> Message:
+        """The round's results, under the id its step gives them (or another id: not written)."""
+        part = ToolResultPart(call_id="c1", name="clock", output="noon")
+        message_id = tool_results_id(self.context(call), call) if written else None
+        return await self.write("user", part, message_id=message_id, **meta)
+
+    async def step(self, trigger: Message) -> list[Message]:
+        before = len(self.poster.posted)
+        await step(self.context(trigger), trigger)
+        return self.poster.posted[before:]
+
+
+async def test_a_line_during_the_round_is_answered_by_the_step_after_the_results(
+    store: Store,
+) -> None:
+    monologue = Monologue(store)
+    await monologue.say("time?")
+    call = await monologue.call()
+    during = await monologue.say("and the date?")
+    results = await monologue.results(call)
+    assert await monologue.step(during) == []
+    assert await monologue.step(during) == []  # a redelivery decides the same
+    [answer] = await monologue.step(results)
+    assert answer.role == "agent" and answer.text == "and the date?"  # fixture-echo
+
+
+async def test_a_line_after_a_round_whose_results_never_come_is_answered_at_once(
+    store: Store,
+) -> None:
+    monologue = Monologue(store)
+    await monologue.say("time?")
+    await monologue.call()  # its step failed for good: no results will be written
+    during = await monologue.say("hello?")
+    [answer] = await monologue.step(during)
+    assert answer.text == "hello?"
+    assert open_round(await store.history(monologue.id)) is not None
+
+
+async def test_a_refused_loop_stops_with_a_notice_unless_a_line_waits_for_an_answer(
+    store: Store,
+) -> None:
+    quiet = Monologue(store)
+    await quiet.say("loop")
+    call = await quiet.call()
+    capped = await quiet.say("an agent at the hop cap", agent_hops=2)
+    command = await quiet.say("/status")
+    refused = await quiet.results(call, loop_guard=True)
+    assert await quiet.step(capped) == []
+    [status] = await quiet.step(command)
+    assert status.text.startswith("model fixture-echo")
+    [notice] = await quiet.step(refused)
+    assert notice.type == "notice" and "stopped a tool loop" in notice.text
+
+    waiting = Monologue(store)
+    await waiting.say("loop")
+    call = await waiting.call()
+    during = await waiting.say("stop that, please")
+    refused = await waiting.results(call, loop_guard=True)
+    assert await waiting.step(during) == []
+    [answer] = await waiting.step(refused)
+    assert answer.type == "message" and answer.text == "stop that, please"
+
+
+async def test_results_whose_call_was_reset_away_start_no_model_call(store: Store) -> None:
+    monologue = Monologue(store)
+    await monologue.say("wait")
+    call = await monologue.call()
+    reset = await monologue.say("/reset")
+    [_] = await monologue.step(reset)
+    after = await monologue.say("hello again")
+    [answer] = await monologue.step(after)  # the round is out of context: answered at once
+    assert answer.text == "hello again"
+    results = await monologue.results(call)
+    assert await monologue.step(results) == []
