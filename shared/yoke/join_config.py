@@ -1,0 +1,91 @@
+"""Everything a join can tune, as one model: what ``yoke join --config FILE.json`` accepts.
+
+camelCase like the wire, every field optional (an absent field keeps the agent's or the
+mesh's default). Stored in a document of its own (written only by joins), so that joining
+again with other options never races a step's state save (DESIGN invariant 8).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field
+
+from yoke.models import WireModel
+
+
+class StrictWireModel(WireModel):
+    """Unknown fields are an error: a typo in a configuration file must not pass silently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class FollowUpConfig(StrictWireModel):
+    """Nudge the agent when it spoke last in the forum and nobody answered."""
+
+    after_seconds: float = Field(gt=0, le=7 * 24 * 3600)
+    text: str = Field(
+        default="Nobody has answered your last message; follow up briefly if it helps.",
+        min_length=1,
+        max_length=4000,
+    )
+    # Follow-ups in a row without a human line in between.
+    max_consecutive: int = Field(default=1, ge=1, le=100)
+
+
+class RulePolicy(StrictWireModel):
+    """A regular expression over agent text or tool-call names/arguments; a fixed steer."""
+
+    kind: Literal["rule"]
+    pattern: str = Field(min_length=1, max_length=1000)
+    steer: str = Field(min_length=1, max_length=4000)
+
+
+class NoProgressPolicy(StrictWireModel):
+    """The same tool call repeating, or agent steps in a row without text for people."""
+
+    kind: Literal["noProgress"]
+    repeated_calls: int | None = Field(default=3, ge=2, le=100)
+    steps_without_text: int | None = Field(default=5, ge=2, le=100)
+    steer: str = Field(
+        default="You seem to be stuck; stop repeating yourself and ask the person.",
+        min_length=1,
+        max_length=4000,
+    )
+
+
+class LlmPolicy(StrictWireModel):
+    """An ephemeral runner asks the guardian's model; its ``steer`` tool call intervenes."""
+
+    kind: Literal["llm"]
+
+
+GuardianPolicy = Annotated[RulePolicy | NoProgressPolicy | LlmPolicy, Field(discriminator="kind")]
+
+
+class GuardianConfig(StrictWireModel):
+    """Watch the join's monologue; steer the agent when a policy matches."""
+
+    cooldown_seconds: float = Field(default=30.0, ge=0, le=24 * 3600)
+    model: str = Field(default="fixture-echo", min_length=1, max_length=200)
+    instructions: str = Field(
+        default="You watch another agent's work. If it is going wrong, call steer with a "
+        "short instruction for it; otherwise answer without calling any tool.",
+        max_length=8000,
+    )
+    policies: list[GuardianPolicy] = Field(default_factory=list, max_length=50)
+
+
+class JoinConfig(StrictWireModel):
+    """A join's whole configuration. None means "not set here": the default applies."""
+
+    model: str | None = Field(default=None, min_length=1, max_length=200)
+    tools: list[str] | None = Field(default=None, max_length=100)
+    instructions: str | None = Field(default=None, max_length=32000)
+    hop_cap: int | None = Field(default=None, ge=1, le=100)
+    compaction_threshold_tokens: int | None = Field(default=None, ge=1)
+    compaction_keep: int | None = Field(default=None, ge=0, le=1000)
+    budget_tokens: int | None = Field(default=None, ge=0)
+    budget_usd: float | None = Field(default=None, ge=0)
+    follow_up: FollowUpConfig | None = None
+    guardian: GuardianConfig | None = None
