@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field
 
 from yoke.models import WireModel
+from yoke.store import Store
 
 
 class StrictWireModel(WireModel):
@@ -89,3 +90,24 @@ class JoinConfig(StrictWireModel):
     budget_usd: float | None = Field(default=None, ge=0)
     follow_up: FollowUpConfig | None = None
     guardian: GuardianConfig | None = None
+
+
+# --- storage: one document per join, written only by joins ------------------------------------
+
+JOIN_CONFIGS = "join_configs"
+
+
+async def load_join_config(store: Store, join_key: str) -> JoinConfig | None:
+    """The join's configuration (``join_key`` is :func:`yoke.joins.join_id`), if it has one."""
+    document = await store.db[JOIN_CONFIGS].find_one({"_id": join_key})
+    if document is None:
+        return None
+    document.pop("_id")
+    return JoinConfig.model_validate(document)
+
+
+async def save_join_config(store: Store, join_key: str, config: JoinConfig) -> None:
+    """Replace the join's configuration; only a join (``yoke join``) writes it."""
+    await store.db[JOIN_CONFIGS].replace_one(
+        {"_id": join_key}, {"_id": join_key, **config.to_wire()}, upsert=True
+    )

@@ -38,6 +38,7 @@ class Store:
         "actor_states",
         "egress_joins",
         "failures",
+        "join_configs",
     )
 
     def __init__(self, url: str, *, app_name: str = "yoke", pool_size: int = 16) -> None:
