@@ -43,8 +43,18 @@ apt_install() {
         || die "apt-get install ${missing[*]} failed; see $local_dir/apt.log"
 }
 
+# Handlers hold a delivery while they wait out a store outage; RabbitMQ's default 30 min
+# consumer timeout would close the channel under them (see deploy/rabbitmq/rabbitmq.conf).
+consumer_timeout_ms=86400000
+configure_rabbitmq() {
+    local conf=/etc/rabbitmq/rabbitmq.conf
+    grep -qs "^consumer_timeout = $consumer_timeout_ms" "$conf" \
+        || echo "consumer_timeout = $consumer_timeout_ms" >>"$conf"
+}
+
 start_rabbitmq() {
     apt_install rabbitmq-server
+    configure_rabbitmq
     say "enabling RabbitMQ plugins"
     rabbitmq-plugins enable --offline rabbitmq_consistent_hash_exchange rabbitmq_management \
         rabbitmq_prometheus >"$local_dir/rabbitmq-plugins.log" 2>&1 \
@@ -100,9 +110,17 @@ start_ferretdb() {
         || su postgres -c "psql -qc \"CREATE ROLE ferretdb LOGIN PASSWORD 'ferretdb'\""
     su postgres -c "psql -qtAc \"SELECT 1 FROM pg_database WHERE datname='ferretdb'\"" | grep -q 1 \
         || su postgres -c "psql -qc \"CREATE DATABASE ferretdb OWNER ferretdb\""
+    install_gin_twins
     local bin="$local_dir/bin/ferretdb"
     [ -x "$bin" ] || build_ferretdb "$bin"
     launch_ferretdb "$bin"
+}
+
+# FerretDB's own indexes are never used by its queries; give each a GIN twin that is (see the
+# SQL file). Done on every start of a FerretDB this script runs, also when it is found running.
+install_gin_twins() {
+    su postgres -c "psql -d ferretdb -v ON_ERROR_STOP=1 -q -f '$root/deploy/local/ferretdb-gin-indexes.sql'" \
+        >"$local_dir/ferretdb-indexes.log" 2>&1 || die "installing FerretDB's GIN index twins failed; see $local_dir/ferretdb-indexes.log"
 }
 
 launch_ferretdb() { # binary
@@ -127,6 +145,10 @@ start() {
         say "YOKE_AMQP_URL is set: using it, starting no RabbitMQ"
     elif port_open 5672; then
         say "something answers on 127.0.0.1:5672: using it as RabbitMQ"
+        if [ -f "$local_dir/rabbitmq.started" ]; then
+            configure_rabbitmq
+            rabbitmqctl eval "application:set_env(rabbit, consumer_timeout, $consumer_timeout_ms)." >/dev/null
+        fi
     elif can_install; then
         start_rabbitmq
     else
@@ -137,6 +159,7 @@ Start one with 'docker compose up -d rabbitmq mongodb', or set YOKE_AMQP_URL."
         say "YOKE_MONGODB_URL is set: using it, starting no MongoDB-wire server"
     elif port_open 27017; then
         say "something answers on 127.0.0.1:27017: using it as the MongoDB-wire server"
+        [ -f "$local_dir/ferretdb.pid" ] && install_gin_twins
     elif can_install; then
         start_ferretdb
     else
