@@ -20,7 +20,13 @@ from yoke.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.compaction import needs_compaction, swap_monologue
 from yoke.ids import derive_id
 from yoke.inference import InferenceRequest, ProviderFailed, cost_of, provider_for
-from yoke.joins import PROCESSOR, SYSTEM_ACTOR_ID, ProcessorConfig, ProcessorState
+from yoke.joins import (
+    PROCESSOR,
+    SYSTEM_ACTOR_ID,
+    ProcessorConfig,
+    ProcessorState,
+    load_processor_config,
+)
 from yoke.metrics import (
     DOOM_LOOPS,
     LLM_COST,
@@ -394,6 +400,8 @@ PROCESSOR_ACTOR = ActorDefinition(
     state_schema=ProcessorState,
     trigger=is_step_trigger,
     handle=step,
+    # The join's tunables live in its own document (updated by a later join): read per step.
+    load_config=load_processor_config,
 )
 
 

@@ -86,6 +86,9 @@ class ActorDefinition(Generic[C, S]):
     state_schema: type[S]
     trigger: Callable[[C, S, Message], bool]
     handle: Callable[[ActorContext[C, S], Message], Awaitable[None]]
+    # Reads the config for one line instead of the instance document's ``config`` (say, to
+    # overlay a document of the instance's own that another writer updates).
+    load_config: Callable[[Store, dict[str, Any]], Awaitable[C]] | None = None
 
 
 def instance_state_id(actor: str, instance_id: str) -> str:
@@ -175,7 +178,10 @@ class ActorRuntime:
         Returns None when done, ``"repointed"`` when the instance now follows another
         conversation, or the reason the line was set aside after its last attempt.
         """
-        config = definition.config_schema.model_validate(document["config"])
+        if definition.load_config is not None:
+            config = await definition.load_config(self.service.store, document)
+        else:
+            config = definition.config_schema.model_validate(document["config"])
         if not definition.trigger(
             config, definition.state_schema.model_validate(document["state"]), message
         ):

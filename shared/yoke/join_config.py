@@ -7,18 +7,37 @@ again with other options never races a step's state save (DESIGN invariant 8).
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, JsonValue, field_validator
 
+from yoke.metrics import FIXTURE_MODELS
 from yoke.models import WireModel
 from yoke.store import Store
+from yoke.tools import BUILTIN_TOOLS
 
 
 class StrictWireModel(WireModel):
     """Unknown fields are an error: a typo in a configuration file must not pass silently."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+class ScriptedCall(StrictWireModel):
+    name: str
+    input: dict[str, JsonValue] = Field(default_factory=dict)
+
+
+class ScriptedOutput(StrictWireModel):
+    """One step of the ``fixture-script`` model: text and/or tool calls."""
+
+    text: str | None = None
+    tool_calls: list[ScriptedCall] = Field(default_factory=list)
+    input_tokens: int = 0
+    output_tokens: int = 0
+    # On the last entry: play it again for every later step (a model stuck in a loop).
+    repeat: bool = False
 
 
 class FollowUpConfig(StrictWireModel):
@@ -40,6 +59,15 @@ class RulePolicy(StrictWireModel):
     kind: Literal["rule"]
     pattern: str = Field(min_length=1, max_length=1000)
     steer: str = Field(min_length=1, max_length=4000)
+
+    @field_validator("pattern")
+    @classmethod
+    def compiles(cls, pattern: str) -> str:
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise ValueError(f"not a regular expression: {error}") from None
+        return pattern
 
 
 class NoProgressPolicy(StrictWireModel):
@@ -75,6 +103,8 @@ class GuardianConfig(StrictWireModel):
         max_length=8000,
     )
     policies: list[GuardianPolicy] = Field(default_factory=list, max_length=50)
+    # The replies of the ``fixture-script`` model when it is the guardian's (tests and demos).
+    script: list[ScriptedOutput] | None = Field(default=None, max_length=1000)
 
 
 class JoinConfig(StrictWireModel):
@@ -90,6 +120,27 @@ class JoinConfig(StrictWireModel):
     budget_usd: float | None = Field(default=None, ge=0)
     follow_up: FollowUpConfig | None = None
     guardian: GuardianConfig | None = None
+    # The replies of the ``fixture-script`` model, in order (tests and demos).
+    script: list[ScriptedOutput] | None = Field(default=None, max_length=1000)
+
+    @field_validator("model")
+    @classmethod
+    def known_fixture(cls, model: str | None) -> str | None:
+        # Any other name goes to the OpenAI-compatible provider; a misspelt fixture would
+        # only fail at the first step, so it is refused here.
+        if model is not None and model.startswith("fixture-") and model not in FIXTURE_MODELS:
+            known = ", ".join(sorted(FIXTURE_MODELS))
+            raise ValueError(f"unknown fixture model {model!r} (known: {known})")
+        return model
+
+    @field_validator("tools")
+    @classmethod
+    def known_tools(cls, tools: list[str] | None) -> list[str] | None:
+        unknown = [name for name in tools or [] if name not in BUILTIN_TOOLS]
+        if unknown:
+            known = ", ".join(sorted(BUILTIN_TOOLS))
+            raise ValueError(f"unknown tools {', '.join(unknown)} (known: {known})")
+        return tools
 
 
 # --- storage: one document per join, written only by joins ------------------------------------

@@ -8,12 +8,16 @@ announces ``agent.forum.joined``. Every id is derived, so joining twice returns 
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
 from pydantic import Field, JsonValue
 
 from yoke.actor import SYSTEM_ACTOR_ID as SYSTEM_ACTOR_ID
 from yoke.actor import create_instance_document, instance_state_id
 from yoke.ids import derive_id, new_id
+from yoke.join_config import JoinConfig, load_join_config, save_join_config
+from yoke.join_config import ScriptedCall as ScriptedCall
+from yoke.join_config import ScriptedOutput as ScriptedOutput
 from yoke.models import (
     Actor,
     AgentForumJoined,
@@ -31,24 +35,14 @@ INGESTION = "ingestion"
 PROCESSOR = "processor"
 
 
-class ScriptedCall(WireModel):
-    name: str
-    input: dict[str, JsonValue] = Field(default_factory=dict)
-
-
-class ScriptedOutput(WireModel):
-    """One step of the ``fixture-script`` model: text and/or tool calls."""
-
-    text: str | None = None
-    tool_calls: list[ScriptedCall] = Field(default_factory=list)
-    input_tokens: int = 0
-    output_tokens: int = 0
-    # On the last entry: play it again for every later step (a model stuck in a loop).
-    repeat: bool = False
-
-
 class ProcessorConfig(WireModel):
-    """Seeded by the join, as in the seed's processor config schema."""
+    """The processor's config, as in the seed's schema.
+
+    The join seeds the ids and the agent's defaults in the instance document; the tunables a
+    join sets (:class:`JoinConfig`) are read from the join's own document at every step and
+    win (:func:`load_processor_config`), so a later join changes them without touching the
+    state its lane saves.
+    """
 
     source_conversation_id: str
     forum_participant_id: str
@@ -67,6 +61,35 @@ class ProcessorConfig(WireModel):
     # Checked before each model call; None means no limit.
     budget_tokens: int | None = Field(default=None, ge=0)
     budget_usd: float | None = Field(default=None, ge=0)
+
+    def with_join(self, join: JoinConfig | None) -> ProcessorConfig:
+        """This config with what the join sets; None fields of the join keep the defaults."""
+        if join is None:
+            return self
+        tunables = {name: getattr(join, name) for name in JOIN_TUNABLES}
+        return self.model_copy(
+            update={name: value for name, value in tunables.items() if value is not None}
+        )
+
+
+# JoinConfig fields that are the processor's (the rest belongs to follow-up and guardian).
+JOIN_TUNABLES = (
+    "model",
+    "tools",
+    "instructions",
+    "hop_cap",
+    "compaction_threshold_tokens",
+    "compaction_keep",
+    "budget_tokens",
+    "budget_usd",
+    "script",
+)
+
+
+async def load_processor_config(store: Store, document: dict[str, Any]) -> ProcessorConfig:
+    """The processor's config for one step: its instance's, overlaid with the join's."""
+    config = ProcessorConfig.model_validate(document["config"])
+    return config.with_join(await load_join_config(store, str(document["instanceId"])))
 
 
 class ProcessorState(WireModel):
@@ -164,17 +187,38 @@ async def join_conversation(
     poster: Poster,
     agent_actor_id: str,
     forum_id: str,
+    config: JoinConfig | None = None,
     *,
     model: str | None = None,
     tools: list[str] | None = None,
-    hop_cap: int = DEFAULT_HOP_CAP,
+    hop_cap: int | None = None,
     script: list[ScriptedOutput] | None = None,
     budget_tokens: int | None = None,
     budget_usd: float | None = None,
     compaction_threshold_tokens: int | None = None,
-    compaction_keep: int = 6,
+    compaction_keep: int | None = None,
 ) -> Join:
-    """Join the agent to the forum (idempotent); join options override the agent's."""
+    """Join the agent to the forum (idempotent); join options override the agent's.
+
+    ``config`` and the keyword shortcuts (which win over it) are the join's whole
+    configuration: joining again with them replaces what the join had. A call with neither
+    keeps the stored configuration (re-running a bootstrap changes nothing).
+    """
+    shortcuts: dict[str, Any] = {
+        "model": model,
+        "tools": tools,
+        "hop_cap": hop_cap,
+        "script": script,
+        "budget_tokens": budget_tokens,
+        "budget_usd": budget_usd,
+        "compaction_threshold_tokens": compaction_threshold_tokens,
+        "compaction_keep": compaction_keep,
+    }
+    given = {name: value for name, value in shortcuts.items() if value is not None}
+    if given:
+        # Validated as a whole, so a bad shortcut is refused like a bad file.
+        base = (config or JoinConfig()).model_dump(exclude_none=True, by_alias=False)
+        config = JoinConfig.model_validate({**base, **given})
     agent = await store.get_actor(agent_actor_id)
     if agent is None or agent.kind != "agent":
         raise LookupError(f"unknown agent {agent_actor_id}")
@@ -183,6 +227,9 @@ async def join_conversation(
         raise LookupError(f"unknown forum {forum_id}")
     await ensure_system_actor(store)
     key = join_id(agent.id, forum.id)
+    if config is not None:
+        # First, so the processor finds it from its first step; written only here.
+        await save_join_config(store, key, config)
     monologue = await store.save_conversation(
         Conversation(
             id=derive_id("monologue", key), kind="monologue", title=f"{agent.name} in {forum.title}"
@@ -200,21 +247,16 @@ async def join_conversation(
     active_monologue = str(forum_participant.metadata.get("monologueId") or monologue.id)
     agent_tools = agent.meta.get("tools")
     default_tools = [str(t) for t in agent_tools] if isinstance(agent_tools, list) else []
-    config = ProcessorConfig(
+    # The agent's defaults; the join's own configuration overlays them at every step.
+    processor_config = ProcessorConfig(
         source_conversation_id=forum.id,
         forum_participant_id=forum_participant.id,
         agent_actor_id=agent.id,
         monologue_id=active_monologue,
         agent_participant_id=monologue_participant.id,
-        model=model or str(agent.meta.get("model") or DEFAULT_MODEL),
-        tools=tools if tools is not None else default_tools,
+        model=str(agent.meta.get("model") or DEFAULT_MODEL),
+        tools=default_tools,
         instructions=str(agent.meta.get("instructions") or ""),
-        hop_cap=hop_cap,
-        script=script or [],
-        budget_tokens=budget_tokens,
-        budget_usd=budget_usd,
-        compaction_threshold_tokens=compaction_threshold_tokens,
-        compaction_keep=compaction_keep,
     )
     state = ProcessorState(
         monologue_id=active_monologue, agent_participant_id=monologue_participant.id
@@ -226,7 +268,7 @@ async def join_conversation(
             PROCESSOR,
             key,
             watch=active_monologue,
-            config=config,
+            config=processor_config,
             state=state,
             watermark=await store.last_seq(active_monologue),
         ),
