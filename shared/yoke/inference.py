@@ -1,12 +1,14 @@
 """``infer``: one call from a transcript (and tools) to outputs plus token usage.
 
 ``fixture-echo`` answers its trigger line verbatim; ``fixture-script`` plays a list of outputs,
-one per agent step, for tests; any other model id goes to the OpenAI provider
+one per agent step, for tests; ``fixture-slow-<seconds>`` sleeps that long, then echoes (a slow
+model, for the bench's isolation phase); any other model id goes to the OpenAI provider
 (:mod:`yoke.openai_provider`), which works with any OpenAI-compatible server.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
@@ -69,6 +71,33 @@ class EchoProvider:
         )
 
 
+class SlowEchoProvider(EchoProvider):
+    """Echoes after ``seconds``: one forum's slow model must not slow every other forum."""
+
+    def __init__(self, model: str, seconds: float) -> None:
+        self.model = model
+        self.seconds = seconds
+
+    async def infer(self, request: InferenceRequest) -> InferenceResult:
+        await asyncio.sleep(self.seconds)
+        return await super().infer(request)
+
+
+SLOW_PREFIX = "fixture-slow-"
+SLOWEST_SECONDS = 600.0
+
+
+def slow_seconds(model: str) -> float | None:
+    """Seconds of a ``fixture-slow-<seconds>`` model (None for any other name or a bad one)."""
+    if not model.startswith(SLOW_PREFIX):
+        return None
+    try:
+        seconds = float(model.removeprefix(SLOW_PREFIX))
+    except ValueError:
+        return None
+    return seconds if 0 <= seconds <= SLOWEST_SECONDS else None
+
+
 class ScriptedProvider:
     """Step *k* of an agent (its *k*-th line in the transcript) plays ``script[k]``.
 
@@ -109,6 +138,9 @@ def provider_for(model: str, script: list[ScriptedOutput], settings: Settings) -
         return EchoProvider()
     if model == "fixture-script":
         return ScriptedProvider(script)
+    seconds = slow_seconds(model)
+    if seconds is not None:
+        return SlowEchoProvider(model, seconds)
     if model.startswith("fixture-"):
         raise ProviderFailed(f"unknown fixture model {model!r}")
     from yoke.openai_provider import OpenAIProvider
