@@ -1,3 +1,4 @@
+from services.guardian.app import register
 from yoke.service import run_service
 
-run_service("guardian", lambda service: None)
+run_service("guardian", register)

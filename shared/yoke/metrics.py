@@ -66,6 +66,18 @@ DOOM_LOOPS = Counter(
 )
 NOTICES = Counter("yoke_notices", "Notices left in monologues, by reason.", ["reason"])
 COMPACTIONS = Counter("yoke_compactions", "Monologues compacted into a fresh one.")
+GUARDIAN_CHECKS = Counter(
+    "yoke_guardian_checks", "Guardian policy checks of agent steps, by policy kind.", ["policy"]
+)
+GUARDIAN_INTERVENTIONS = Counter(
+    "yoke_guardian_interventions", "Steering lines the guardian posted, by policy kind.", ["policy"]
+)
+GUARDIAN_RUNNER_SECONDS = Histogram(
+    "yoke_guardian_runner_seconds",
+    "Time a guardian runner took (model rounds included), by policy kind.",
+    ["policy"],
+    buckets=LATENCY_BUCKETS,
+)
 
 
 # --- bounded label values ----------------------------------------------------------------------
