@@ -10,20 +10,28 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
+from pydantic import ValidationError
+
 from yoke import supervisor
 from yoke.bus import Bus
 from yoke.client import Client
 from yoke.dead_letters import list_dead_letters, replay_dead_letters
+from yoke.join_config import JoinConfig
 from yoke.joins import create_agent, create_forum, join_conversation, leave_conversation
 from yoke.models import Message
 from yoke.posting import Poster
 from yoke.reshard import ReshardRefused, reshard
+from yoke.service import describe_validation_error
 from yoke.settings import Settings
 from yoke.store import Store
 
 
 class CommandError(Exception):
     """Printed to stderr; exit code 1."""
+
+
+class UsageError(CommandError):
+    """A command's input is invalid (say, a join configuration): exit code 2, like argparse."""
 
 
 async def with_store(action: Callable[[Store], Awaitable[None]]) -> None:
@@ -60,18 +68,51 @@ async def forum_create(args: argparse.Namespace) -> None:
     await with_store(action)
 
 
+def join_config_of(args: argparse.Namespace) -> JoinConfig:
+    """The join's whole configuration: ``--config FILE`` with the shortcut options on top.
+
+    Checked before anything is written; an error names the field (``followUp.afterSeconds``).
+    """
+    data: dict[str, Any] = {}
+    if args.config:
+        try:
+            with open(args.config, encoding="utf-8") as file:
+                loaded = json.load(file)
+        except OSError as error:
+            raise UsageError(f"cannot read {args.config}: {error.strerror or error}") from error
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise UsageError(f"{args.config} is not JSON: {error}") from error
+        if not isinstance(loaded, dict):
+            raise UsageError(f"{args.config}: a join configuration is a JSON object")
+        data = loaded
+    if args.model is not None:
+        data["model"] = args.model
+    if args.tools is not None:
+        data["tools"] = split_tools(args.tools) or []
+    if args.follow_up_after is not None:
+        follow_up = data.get("followUp")
+        data["followUp"] = {
+            **(follow_up if isinstance(follow_up, dict) else {}),
+            "afterSeconds": args.follow_up_after,
+        }
+    try:
+        return JoinConfig.model_validate(data)
+    except ValidationError as error:
+        where = f" in {args.config}" if args.config else ""
+        raise UsageError(
+            f"invalid join configuration{where}: {describe_validation_error(error)}"
+        ) from error
+
+
 async def join(args: argparse.Namespace) -> None:
+    config = join_config_of(args)
+
     async def action(store: Store) -> None:
         bus = Bus(Settings().amqp_url, name="yoke-cli")
         await bus.connect()
         try:
             result = await join_conversation(
-                store,
-                Poster(store, bus, "cli"),
-                args.agent,
-                args.forum,
-                model=args.model,
-                tools=split_tools(args.tools),
+                store, Poster(store, bus, "cli"), args.agent, args.forum, config
             )
         except LookupError as error:
             raise CommandError(str(error)) from error
@@ -117,7 +158,12 @@ async def post(args: argparse.Namespace) -> None:
 
 
 def render(message: Message, names: dict[str, str]) -> str:
+    """One line for people: injected instructions and notices say what they are."""
     who = names.get(message.author_actor_id, message.author_actor_id)
+    if message.meta.instruction:
+        return f"[{message.seq}] {who} ({message.meta.instruction} instruction): {message.text}"
+    if message.type == "notice":
+        return f"[{message.seq}] {who} (notice): {message.text}"
     return f"[{message.seq}] {who}: {message.text}"
 
 
@@ -267,6 +313,17 @@ def parser() -> argparse.ArgumentParser:
     joining.add_argument("--forum", required=True)
     joining.add_argument("--model", help="overrides the agent's model for this join")
     joining.add_argument("--tools", help="overrides the agent's tools for this join")
+    joining.add_argument(
+        "--config",
+        metavar="FILE.json",
+        help="the join's whole configuration (see the README); joining again replaces it",
+    )
+    joining.add_argument(
+        "--follow-up-after",
+        type=float,
+        metavar="SECONDS",
+        help="nudge the agent when it spoke last and nobody answered for this long",
+    )
 
     leaving = command(commands, "leave", leave, "end a join; the agent stops answering there")
     leaving.add_argument("--agent", required=True)
@@ -317,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(args.handler(args))
     except CommandError as error:
         print(f"yoke: {error}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(2 if isinstance(error, UsageError) else 1)
     except KeyboardInterrupt:
         sys.exit(130)
 

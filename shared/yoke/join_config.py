@@ -12,7 +12,6 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, JsonValue, field_validator
 
-from yoke.metrics import FIXTURE_MODELS
 from yoke.models import WireModel
 from yoke.store import Store
 from yoke.tools import BUILTIN_TOOLS
@@ -122,16 +121,6 @@ class JoinConfig(StrictWireModel):
     guardian: GuardianConfig | None = None
     # The replies of the ``fixture-script`` model, in order (tests and demos).
     script: list[ScriptedOutput] | None = Field(default=None, max_length=1000)
-
-    @field_validator("model")
-    @classmethod
-    def known_fixture(cls, model: str | None) -> str | None:
-        # Any other name goes to the OpenAI-compatible provider; a misspelt fixture would
-        # only fail at the first step, so it is refused here.
-        if model is not None and model.startswith("fixture-") and model not in FIXTURE_MODELS:
-            known = ", ".join(sorted(FIXTURE_MODELS))
-            raise ValueError(f"unknown fixture model {model!r} (known: {known})")
-        return model
 
     @field_validator("tools")
     @classmethod
