@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from pymongo.errors import CollectionInvalid, OperationFailure
 
 from yoke.actor import instance_state_id
@@ -338,7 +338,12 @@ class Guardian:
         now = time.monotonic()
         if cached is not None and now - cached[0] < CONFIG_TTL_SECONDS:
             return cached[1]
-        join_config = await load_join_config(self.store, join_key)
+        try:
+            join_config = await load_join_config(self.store, join_key)
+        except ValidationError as error:
+            # Written by something other than a join: the guardian stays off, and says why.
+            log.warning("join %s has an invalid configuration: %s", join_key, error)
+            join_config = None
         config = join_config.guardian if join_config is not None else None
         self._configs[join_key] = (now, config)
         return config

@@ -7,12 +7,12 @@ again with other options never races a step's state save (DESIGN invariant 8).
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, JsonValue, field_validator
 
 from yoke.models import WireModel
+from yoke.safe_regex import compile_safe
 from yoke.store import Store
 from yoke.tools import BUILTIN_TOOLS
 
@@ -62,10 +62,7 @@ class RulePolicy(StrictWireModel):
     @field_validator("pattern")
     @classmethod
     def compiles(cls, pattern: str) -> str:
-        try:
-            re.compile(pattern)
-        except re.error as error:
-            raise ValueError(f"not a regular expression: {error}") from None
+        compile_safe(pattern)  # its ValueError says why: invalid, or exponential to match
         return pattern
 
 
