@@ -1,3 +1,4 @@
+from services.followup.app import register
 from yoke.service import run_service
 
-run_service("followup", lambda service: None)
+run_service("followup", register)

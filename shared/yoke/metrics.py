@@ -66,6 +66,21 @@ DOOM_LOOPS = Counter(
 )
 NOTICES = Counter("yoke_notices", "Notices left in monologues, by reason.", ["reason"])
 COMPACTIONS = Counter("yoke_compactions", "Monologues compacted into a fresh one.")
+FOLLOWUPS_SCHEDULED = Counter(
+    "yoke_followups_scheduled", "Follow-ups scheduled after an agent's forum line."
+)
+FOLLOWUPS_CANCELLED = Counter(
+    "yoke_followups_cancelled",
+    "Pending follow-ups cancelled (a person spoke, the agent spoke again, the join ended).",
+)
+FOLLOWUPS_FIRED = Counter(
+    "yoke_followups_fired", "Follow-up nudges posted into an agent's monologue."
+)
+FOLLOWUPS_PENDING = Gauge(
+    "yoke_followups_pending",
+    "Follow-ups scheduled and not yet fired or cancelled, as stored (every follow-up "
+    "replica reports the same number: aggregate with max).",
+)
 GUARDIAN_CHECKS = Counter(
     "yoke_guardian_checks", "Guardian policy checks of agent steps, by policy kind.", ["policy"]
 )
