@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
+import sys
 import time
 
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
@@ -107,6 +110,18 @@ async def test_a_follow_up_fires_once_when_nobody_answers(
     assert (await decision(store, join, answer) or {}).get("outcome") == "fired"
     assert await store.db[FOLLOWUPS].find_one({"_id": schedule_of(join, follow_up)}) is None
     assert fired_total(await mesh.processes["followup"].metrics()) >= 1
+    # yoke history marks it as an instruction.
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "yoke.cli",
+        "history",
+        join.monologue_id,
+        env={**os.environ, **mesh.env},
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert f"[{nudge.seq}] follow-up (follow-up instruction): {NUDGE}" in out.decode()
 
 
 async def test_a_person_answering_first_cancels_the_follow_up(

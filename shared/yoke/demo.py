@@ -49,6 +49,7 @@ async def ensure_demo(settings: Settings) -> None:
         await bus.connect()
         await create_agent(store, "echo", actor_id=DEMO_AGENT_ID)
         await create_forum(store, "demo", forum_id=DEMO_FORUM_ID)
+        # No configuration: a join made earlier keeps the one ``yoke join --config`` gave it.
         await join_conversation(store, Poster(store, bus, "demo"), DEMO_AGENT_ID, DEMO_FORUM_ID)
     finally:
         await bus.close()
@@ -63,6 +64,9 @@ async def main() -> None:
     print(
         "\n[demo] the mesh is up with an echo agent in forum 'demo'. In another terminal:\n"
         f"    .venv/bin/yoke chat --forum {DEMO_FORUM_ID} --as you\n"
+        "[demo] to give the join a configuration (follow-up, guardian: see the README):\n"
+        f"    .venv/bin/yoke join --agent {DEMO_AGENT_ID} --forum {DEMO_FORUM_ID} "
+        "--config join.json\n"
         "[demo] Ctrl-C stops the services.\n",
         flush=True,
     )
