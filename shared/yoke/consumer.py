@@ -20,7 +20,13 @@ from yoke import topology
 from yoke.bus import Bus
 from yoke.errors import DeadLetter, Permanent, RetryPolicy, Stopping
 from yoke.lanes import Lanes
-from yoke.metrics import DEAD_LETTERS, EVENTS_HANDLED, HANDLING_SECONDS, LANES_ACTIVE
+from yoke.metrics import (
+    DEAD_LETTERS,
+    EVENTS_HANDLED,
+    HANDLING_SECONDS,
+    IN_DELIVERY,
+    LANES_ACTIVE,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +89,7 @@ class Dispatcher:
         return deliver
 
     async def _process(self, route: Route, key: str, message: AbstractIncomingMessage) -> None:
+        IN_DELIVERY.set(True)
         event_type = event_type_of(message)
         previous = _broker_attempts(message)
         extra = {"conversationId": key, "messageId": message.message_id}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterable
 
+from contextvars import ContextVar
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from yoke.tools import BUILTIN_TOOLS
@@ -26,6 +28,15 @@ EVENT_LAG_SECONDS = Histogram(
     "From an event's occurredAt to the start of its handling.",
     ["service", "event_type"],
     buckets=LATENCY_BUCKETS,
+)
+# True while a task handles a delivery: store operations are counted by origin.
+IN_DELIVERY: ContextVar[bool] = ContextVar("yoke_in_delivery", default=False)
+
+STORE_OPERATIONS = Counter(
+    "yoke_store_operations",
+    "MongoDB commands sent, by service, command and origin (delivery: while handling a "
+    "delivery; background: sweeper, start-up, health).",
+    ["service", "command", "origin"],
 )
 DEAD_LETTERS = Counter(
     "yoke_dead_letters",

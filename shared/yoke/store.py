@@ -10,17 +10,35 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from pymongo import ASCENDING, AsyncMongoClient
+from pymongo import ASCENDING, AsyncMongoClient, monitoring
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import CollectionInvalid, DuplicateKeyError, OperationFailure
 
 from yoke.failures import Failure
 from yoke.lru import LRUCache
+from yoke.metrics import IN_DELIVERY, STORE_OPERATIONS
 from yoke.models import Actor, Conversation, Message, Participant, utcnow
 
 Doc = dict[str, Any]
 NAMESPACE_EXISTS = 48
+
+
+class OperationCounter(monitoring.CommandListener):
+    """Counts every command this process sends (``yoke_store_operations``): what a turn costs."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        origin = "delivery" if IN_DELIVERY.get() else "background"
+        STORE_OPERATIONS.labels(self.service, event.command_name, origin).inc()
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
 
 
 class SeqConflict(Exception):
@@ -37,6 +55,7 @@ class Store:
         "messages",
         "actor_states",
         "egress_joins",
+        "procedures",
         "failures",
         "join_configs",
     )
@@ -48,6 +67,7 @@ class Store:
             appname=app_name,
             maxPoolSize=pool_size,
             serverSelectionTimeoutMS=10_000,
+            event_listeners=[OperationCounter(app_name)],
         )
         self.db: AsyncDatabase[Doc] = self.client.get_default_database(default="yoke")
         self.actors: AsyncCollection[Doc] = self.db["actors"]

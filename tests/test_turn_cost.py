@@ -1,0 +1,178 @@
+"""What one turn costs (DESIGN invariant 11): store operations, deliveries, and rows read.
+
+A turn is one person's line in a forum with one echo agent, through the five real services, up
+to the agent's answer in the forum and the deliveries that follow it. Counted from each
+service's own ``/metrics`` (pymongo command monitoring, deliveries handled) and from
+PostgreSQL's table statistics behind FerretDB (what FerretDB reads that pymongo cannot see).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from collections import Counter
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.mesh import Mesh, agent_lines, lines_until, say
+from yoke.client import Client
+from yoke.joins import create_agent, create_forum, join_conversation
+from yoke.models import Message, TextPart
+from yoke.posting import Poster
+from yoke.store import Store
+
+pytestmark = pytest.mark.slow
+
+MAX_STORE_OPERATIONS = 15
+MAX_DELIVERIES = 8
+
+
+async def _counts(mesh: Mesh) -> Counter[str]:
+    """Store operations while handling deliveries, and deliveries handled, per service."""
+    counts: Counter[str] = Counter()
+    for name, process in mesh.processes.items():
+        text = await process.metrics()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = sample.labels
+                if sample.name == "yoke_store_operations_total":
+                    if labels.get("origin") == "delivery":
+                        counts[f"ops:{name}:{labels['command']}"] += int(sample.value)
+                elif sample.name == "yoke_events_handled_total" and labels.get("outcome") in (
+                    "ok",
+                    "dead_lettered",
+                ):
+                    counts[f"deliveries:{name}"] += int(sample.value)
+    return counts
+
+
+async def _settled(mesh: Mesh) -> Counter[str]:
+    """The counts once nothing has moved for a second (the turn's tail deliveries are done)."""
+    last = await _counts(mesh)
+    quiet_since = asyncio.get_running_loop().time()
+    while asyncio.get_running_loop().time() - quiet_since < 1.0:
+        await asyncio.sleep(0.25)
+        now = await _counts(mesh)
+        if now != last:
+            last, quiet_since = now, asyncio.get_running_loop().time()
+    return last
+
+
+def _total(counts: Counter[str], prefix: str) -> int:
+    return sum(value for key, value in counts.items() if key.startswith(prefix))
+
+
+async def _turn(client: Client, store: Store, forum_id: str, agent_id: str, text: str) -> None:
+    line = await say(client, forum_id, text)
+    await lines_until(
+        store,
+        forum_id,
+        lambda lines: any(
+            m.meta.in_reply_to == line and m.author_actor_id == agent_id
+            for m in agent_lines(lines)
+        ),
+    )
+
+
+async def test_a_turn_costs_a_handful_of_store_operations_and_deliveries(
+    mesh: Mesh, store: Store, poster: Poster, client: Client
+) -> None:
+    forum = await create_forum(store, "cost")
+    agent = await create_agent(store, "echo")
+    await join_conversation(store, poster, agent.id, forum.id)
+    for warm in range(3):  # caches warm, shadow actors and participants made
+        await _turn(client, store, forum.id, agent.id, f"warm {warm}")
+    before = await _settled(mesh)
+    await _turn(client, store, forum.id, agent.id, "what does a turn cost?")
+    after = await _settled(mesh)
+    delta = after - before
+    breakdown = ", ".join(f"{key}={value}" for key, value in sorted(delta.items()))
+    operations, deliveries = _total(delta, "ops:"), _total(delta, "deliveries:")
+    print(f"one turn: {operations} store operations, {deliveries} deliveries ({breakdown})")
+    assert operations <= MAX_STORE_OPERATIONS, breakdown
+    assert deliveries <= MAX_DELIVERIES, breakdown
+
+
+# --- rows PostgreSQL reads for a turn, at two forum lengths --------------------------------
+
+
+def _psql(sql: str) -> str:
+    return subprocess.run(
+        ["su", "postgres", "-c", f'psql -d ferretdb -qtAc "{sql}"'],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+
+
+def _rows_read(schema: str) -> int:
+    """seq_tup_read + idx_tup_fetch over the FerretDB tables of one database (one schema)."""
+    out = _psql(
+        "SELECT coalesce(sum(coalesce(seq_tup_read,0) + coalesce(idx_tup_fetch,0)),0) "
+        f"FROM pg_stat_user_tables WHERE schemaname = '{schema}'"
+    )
+    return int(out.strip() or 0)
+
+
+def _local_ferretdb() -> bool:
+    if os.environ.get("YOKE_MONGODB_URL"):
+        return False
+    try:
+        return _psql("SELECT 1").strip() == "1"
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+async def _fill(store: Store, poster: Poster, forum_id: str, lines: int) -> None:
+    """History written straight to the store: people's lines, as if long answered."""
+    semaphore = asyncio.Semaphore(8)
+
+    async def write(index: int) -> None:
+        async with semaphore:
+            await poster.post(
+                Message(
+                    id=f"history-{forum_id}-{index}",
+                    conversation_id=forum_id,
+                    author_actor_id="history",
+                    role="user",
+                    parts=[TextPart(text=f"old line {index}")],
+                )
+            )
+
+    for start in range(0, lines, 200):
+        await asyncio.gather(*(write(i) for i in range(start, min(start + 200, lines))))
+
+
+async def _rows_per_turn(
+    mesh: Mesh, store: Store, client: Client, forum_id: str, agent_id: str, schema: str
+) -> float:
+    await _turn(client, store, forum_id, agent_id, "settle")
+    await _settled(mesh)
+    samples = []
+    for index in range(3):
+        _psql("SELECT pg_stat_clear_snapshot()")
+        before = _rows_read(schema)
+        await _turn(client, store, forum_id, agent_id, f"measured {index}")
+        await _settled(mesh)
+        await asyncio.sleep(0.6)  # PostgreSQL publishes table statistics every 500 ms
+        samples.append(_rows_read(schema) - before)
+    return sorted(samples)[1]
+
+
+@pytest.mark.skipif(not _local_ferretdb(), reason="needs the local FerretDB's PostgreSQL")
+async def test_rows_read_for_a_turn_do_not_grow_with_the_forum(
+    mesh: Mesh, store: Store, poster: Poster, client: Client
+) -> None:
+    schema = store.db.name
+    results = {}
+    for length in (50, 2000):
+        forum = await create_forum(store, f"length {length}")
+        await _fill(store, poster, forum.id, length)
+        agent = await create_agent(store, "echo")
+        await join_conversation(store, poster, agent.id, forum.id)
+        results[length] = await _rows_per_turn(mesh, store, client, forum.id, agent.id, schema)
+    print(f"rows read per turn: {results}")
+    assert results[2000] <= results[50] * 1.2 + 20, results
