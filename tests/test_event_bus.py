@@ -19,6 +19,7 @@ from typing import Any
 import aio_pika
 import pytest
 
+from tests.support import faults
 from tests.support.processes import ROOT, ServiceProcess, eventually
 from yoke import topology
 from yoke.bus import Bus
@@ -222,13 +223,15 @@ async def test_outbox_sweeper_publishes_what_a_crashed_writer_left(
     store: Store, spawn: Callable[..., ServiceProcess], amqp_url: str, mongodb_url: str
 ) -> None:
     env = {"YOKE_AMQP_URL": amqp_url, "YOKE_MONGODB_URL": mongodb_url}
+    # The writer dies right after its message is stored, before the event is published.
+    writer = ["-m", "tests.support.faults", "tests.support.post_lines", "outbox", "1", "crasher"]
     crashed = subprocess.run(
-        [sys.executable, "tests/support/post_lines.py", "outbox", "1", "crasher"],
+        [sys.executable, *writer],
         cwd=ROOT,
-        env={**_environ(), **env, "YOKE_FAULT": "crash-after-write"},
+        env={**_environ(), **env, "YOKE_FAULT": "after:yoke.store:Store.insert_message"},
         timeout=60,
     )
-    assert crashed.returncode == 70
+    assert crashed.returncode == faults.EXIT_CODE
     [written] = await store.history("outbox")
     assert not await store.is_published(written.id)
 

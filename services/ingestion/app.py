@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from yoke import topology
 from yoke.actor import ActorContext, ActorDefinition, ActorRuntime
-from yoke.compaction import carry_tail, chain_of
+from yoke.compaction import carry_tail, copy_target
 from yoke.consumer import Malformed
 from yoke.ids import derive_id
 from yoke.joins import INGESTION, IngestionConfig, IngestionState, ensure_participant
@@ -214,19 +214,14 @@ async def copy_to_monologue(
     forum_participant = await store.get_participant(context.config.forum_participant_id)
     if forum_participant is None or forum_participant.left_at is not None:
         return
-    monologue_id = str(forum_participant.metadata.get("monologueId") or "")
-    if not monologue_id:
+    if not forum_participant.metadata.get("monologueId"):
         log.error(
             "forum participant has no monologueId", extra={"conversationId": line.conversation_id}
         )
         return
-    # A swap into this monologue may still be carrying the old one's last lines: carry them
-    # first (writers carry in order and each line once), so this line lands after them.
-    arrived_by = next(
-        (x for x in chain_of(forum_participant) if x.to_monologue_id == monologue_id), None
-    )
-    if arrived_by is not None:
-        await carry_tail(store, context.poster, forum_participant.id, arrived_by.from_monologue_id)
+    # The monologue the processor answers (a swap may be under way); whatever a swap moved on is
+    # carried there first (writers carry in order and each line once), so this line lands after.
+    monologue_id = await copy_target(store, context.poster, forum_participant, context.instance_id)
     author = await store.get_actor(line.author_actor_id)
     shadow = await store.save_actor(
         Actor(

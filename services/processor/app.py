@@ -17,7 +17,7 @@ import logging
 from collections import Counter
 
 from yoke.actor import ActorContext, ActorDefinition, ActorRuntime
-from yoke.compaction import needs_compaction, swap_monologue
+from yoke.compaction import compact
 from yoke.ids import derive_id
 from yoke.inference import InferenceRequest, ProviderFailed, cost_of, provider_for
 from yoke.joins import (
@@ -114,8 +114,7 @@ async def step(context: Context, trigger: Message) -> None:
             extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
         )
         return
-    if needs_compaction(context.config, transcript):
-        await swap_monologue(context, trigger, transcript)  # the trigger is answered there
+    if await compact(context, trigger, transcript):  # then answered in the new monologue
         return
     await infer_once(context, trigger, transcript)
 

@@ -1,32 +1,70 @@
 """Compaction: a monologue that outgrows its join's threshold continues in a fresh one.
 
-The new monologue starts with a summary of the older lines and the most recent ones; the forum
-participant's ``metadata.monologueId`` moves to it (so ingestion copies new lines there), the
-processor repoints, and ``agent.monologue.compacted`` tells egress. No forum line may be lost or
-answered twice across the swap, so:
+The new monologue starts with a summary of the older lines and the most recent ones (context,
+never answered again); the trigger and whatever reached the old monologue after it are carried
+over as new lines and answered there, in order; the old monologue answers nothing more.
+Carried lines name their original in ``meta.carriedFrom`` (egress never forwards them), and a
+carried copy of a forum line keeps the id ingestion would give it there, so any number of
+writers carrying the same lines in seq order write each once, in order.
 
-- the trigger line and everything after it in the old monologue are carried into the new one
-  as new lines (answered there, in order); the old monologue answers nothing more;
-- every swap is recorded on the forum participant (``metadata.compactions``: from, to, and the
-  first seq that moved), and whoever writes a copy into a monologue checks afterwards whether it
-  has moved on, and if so carries the moved lines up to its copy forward too (a double check
-  that closes the race with a swap in progress);
-- carried lines name their original in ``meta.carriedFrom``: egress never forwards them (the
-  agent's recent lines reach the new monologue as context, not as new replies);
-- carried copies of a forum line keep the id ingestion would give it there, so two writers
-  carrying the same line write it once, and both carry in seq order, so order holds.
+The swap writes many documents, so it is a resumable procedure (DESIGN invariant 9). Its intent
+is recorded first, under an id derived from the new monologue (itself derived from the old one
+and the trigger), and every step is idempotent. Two places decide where lines go, and they move
+one at a time: the processor's state (``watch``: which monologue it answers; one writer, its
+lane) and the forum participant's ``metadata.monologueId`` (where ingestion copies). The old
+monologue's lane does the steps up to the repoint; the new monologue's first step (the carried
+trigger, the "wake-up") does the rest before answering:
+
+| step (old lane, then new)   | a crash right after it is finished by ...                     |
+|-----------------------------|---------------------------------------------------------------|
+| (summarizing)               | the trigger's redelivery: the processor still watches the old |
+|                             | monologue below the trigger, so the step runs again           |
+| ``record_intent``: procedure| the same redelivery (and any later line of the old monologue: |
+| + participant's "swapping"  | the runtime's catch-up runs the trigger first); each step     |
+| ``open_monologue``          | finds its document written and goes on                        |
+| ``write_summary``           |   "                                                           |
+| ``write_context``           |   "                                                           |
+| ``arm_wake``: the carried   |   " (ingestion copies into the old monologue, which the        |
+| trigger, stored unpublished |   processor still watches; carried later)                     |
+| ``repoint`` (state -> new)  | the wake-up: the carried trigger is still in the outbox, so    |
+|                             | the sweeper publishes it and the processor, now watching the   |
+|                             | new monologue, takes it; and ingestion: it sees "swapping",    |
+|                             | finds the processor on the new monologue, carries the old     |
+|                             | tail there itself (publishing the wake-up) and copies there   |
+| ``rouse``: wake-up published| the wake-up's delivery (redelivered if unacked)               |
+| ``move_participant``        | the wake-up's redelivery; ingestion now copies into the new   |
+| (monologueId, chain; clears | monologue, carrying the old tail there first                  |
+| "swapping")                 |                                                               |
+| ``carry_over`` (the tail)   | the wake-up's redelivery                                      |
+| ``announce`` (the event)    |   "                                                           |
+| ``close`` (procedure done)  | nothing left                                                  |
+
+So ingestion never copies into a monologue no processor watches for good: before the repoint
+the processor watches the old monologue; after it, either ingestion sees the half-done swap and
+copies into the new one, or its line in the old one is carried over by ``carry_over`` (which
+reads the old monologue after moving the participant, and ingestion checks the chain after its
+copy: one of the two always sees the other). No forum line is answered in both monologues:
+the processor answers lines of the old monologue only below the trigger, of the new one only
+above the context.
+
+A swap never starts inside a tool round (a call whose results are not written yet, or a call
+the agent made after the trigger), so a tool result is never carried: in the new monologue it
+would answer a call left behind. The context is cut so that each tool result keeps its call.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from datetime import datetime
 
 from pydantic import Field
 
-from yoke.actor import ActorContext
+from yoke.actor import ActorContext, instance_state_id
 from yoke.ids import derive_id
 from yoke.inference import InferenceRequest, ProviderFailed, provider_for
 from yoke.joins import (
+    PROCESSOR,
     SYSTEM_ACTOR_ID,
     ProcessorConfig,
     ProcessorState,
@@ -35,19 +73,30 @@ from yoke.joins import (
 from yoke.metrics import COMPACTIONS
 from yoke.models import (
     Conversation,
+    Document,
     Message,
+    MessagePosted,
     MonologueCompacted,
     Participant,
     TextPart,
     ToolCallPart,
     ToolResultPart,
     WireModel,
+    utcnow,
 )
 from yoke.posting import Poster
 from yoke.store import Store
 
+log = logging.getLogger(__name__)
+
 SUMMARY_INSTRUCTION = "summary"
 FIXTURE_SUMMARY_CHARS = 400
+# The collection of multi-step procedures' intents (Store.COLLECTIONS creates it up front).
+PROCEDURES = "procedures"
+# Forum participant metadata: the swap under way away from its monologueId (ingestion's hint).
+SWAPPING = "swapping"
+
+Context = ActorContext[ProcessorConfig, ProcessorState]
 
 
 class CompactionLink(WireModel):
@@ -56,6 +105,33 @@ class CompactionLink(WireModel):
     from_monologue_id: str
     to_monologue_id: str
     from_seq: int = Field(ge=1)
+
+
+class MonologueSwap(Document):
+    """The intent of one swap, recorded before anything else; ``done`` once it is all written."""
+
+    kind: str = "monologue-swap"
+    forum_participant_id: str
+    from_monologue_id: str
+    to_monologue_id: str
+    from_seq: int = Field(ge=1)
+    trigger_id: str
+    # The carried trigger: the new monologue's first line to answer.
+    wake_id: str
+    done: bool = False
+    created_at: datetime = Field(default_factory=utcnow)
+
+    @property
+    def link(self) -> CompactionLink:
+        return CompactionLink(
+            from_monologue_id=self.from_monologue_id,
+            to_monologue_id=self.to_monologue_id,
+            from_seq=self.from_seq,
+        )
+
+
+def swap_id(to_monologue_id: str) -> str:
+    return derive_id("swap", to_monologue_id)
 
 
 def estimate_tokens(messages: list[Message]) -> int:
@@ -79,6 +155,12 @@ def chain_of(participant: Participant) -> list[CompactionLink]:
     )
 
 
+def swapping_of(participant: Participant) -> CompactionLink | None:
+    """The swap away from the participant's monologue that has begun and not moved it yet."""
+    link = participant.metadata.get(SWAPPING)
+    return CompactionLink.model_validate(link) if isinstance(link, dict) else None
+
+
 def carried_id(target: str, line: Message) -> str:
     """A forum line gets the id ingestion would give its copy in ``target``."""
     if line.meta.source_message_id:
@@ -87,9 +169,25 @@ def carried_id(target: str, line: Message) -> str:
 
 
 def carried(line: Message, target: str, message_id: str) -> Message:
+    """``line`` written anew in ``target`` (a new line there: its time is now)."""
     meta = line.meta.model_copy(update={"carried_from": line.id})
     return line.model_copy(
-        update={"id": message_id, "conversation_id": target, "seq": 0, "meta": meta}
+        update={
+            "id": message_id,
+            "conversation_id": target,
+            "seq": 0,
+            "meta": meta,
+            "created_at": utcnow(),
+        }
+    )
+
+
+def carriable(line: Message) -> bool:
+    """What a swap moves on: user lines, never a tool result (its call stayed behind)."""
+    return (
+        line.role == "user"
+        and line.type == "message"
+        and not any(isinstance(part, ToolResultPart) for part in line.parts)
     )
 
 
@@ -99,26 +197,52 @@ async def carry_tail(
     forum_participant_id: str,
     monologue_id: str,
     up_to_seq: int | None = None,
+    *,
+    link: CompactionLink | None = None,
 ) -> None:
     """Carry what a swap moved on from ``monologue_id`` (up to ``up_to_seq``) into its successor.
 
-    Lines go in seq order from the swap's first moved seq, so any number of writers doing this
-    at once keep the order (each line is written once, by whoever comes first); then on down
-    the chain, should the successor have moved on too.
+    The swap is ``link`` or else the one the participant's chain records. Lines go in seq order
+    from the swap's first moved seq, so any number of writers doing this at once keep the order
+    (each line is written once, by whoever comes first); then on down the chain, should the
+    successor have moved on too.
     """
-    participant = await store.get_participant(forum_participant_id)
-    if participant is None:
-        return
-    link = next((x for x in chain_of(participant) if x.from_monologue_id == monologue_id), None)
+    if link is None:
+        participant = await store.get_participant(forum_participant_id)
+        if participant is None:
+            return
+        link = next((x for x in chain_of(participant) if x.from_monologue_id == monologue_id), None)
     if link is None or (up_to_seq is not None and up_to_seq < link.from_seq):
         return
     target = link.to_monologue_id
     last: Message | None = None
     for line in await store.history(monologue_id, after_seq=link.from_seq - 1, up_to_seq=up_to_seq):
-        if line.role == "user" and line.type == "message":
+        if carriable(line):
             last = await poster.post(carried(line, target, carried_id(target, line)))
     if last is not None:
         await carry_tail(store, poster, forum_participant_id, target, last.seq)
+
+
+async def copy_target(store: Store, poster: Poster, participant: Participant, join: str) -> str:
+    """Where ingestion copies a forum line now, after carrying there what a swap moved on.
+
+    Normally the participant's monologueId. While a swap away from it is under way and the
+    processor already answers the new monologue, the new one: the old monologue's tail goes
+    there first, so the line lands after it (and the carried trigger's event wakes the
+    processor, should the swap have stopped short).
+    """
+    monologue_id = str(participant.metadata.get("monologueId") or "")
+    swapping = swapping_of(participant)
+    if swapping is not None and swapping.from_monologue_id == monologue_id:
+        state = await store.load_state(instance_state_id(PROCESSOR, join))
+        if state is not None and state.get("watch") == swapping.to_monologue_id:
+            await carry_tail(store, poster, participant.id, monologue_id, link=swapping)
+            return swapping.to_monologue_id
+    arrived_by = next((x for x in chain_of(participant) if x.to_monologue_id == monologue_id), None)
+    if arrived_by is not None:
+        # The swap into this monologue may still be carrying the old one's last lines.
+        await carry_tail(store, poster, participant.id, arrived_by.from_monologue_id)
+    return monologue_id
 
 
 def fixture_summary(older: list[Message]) -> str:
@@ -128,9 +252,7 @@ def fixture_summary(older: list[Message]) -> str:
     return f"Earlier ({len(older)} lines): {summary[:FIXTURE_SUMMARY_CHARS]}"
 
 
-async def summarize(
-    context: ActorContext[ProcessorConfig, ProcessorState], older: list[Message]
-) -> str:
+async def summarize(context: Context, older: list[Message]) -> str:
     model = context.state.model or context.config.model
     if model.startswith("fixture-"):
         return fixture_summary(older)
@@ -148,82 +270,269 @@ async def summarize(
     return result.text or fixture_summary(older)
 
 
+def call_ids(line: Message) -> set[str]:
+    return {part.call_id for part in line.parts if isinstance(part, ToolCallPart)}
+
+
+def result_ids(line: Message) -> set[str]:
+    return {part.call_id for part in line.parts if isinstance(part, ToolResultPart)}
+
+
 def split_for_compaction(
     transcript: list[Message], keep: int
 ) -> tuple[list[Message], list[Message]]:
-    """(older, recent): the ``keep`` lines before the trigger stay verbatim, never starting at a
-    tool result whose call would be left behind in the summary."""
+    """(older, recent): about ``keep`` lines before the trigger stay verbatim.
+
+    The cut moves back until every tool result in ``recent`` has its call there too, so the
+    new monologue never starts with (or holds) a result whose call is only in the summary.
+    """
     before = transcript[:-1]
     cut = max(0, len(before) - keep)
-    while cut < len(before) and any(isinstance(p, ToolResultPart) for p in before[cut].parts):
-        cut += 1
-    return before[:cut], before[cut:]
+    while True:
+        wanted = set().union(*(result_ids(line) for line in before[cut:]))
+        callers = [index for index in range(cut) if call_ids(before[index]) & wanted]
+        if not callers:
+            return before[:cut], before[cut:]
+        cut = min(callers)
 
 
-async def swap_monologue(
-    context: ActorContext[ProcessorConfig, ProcessorState],
-    trigger: Message,
-    transcript: list[Message],
-) -> None:
-    """Continue the join in a new monologue; the trigger is answered there."""
-    store, poster, config, state = context.store, context.poster, context.config, context.state
-    old = trigger.conversation_id
-    older, recent = split_for_compaction(transcript, config.compaction_keep)
-    summary = await summarize(context, older)
-
-    new_id = derive_id("monologue", old, trigger.id)
-    forum = await store.get_conversation(config.source_conversation_id)
-    await store.save_conversation(
-        Conversation(id=new_id, kind="monologue", title=forum.title if forum else "")
-    )
-    agent_participant = await ensure_participant(store, new_id, config.agent_actor_id)
-    last = await poster.post(
-        Message(
-            id=derive_id("summary", new_id),
-            conversation_id=new_id,
-            author_actor_id=SYSTEM_ACTOR_ID,
-            role="user",
-            parts=[TextPart(text=summary)],
-            meta=trigger.meta.model_copy(
-                update={"instruction": SUMMARY_INSTRUCTION, "source_message_id": None}
-            ),
-        )
-    )
-    for line in recent:  # context, not to be answered again: the watermark passes them
-        last = await poster.post(carried(line, new_id, derive_id("context", new_id, line.id)))
-
-    state.monologue_id = new_id
-    state.agent_participant_id = agent_participant.id
-    state.context_from_seq = 0
-    await context.repoint(new_id, last.seq)
-
-    forum_participant = await store.get_participant(config.forum_participant_id)
-    chain = chain_of(forum_participant) if forum_participant else []
-    chain.append(
-        CompactionLink(from_monologue_id=old, to_monologue_id=new_id, from_seq=trigger.seq)
-    )
-    await store.set_participant_metadata(
-        config.forum_participant_id,
-        {"monologueId": new_id, "compactions": [link.to_wire() for link in chain]},
-    )
-    # The trigger and whatever reached the old monologue after it move on, in order.
-    await carry_tail(store, poster, config.forum_participant_id, old)
-    await poster.emit(
-        MonologueCompacted(
-            agent_actor_id=config.agent_actor_id,
-            forum_id=config.source_conversation_id,
-            previous_monologue_id=old,
-            monologue_id=new_id,
-        ),
-        event_id=derive_id("compacted", old, new_id),
-    )
-    COMPACTIONS.inc()
+def round_open(transcript: list[Message]) -> bool:
+    """Whether a call in the transcript still waits for its result."""
+    called = set().union(*(call_ids(line) for line in transcript if line.role == "agent"))
+    answered = set().union(*(result_ids(line) for line in transcript))
+    return bool(called - answered)
 
 
 def needs_compaction(config: ProcessorConfig, transcript: list[Message]) -> bool:
     if config.compaction_threshold_tokens is None:
         return False
+    if round_open(transcript):
+        return False  # never in the middle of a tool round: its result would be orphaned
     older, _ = split_for_compaction(transcript, config.compaction_keep)
     # Nothing worth summarizing (say, only an earlier summary): compacting again would loop.
     worth = [m for m in older if m.meta.instruction != SUMMARY_INSTRUCTION]
     return len(worth) >= 2 and estimate_tokens(transcript) > config.compaction_threshold_tokens
+
+
+async def calls_after(store: Store, trigger: Message) -> bool:
+    """Whether the agent asked for tools after the trigger (an earlier step, slower than it):
+    that round runs in this monologue, so a swap waits."""
+    later = await store.history(trigger.conversation_id, after_seq=trigger.seq)
+    return any(line.role == "agent" and call_ids(line) for line in later)
+
+
+async def compact(context: Context, trigger: Message, transcript: list[Message]) -> bool:
+    """The processor's compaction hook, before it answers a user line.
+
+    Finishes a swap into this monologue that a crash left half-done (only a carried line can be
+    the first step after one), then swaps if the monologue has outgrown the threshold. Returns
+    whether the trigger was handed on to a new monologue, to be answered there.
+    """
+    if trigger.meta.carried_from:
+        await finish_swap_into(context, trigger.conversation_id)
+    if not needs_compaction(context.config, transcript):
+        return False
+    if await calls_after(context.store, trigger):
+        return False
+    await swap_monologue(context, trigger, transcript)
+    return True
+
+
+async def swap_monologue(context: Context, trigger: Message, transcript: list[Message]) -> None:
+    """Continue the join in a new monologue, up to the repoint; the new one's first step ends it.
+
+    Run again from the start after a crash (the trigger's redelivery): each step is idempotent.
+    """
+    old = trigger.conversation_id
+    new = derive_id("monologue", old, trigger.id)
+    swap = await record_intent(
+        context,
+        MonologueSwap(
+            id=swap_id(new),
+            forum_participant_id=context.config.forum_participant_id,
+            from_monologue_id=old,
+            to_monologue_id=new,
+            from_seq=trigger.seq,
+            trigger_id=trigger.id,
+            wake_id=carried_id(new, trigger),
+        ),
+    )
+    older, recent = split_for_compaction(transcript, context.config.compaction_keep)
+    participant = await open_monologue(context, swap)
+    await write_summary(context, swap, trigger, older)
+    await write_context(context, swap, recent)
+    wake = await arm_wake(context, swap, trigger)
+    await repoint(context, swap, participant, wake)
+    await rouse(context, wake)
+
+
+async def finish_swap_into(context: Context, monologue_id: str) -> None:
+    """The steps after the repoint, by the new monologue's lane (once: then it is ``done``)."""
+    document = await context.store.db[PROCEDURES].find_one({"_id": swap_id(monologue_id)})
+    if document is None:
+        return
+    swap = MonologueSwap.from_document(document)
+    if swap.done:
+        return
+    await move_participant(context, swap)
+    await carry_over(context, swap)
+    await announce(context, swap)
+    await close(context, swap)
+
+
+# --- the steps, in order -------------------------------------------------------------------
+
+
+async def record_intent(context: Context, swap: MonologueSwap) -> MonologueSwap:
+    """The procedure (a unique insert: a record already there wins), then ingestion's hint."""
+    store = context.store
+    procedures = store.db[PROCEDURES]
+    if not await store.insert_if_absent(procedures, swap.to_document()):
+        document = await procedures.find_one({"_id": swap.id})
+        assert document is not None
+        swap = MonologueSwap.from_document(document)
+    await store.set_participant_metadata(swap.forum_participant_id, {SWAPPING: swap.link.to_wire()})
+    return swap
+
+
+async def open_monologue(context: Context, swap: MonologueSwap) -> Participant:
+    """The new monologue and the agent's participant in it."""
+    store, config = context.store, context.config
+    forum = await store.get_conversation(config.source_conversation_id)
+    await store.save_conversation(
+        Conversation(id=swap.to_monologue_id, kind="monologue", title=forum.title if forum else "")
+    )
+    return await ensure_participant(store, swap.to_monologue_id, config.agent_actor_id)
+
+
+async def write_summary(
+    context: Context, swap: MonologueSwap, trigger: Message, older: list[Message]
+) -> None:
+    summary_id = derive_id("summary", swap.to_monologue_id)
+    if await context.store.get_message(summary_id) is not None:
+        return  # written before a crash: no second model call
+    await context.post(
+        Message(
+            id=summary_id,
+            conversation_id=swap.to_monologue_id,
+            author_actor_id=SYSTEM_ACTOR_ID,
+            role="user",
+            parts=[TextPart(text=await summarize(context, older))],
+            meta=trigger.meta.model_copy(
+                update={"instruction": SUMMARY_INSTRUCTION, "source_message_id": None}
+            ),
+        )
+    )
+
+
+async def write_context(context: Context, swap: MonologueSwap, recent: list[Message]) -> None:
+    """The recent lines, as context: the repoint's watermark passes them, never answered."""
+    target = swap.to_monologue_id
+    for line in recent:
+        await context.post(carried(line, target, derive_id("context", target, line.id)))
+
+
+async def arm_wake(context: Context, swap: MonologueSwap, trigger: Message) -> Message:
+    """The carried trigger, stored but not yet published.
+
+    Published once the processor watches the new monologue; should the process die before
+    that, the outbox sweeper publishes it, and that event finishes the swap.
+    """
+    wake, _ = await context.store.insert_message(
+        carried(trigger, swap.to_monologue_id, swap.wake_id)
+    )
+    return wake
+
+
+async def repoint(
+    context: Context, swap: MonologueSwap, participant: Participant, wake: Message
+) -> None:
+    """The processor answers the new monologue from the carried trigger on (the point of no
+    return: the old monologue's lane does nothing after this but publish the wake-up)."""
+    state = context.state
+    state.monologue_id = swap.to_monologue_id
+    state.agent_participant_id = participant.id
+    state.context_from_seq = 0
+    await context.repoint(swap.to_monologue_id, wake.seq - 1)
+
+
+async def rouse(context: Context, wake: Message) -> None:
+    """Publish the wake-up; if that fails, the sweeper does it (so nothing here raises: a
+    retried handler would find the processor gone from this monologue)."""
+    try:
+        if await context.store.is_published(wake.id):
+            # The sweeper published it while nobody watched the new monologue: again, now.
+            await context.poster.emit(MessagePosted.of(wake), event_id=derive_id("posted", wake.id))
+        else:
+            await context.post(wake)
+    except Exception:
+        log.warning(
+            "could not publish a compaction's wake-up; the outbox sweeper will",
+            extra={"conversationId": wake.conversation_id, "messageId": wake.id},
+            exc_info=True,
+        )
+
+
+async def move_participant(context: Context, swap: MonologueSwap) -> None:
+    """Ingestion copies into the new monologue from now on; the chain records the swap."""
+    store = context.store
+    participant = await store.get_participant(swap.forum_participant_id)
+    if participant is None:
+        return
+    chain = chain_of(participant)
+    if any(link.from_monologue_id == swap.from_monologue_id for link in chain):
+        return  # moved already (and perhaps on since: never back)
+    chain.append(swap.link)
+    await store.set_participant_metadata(
+        swap.forum_participant_id,
+        {
+            "monologueId": swap.to_monologue_id,
+            "compactions": [link.to_wire() for link in chain],
+            SWAPPING: None,
+        },
+    )
+
+
+async def carry_over(context: Context, swap: MonologueSwap) -> None:
+    """The trigger and whatever reached the old monologue after it move on, in order."""
+    await carry_tail(
+        context.store,
+        context.poster,
+        swap.forum_participant_id,
+        swap.from_monologue_id,
+        link=swap.link,
+    )
+
+
+async def announce(context: Context, swap: MonologueSwap) -> None:
+    """``agent.monologue.compacted``, for egress (its id is derived: a repeat is the same)."""
+    await context.poster.emit(
+        MonologueCompacted(
+            agent_actor_id=context.config.agent_actor_id,
+            forum_id=context.config.source_conversation_id,
+            previous_monologue_id=swap.from_monologue_id,
+            monologue_id=swap.to_monologue_id,
+        ),
+        event_id=derive_id("compacted", swap.from_monologue_id, swap.to_monologue_id),
+    )
+
+
+async def close(context: Context, swap: MonologueSwap) -> None:
+    """The procedure is done; the new monologue's lane is its one writer now."""
+    await context.store.db[PROCEDURES].update_one({"_id": swap.id}, {"$set": {"done": True}})
+    COMPACTIONS.inc()
+
+
+SWAP_STEPS = (
+    record_intent,
+    open_monologue,
+    write_summary,
+    write_context,
+    arm_wake,
+    repoint,
+    rouse,
+    move_participant,
+    carry_over,
+    announce,
+    close,
+)

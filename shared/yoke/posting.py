@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from datetime import UTC, datetime, timedelta
 
 from yoke.bus import Bus
@@ -19,9 +18,6 @@ from yoke.models import Envelope, EventPayload, Message, MessagePosted
 from yoke.store import Store
 
 log = logging.getLogger(__name__)
-
-# Fault injection for the outbox test: the process dies right after the write.
-CRASH_AFTER_WRITE = os.environ.get("YOKE_FAULT") == "crash-after-write"
 
 
 class Poster:
@@ -40,8 +36,6 @@ class Poster:
         """
         stored, created = await self.store.insert_message(message)
         if created:
-            if CRASH_AFTER_WRITE:
-                os._exit(70)
             await self._publish(stored)
             MESSAGES_POSTED.labels(self.service, stored.type).inc()
         elif not await self.store.is_published(stored.id):

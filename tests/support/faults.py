@@ -1,0 +1,82 @@
+"""Fault injection from test support: run a module with one of its functions made fatal.
+
+    YOKE_FAULT=after:yoke.compaction:move_participant python -m tests.support.faults \\
+        services.processor
+
+wraps the named function (``before:`` or ``after:``, then ``module:qualname``) so that the
+process dies with ``os._exit(70)`` the first time it is called (``before``) or returns
+(``after``): no cleanup, no acks, no flushing, as with a kill -9 at exactly that point. Then it
+runs the given module as ``__main__`` with the remaining arguments. Product modules carry no
+hooks of their own: the fault is put in from outside, before the service imports anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import os
+import runpy
+import sys
+from typing import Any
+
+EXIT_CODE = 70
+VARIABLE = "YOKE_FAULT"
+
+
+def die(spec: str) -> None:
+    os.write(2, f"fault injected: {spec}\n".encode())
+    os._exit(EXIT_CODE)
+
+
+def install(spec: str) -> None:
+    """Make the function ``spec`` names fatal; raise if it names nothing (a typo must fail)."""
+    when, _, target = spec.partition(":")
+    module_name, _, qualname = target.partition(":")
+    if when not in ("before", "after") or not module_name or not qualname:
+        raise SystemExit(f"{VARIABLE} must look like before|after:module:qualname, not {spec!r}")
+    owner: Any = importlib.import_module(module_name)
+    *path, name = qualname.split(".")
+    for attribute in path:
+        owner = getattr(owner, attribute)
+    original = inspect.getattr_static(owner, name)
+    if isinstance(original, (staticmethod, classmethod)):
+        raise SystemExit(f"{VARIABLE}: {qualname} is a static or class method; not supported")
+    if not callable(original):
+        raise SystemExit(f"{VARIABLE}: {qualname} is not a function")
+
+    wrapper: Any
+    if inspect.iscoroutinefunction(original):
+
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if when == "before":
+                die(spec)
+            result = await original(*args, **kwargs)
+            die(spec)
+            return result
+
+    else:
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if when == "before":
+                die(spec)
+            result = original(*args, **kwargs)
+            die(spec)
+            return result
+
+    setattr(owner, name, functools.wraps(original)(wrapper))
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python -m tests.support.faults MODULE [ARGS...]")
+    spec = os.environ.get(VARIABLE)
+    if spec:
+        install(spec)
+    target = sys.argv[1]
+    sys.argv = [sys.argv[0], *sys.argv[2:]]
+    runpy.run_module(target, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
