@@ -336,3 +336,30 @@ async def test_two_guardian_processes_run_one_runner_per_join_at_a_time(
     finally:
         codes = [process.stop() for process in others]
     assert codes == [0, 0]
+
+
+async def test_it_follows_the_monologue_across_a_compaction(
+    store: Store, client: Client, new_join: JoinFactory
+) -> None:
+    forum_id, join = await new_join(compaction_threshold_tokens=60, compaction_keep=2)
+    await guard(store, join, refund_rule(cooldown=0))
+    for index in range(6):
+        text = f"a line long enough to fill the monologue, number {index}"
+        await say(client, forum_id, text)
+        await lines_until(store, forum_id, agent_said(text))
+    participant = await store.get_participant(join.forum_participant_id)
+    assert participant is not None
+    assert participant.metadata["monologueId"] != join.monologue_id  # compacted
+
+    await say(client, forum_id, "and a refund?")
+    await lines_until(store, forum_id, agent_said(REFUND_STEER))
+    participant = await store.get_participant(join.forum_participant_id)
+    assert participant is not None
+    chain = participant.metadata["compactions"]
+    assert isinstance(chain, list)
+    monologues = [join.monologue_id, *(str(link["toMonologueId"]) for link in chain)]  # type: ignore[call-overload, index]
+    found = [line for m in monologues for line in steering(await store.history(m))]
+    [steer] = [line for line in found if not line.meta.carried_from]
+    assert steer.conversation_id != join.monologue_id
+    trigger = await store.get_message(str(steer.meta.causation_id))
+    assert trigger is not None and trigger.text == "and a refund?"
