@@ -300,7 +300,9 @@ async def test_transient_failures_are_waited_out_and_never_dead_lettered(
     bus = Bus(amqp_url, name="transient-test")
     await bus.connect()
     try:
-        [queue] = await bus.declare_shards("transient-test", ["transient.#"], 1)
+        [queue] = await bus.declare_shards(
+            "transient-test", [{topology.EVENT_HEADER: "transient"}], 1
+        )
         dispatcher = Dispatcher(
             "transient-test", bus, policy=RetryPolicy(attempts=2, backoff=0.01, cap=0.05)
         )
@@ -321,7 +323,7 @@ async def test_transient_failures_are_waited_out_and_never_dead_lettered(
             "transient.x",
             b"{}",
             message_id="m1",
-            headers={topology.CONVERSATION_HEADER: "c1"},
+            headers={topology.CONVERSATION_HEADER: "c1", topology.EVENT_HEADER: "transient"},
         )
         await asyncio.wait_for(done.wait(), 30)
         assert calls == 13

@@ -169,4 +169,8 @@ def register(service: Service) -> None:
     service.lane_key = forum_lane
     service.on_event(AgentForumJoined, egress.remember_join)
     service.on_event(MonologueCompacted, egress.follow_compaction)
-    service.on_event(MessagePosted, egress.forward_agent_text)
+    service.on_event(
+        MessagePosted,
+        egress.forward_agent_text,
+        where=[{"kind": "monologue", "type": "message", "role": "agent"}],
+    )

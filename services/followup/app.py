@@ -31,7 +31,9 @@ async def schedule_when_serving(service: Service, followups: FollowUps) -> None:
 
 def register(service: Service) -> None:
     followups = FollowUps(service.store, service.poster)
-    service.on_event(MessagePosted, followups.on_posted)
+    service.on_event(
+        MessagePosted, followups.on_posted, where=[{"kind": "forum", "type": "message"}]
+    )
     scheduler = asyncio.get_running_loop().create_task(schedule_when_serving(service, followups))
 
     def report(task: asyncio.Task[None]) -> None:

@@ -266,4 +266,5 @@ INGESTION_ACTOR = ActorDefinition(
 def register(service: Service) -> None:
     door = Door(service)
     service.on_intake(topology.COMMANDS_EXCHANGE, topology.SUBMIT_COMMAND, door.key, door.handle)
-    ActorRuntime(service, [INGESTION_ACTOR])
+    # Forum lines only (its own copies go to monologues, the processor's business).
+    ActorRuntime(service, [INGESTION_ACTOR], where=[{"kind": "forum", "type": "message"}])

@@ -63,11 +63,15 @@ def call_signature(call: ToolCallPart) -> str:
 
 
 def is_step_trigger(config: ProcessorConfig, state: ProcessorState, message: Message) -> bool:
-    """The seed's filter: not forum traffic, not legacy ``reply``; and no ``notice``."""
+    """The seed's filter: not forum traffic, not legacy ``reply``, no ``notice``; and of the
+    agent's own lines only those that call tools (its text is for egress, not a step)."""
     return (
         message.conversation_id != config.source_conversation_id
         and message.conversation_id == state.monologue_id
         and message.type == "message"
+        and (
+            message.role != "agent" or any(isinstance(part, ToolCallPart) for part in message.parts)
+        )
     )
 
 
@@ -405,4 +409,13 @@ PROCESSOR_ACTOR = ActorDefinition(
 
 
 def register(service: Service) -> None:
-    ActorRuntime(service, [PROCESSOR_ACTOR])
+    # Monologue lines that start a step: user lines, and the agent's tool calls. Its plain text
+    # lines go to egress only (the runtime moves the watermark past them as it writes them).
+    ActorRuntime(
+        service,
+        [PROCESSOR_ACTOR],
+        where=[
+            {"kind": "monologue", "type": "message", "role": "user"},
+            {"kind": "monologue", "type": "message", "calls": "yes"},
+        ],
+    )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
@@ -59,10 +59,15 @@ class ActorContext(Generic[C, S]):
         return derive_id(kind, self.instance_id, self.trigger.id, *extra)
 
     async def post(self, message: Message) -> Message:
-        return await self.poster.post(message)
+        stored = await self.poster.post(message)
+        self.posted.append(stored)
+        return stored
 
     save: Callable[[str, int], Awaitable[None]] | None = None
     repointed: bool = False
+    # What the handler wrote: the runtime moves the watermark past its own lines that are not
+    # triggers (they are not delivered back to it).
+    posted: list[Message] = field(default_factory=list)
 
     async def repoint(self, conversation_id: str, watermark: int) -> None:
         """Follow another conversation from ``watermark`` on (the monologue swap), saved at once.
@@ -123,10 +128,18 @@ class ActorRuntime:
     for that instance only (see :meth:`_set_aside`) and every other instance goes on.
     """
 
-    def __init__(self, service: Service, definitions: list[ActorDefinition[Any, Any]]) -> None:
+    def __init__(
+        self,
+        service: Service,
+        definitions: list[ActorDefinition[Any, Any]],
+        *,
+        where: list[dict[str, str]] | None = None,
+    ) -> None:
+        """``where``: which posted messages reach this service at all (see ``Service.on_event``);
+        lines not delivered are read by seq when a later event shows the gap."""
         self.service = service
         self.definitions = definitions
-        service.on_event(MessagePosted, self.on_posted)
+        service.on_event(MessagePosted, self.on_posted, where=where)
 
     async def on_posted(self, event: MessagePosted) -> None:
         set_aside: list[str] = []
@@ -157,13 +170,15 @@ class ActorRuntime:
             )
         set_aside: list[str] = []
         for message in pending:
-            outcome = await self._run(definition, document, message, event.conversation_id)
+            if message.seq <= int(document["watermark"]):
+                continue  # passed already, as one of the instance's own lines
+            outcome, through = await self._run(definition, document, message, event.conversation_id)
             if outcome == "repointed":
                 break
             if outcome is not None:
                 set_aside.append(outcome)
                 _remember_failure(document, message.seq)
-            await self._save(document, event.conversation_id, message.seq)
+            await self._save(document, event.conversation_id, through)
         return set_aside
 
     async def _run(
@@ -172,11 +187,13 @@ class ActorRuntime:
         document: dict[str, Any],
         message: Message,
         watch: str,
-    ) -> str | None:
+    ) -> tuple[str | None, int]:
         """Run the handler on ``message`` under the retry policy.
 
         Returns None when done, ``"repointed"`` when the instance now follows another
-        conversation, or the reason the line was set aside after its last attempt.
+        conversation, or the reason the line was set aside after its last attempt; and the seq
+        the instance is done through: the message's, or past the handler's own lines that
+        directly follow it and are no triggers.
         """
         if definition.load_config is not None:
             config = await definition.load_config(self.service.store, document)
@@ -185,9 +202,10 @@ class ActorRuntime:
         if not definition.trigger(
             config, definition.state_schema.model_validate(document["state"]), message
         ):
-            return None
+            return None, message.seq
         state_id = str(document["_id"])
         repointed = False
+        posted: list[Message] = []
 
         async def attempt() -> None:
             nonlocal repointed
@@ -211,7 +229,10 @@ class ActorRuntime:
                 settings=self.service.settings,
                 save=save,
             )
-            await definition.handle(context, message)
+            try:
+                await definition.handle(context, message)
+            finally:
+                posted[:] = context.posted
             repointed = context.repointed
             if not repointed:
                 document["state"] = state.model_dump(mode="json", by_alias=True)
@@ -234,8 +255,19 @@ class ActorRuntime:
                 exc_info=True,
             )
             await self._set_aside(definition, state_id, message, error)
-            return f"{definition.name} {document['instanceId']}: line {message.id}: {error!r}"
-        return "repointed" if repointed else None
+            reason = f"{definition.name} {document['instanceId']}: line {message.id}: {error!r}"
+            return reason, message.seq
+        if repointed:
+            return "repointed", message.seq
+        through = message.seq
+        state = definition.state_schema.model_validate(document["state"])
+        for line in sorted(posted, key=lambda line: line.seq):
+            if line.conversation_id != watch or line.seq != through + 1:
+                continue
+            if definition.trigger(config, state, line):
+                break
+            through = line.seq
+        return None, through
 
     async def _set_aside(
         self,
@@ -296,7 +328,7 @@ class ActorRuntime:
                 continue
             message = await store.get_message(failure.message_id)
             outcome = (
-                await self._run(definition, document, message, watch)
+                (await self._run(definition, document, message, watch))[0]
                 if message is not None
                 else None
             )

@@ -123,17 +123,32 @@ class Bus:
         )
         await queue.bind(dead, routing_key="#")
 
-    async def declare_shards(self, service: str, bindings: list[str], shards: int) -> list[str]:
-        """The service's consistent-hash exchange and its shard queues; returns queue names."""
+    async def declare_shards(
+        self, service: str, interests: list[topology.Interest], shards: int
+    ) -> list[str]:
+        """The service's route and consistent-hash exchanges and its shard queues.
+
+        yoke.events feeds the service's headers exchange, which passes on only the events that
+        match one of ``interests`` (DESIGN §3 keeps the public routing keys as they are), and
+        that feeds the consistent-hash exchange over the shard queues. Returns the queue names.
+        """
         channel = self._channel()
+        events = self._exchanges[topology.EVENTS_EXCHANGE]
+        route = await channel.declare_exchange(
+            topology.route_exchange(service), aio_pika.ExchangeType.HEADERS, durable=True
+        )
+        await route.bind(events, routing_key="#")
         exchange = await channel.declare_exchange(
             topology.shard_exchange(service),
             "x-consistent-hash",
             durable=True,
             arguments={"hash-header": topology.CONVERSATION_HEADER},
         )
-        for binding in bindings:
-            await exchange.bind(self._exchanges[topology.EVENTS_EXCHANGE], routing_key=binding)
+        for legacy in topology.LEGACY_SHARD_BINDINGS:
+            # Earlier versions bound the shards to yoke.events directly: every event twice.
+            await exchange.unbind(events, routing_key=legacy)
+        for wanted in interests:
+            await exchange.bind(route, routing_key="", arguments={"x-match": "all", **wanted})
         names = []
         for index in range(shards):
             name = topology.shard_queue(service, index)
@@ -200,14 +215,21 @@ class Bus:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
-    async def publish_event(self, envelope: Envelope, key: str) -> None:
-        """Publish a domain event to ``yoke.events`` as ``<type>.<key>``, keyed for the shards."""
+    async def publish_event(
+        self, envelope: Envelope, key: str, headers: Mapping[str, str] | None = None
+    ) -> None:
+        """Publish a domain event to ``yoke.events`` as ``<type>.<key>``, keyed for the shards,
+        with the headers the services' route exchanges select on."""
         await self.publish(
             topology.EVENTS_EXCHANGE,
             topology.routing_key(envelope.type, key),
             envelope.model_dump_json().encode(),
             message_id=envelope.id,
-            headers={topology.CONVERSATION_HEADER: key},
+            headers={
+                **(headers or {}),
+                topology.CONVERSATION_HEADER: key,
+                topology.EVENT_HEADER: envelope.type,
+            },
         )
 
     async def reply(self, reply_to: str, correlation_id: str | None, body: bytes) -> None:

@@ -652,5 +652,10 @@ def _aware(moment: datetime) -> datetime:
 def register(service: Service) -> Guardian:
     """Wire the guardian into a service: it consumes ``conversation.message.posted``."""
     guardian = Guardian(service)
-    service.on_event(MessagePosted, guardian.on_posted)
+    # The agent's own steps: the lines around them are read by seq when a policy needs them.
+    service.on_event(
+        MessagePosted,
+        guardian.on_posted,
+        where=[{"kind": "monologue", "type": "message", "role": "agent"}],
+    )
     return guardian

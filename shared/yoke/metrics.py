@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Container, Iterable
-
 from contextvars import ContextVar
 
 from prometheus_client import Counter, Gauge, Histogram

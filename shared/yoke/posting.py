@@ -11,6 +11,7 @@ import contextlib
 import logging
 from datetime import UTC, datetime, timedelta
 
+from yoke import topology
 from yoke.bus import Bus
 from yoke.ids import derive_id
 from yoke.metrics import MESSAGES_POSTED, OUTBOX_REPUBLISHED
@@ -48,8 +49,13 @@ class Poster:
 
     async def _publish(self, message: Message) -> None:
         payload = MessagePosted.of(message)
+        kind = await self.store.conversation_kind(message.conversation_id)
         # The event id derives from the message: a republished event is recognisably the same.
-        await self.emit(payload, event_id=derive_id("posted", message.id))
+        await self.bus.publish_event(
+            Envelope.wrap(derive_id("posted", message.id), payload),
+            payload.key,
+            topology.posted_headers(message, kind),
+        )
         await self.store.mark_published(message.id)
 
     async def sweep_once(self, grace: float) -> int:

@@ -22,7 +22,7 @@ from yoke.errors import RetryPolicy
 from yoke.health import HealthServer
 from yoke.logs import configure_logging
 from yoke.metrics import EVENT_LAG_SECONDS
-from yoke.models import Envelope, EventPayload, utcnow
+from yoke.models import Envelope, EventPayload, MessagePosted, utcnow
 from yoke.posting import Poster
 from yoke.reshard import check_shard_count
 from yoke.settings import Settings
@@ -76,6 +76,7 @@ class Service:
             stopping=self.stopping,
         )
         self._event_handlers: dict[str, EventHandler] = {}
+        self._interests: list[topology.Interest] = []
         # Which lane a shard delivery runs in: its conversation, unless a service says otherwise.
         self.lane_key: Callable[[AbstractIncomingMessage], str] = key_from_header
         self._intakes: list[tuple[str, str, Route]] = []
@@ -86,14 +87,28 @@ class Service:
 
     # --- registration ------------------------------------------------------------------
 
-    def on_event(self, event_type: type[P], handler: Callable[[P], Awaitable[None]]) -> None:
-        """Handle ``event_type`` deliveries from this service's shard queues."""
+    def on_event(
+        self,
+        event_type: type[P],
+        handler: Callable[[P], Awaitable[None]],
+        *,
+        where: list[dict[str, str]] | None = None,
+    ) -> None:
+        """Handle ``event_type`` deliveries from this service's shard queues.
+
+        ``where`` narrows what is delivered at all, by the routing headers of posted messages
+        (``{"kind": "forum", "type": "message"}``; any one of the dicts matches): a service
+        receives nothing it would only look at and drop.
+        """
 
         async def typed(payload: EventPayload) -> None:
             assert isinstance(payload, event_type)
             await handler(payload)
 
         self._event_handlers[event_type.TYPE] = typed
+        self._interests.extend(
+            topology.interest(event_type.TYPE, **match) for match in (where or [{}])
+        )
 
     def on_intake(
         self,
@@ -120,9 +135,10 @@ class Service:
         )
         prefetch = self.settings.prefetch
         if self._event_handlers:
-            bindings = [f"{event_type}.#" for event_type in self._event_handlers]
             await check_shard_count(self.bus, self.store, self.name, self.settings.shards)
-            queues = await self.bus.declare_shards(self.name, bindings, self.settings.shards)
+            queues = await self.bus.declare_shards(
+                self.name, self._interests, self.settings.shards
+            )
             for queue in queues:
                 route = Route(queue, self.lane_key, self._handle_event)
                 on_message = self.dispatcher.on_message(route)
@@ -207,7 +223,7 @@ class Service:
         envelope = parse_envelope(message)
         handler = self._event_handlers.get(envelope.type)
         if handler is None:
-            return  # bound by a wider pattern than this process handles: nothing to do
+            return  # routed here for a handler this process does not have: nothing to do
         try:
             payload = envelope.parse()
         except (ValidationError, ValueError) as error:
@@ -217,6 +233,9 @@ class Service:
                 else str(error)
             )
             raise Malformed(f"{envelope.type} payload: {detail}") from error
+        if isinstance(payload, MessagePosted):
+            # What this process learns of a conversation's head saves it a lookup when it writes.
+            self.store.observe_seq(payload.conversation_id, payload.seq)
         lag = (utcnow() - envelope.occurred_at).total_seconds()
         EVENT_LAG_SECONDS.labels(self.name, event_type_of(message)).observe(max(lag, 0.0))
         await handler(payload)

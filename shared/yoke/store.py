@@ -24,6 +24,16 @@ Doc = dict[str, Any]
 NAMESPACE_EXISTS = 48
 
 
+# Messages are also filed by ``seq // BUCKET``: a range of lines is read by equality lookups.
+BUCKET = 128
+# Up to this many lines a range is read line by line (one indexed lookup each).
+FEW_LINES = 3
+
+
+def bucket_of(seq: int) -> int:
+    return seq // BUCKET
+
+
 class OperationCounter(monitoring.CommandListener):
     """Counts every command this process sends (``yoke_store_operations``): what a turn costs."""
 
@@ -58,6 +68,7 @@ class Store:
         "procedures",
         "failures",
         "join_configs",
+        "guardian",
     )
 
     def __init__(self, url: str, *, app_name: str = "yoke", pool_size: int = 16) -> None:
@@ -78,6 +89,7 @@ class Store:
         self.failures: AsyncCollection[Doc] = self.db["failures"]
         # Highest seq this process knows to exist per conversation: saves a query per post.
         self._last_seq: LRUCache[str, int] = LRUCache()
+        self._kinds: LRUCache[str, str] = LRUCache()
 
     async def ensure_indexes(self) -> None:
         """Create collections and indexes; idempotent, every service runs it at start-up.
@@ -98,6 +110,9 @@ class Store:
             [("conversationId", ASCENDING), ("seq", ASCENDING)], unique=True, name="conv_seq"
         )
         await self.messages.create_index([("published", ASCENDING)], name="published")
+        await self.messages.create_index(
+            [("conversationId", ASCENDING), ("bucket", ASCENDING)], name="conv_bucket"
+        )
         await self.participants.create_index(
             [("conversationId", ASCENDING), ("actorId", ASCENDING)], unique=True, name="conv_actor"
         )
@@ -143,6 +158,16 @@ class Store:
         assert found is not None
         return found
 
+    async def conversation_kind(self, conversation_id: str) -> str:
+        """``forum`` or ``monologue`` (``unknown`` if absent); kinds never change: cached."""
+        kind = self._kinds.get(conversation_id)
+        if kind is None:
+            conversation = await self.get_conversation(conversation_id)
+            if conversation is None:
+                return "unknown"
+            kind = self._kinds[conversation_id] = conversation.kind
+        return kind
+
     async def get_conversation(self, conversation_id: str) -> Conversation | None:
         document = await self.conversations.find_one({"_id": conversation_id})
         return Conversation.from_document(document) if document else None
@@ -178,37 +203,70 @@ class Store:
         return Message.from_document(document) if document else None
 
     async def last_seq(self, conversation_id: str) -> int:
-        """The highest seq stored in the conversation (0 when empty)."""
-        # find_one, not a cursor left half-read: FerretDB holds a PostgreSQL connection for
-        # every open cursor, and leaked cursors starve its pool until every query hangs.
-        document = await self.messages.find_one(
-            {"conversationId": conversation_id}, {"seq": 1}, sort=[("seq", -1)]
+        """The highest seq stored in the conversation (0 when empty), never by a scan.
+
+        Seqs are dense (each is taken by a unique insert, in order), so the head is found by
+        galloping and then bisecting over ``(conversationId, seq)`` equality lookups, from the
+        highest seq this process knows: a few indexed reads, not a sorted read of the whole
+        conversation (which FerretDB 1.x would answer by reading every line).
+        """
+        low = self._last_seq.get(conversation_id) or 0
+        step = 1
+        high = low + step
+        while await self._seq_taken(conversation_id, high):
+            low, step = high, step * 2
+            high = low + step
+        while high - low > 1:
+            middle = (low + high) // 2
+            if await self._seq_taken(conversation_id, middle):
+                low = middle
+            else:
+                high = middle
+        self.observe_seq(conversation_id, low)
+        return low
+
+    async def _seq_taken(self, conversation_id: str, seq: int) -> bool:
+        found = await self.messages.find_one(
+            {"conversationId": conversation_id, "seq": seq}, {"_id": 1}
         )
-        return int(document["seq"]) if document else 0
+        return found is not None
+
+    def observe_seq(self, conversation_id: str, seq: int) -> None:
+        """Remember that ``seq`` exists in the conversation (from an event or our own write)."""
+        if seq > (self._last_seq.get(conversation_id) or 0):
+            self._last_seq[conversation_id] = seq
 
     async def insert_message(self, message: Message) -> tuple[Message, bool]:
         """Store ``message`` under the next free seq of its conversation.
 
         Returns the stored message and whether this call wrote it (``False``: a message with
         this id already existed, as when a redelivered event repeats an effect). The seq is
-        owned by whoever inserts it first under the unique ``(conversationId, seq)`` index.
+        owned by whoever inserts it first under the unique ``(conversationId, seq)`` index; a
+        lost race costs one more insert at the next seq (DESIGN invariant 8).
         """
         conversation_id = message.conversation_id
         known = self._last_seq.get(conversation_id)
-        candidate = known + 1 if known is not None else await self.last_seq(conversation_id) + 1
-        for _ in range(10_000):
+        candidate = (known if known is not None else await self.last_seq(conversation_id)) + 1
+        for conflicts in range(1, 10_001):
             stored = message.model_copy(update={"seq": candidate})
             document = stored.to_document()
             document["published"] = False
+            document["bucket"] = bucket_of(candidate)
             try:
                 await self.messages.insert_one(document)
             except DuplicateKeyError:
-                existing = await self.get_message(message.id)
-                if existing is not None:
-                    return existing, False
-                candidate = max(candidate, await self.last_seq(conversation_id)) + 1
+                # The seq is taken, or (a repeated effect) the id: which, the server won't say.
+                if conflicts == 2:
+                    existing = await self.get_message(message.id)
+                    if existing is not None:
+                        return existing, False
+                if conflicts < 3:
+                    candidate += 1
+                else:  # far behind: find the head rather than walk to it
+                    self.observe_seq(conversation_id, candidate)
+                    candidate = await self.last_seq(conversation_id) + 1
                 continue
-            self._last_seq[conversation_id] = candidate
+            self.observe_seq(conversation_id, candidate)
             return stored, True
         raise SeqConflict(f"could not allocate a seq in conversation {conversation_id}")
 
@@ -224,20 +282,45 @@ class Store:
         found = [Message.from_document(d) async for d in cursor]
         return sorted((m for m in found if m.created_at <= cutoff), key=lambda m: m.seq)
 
+    async def message_at(self, conversation_id: str, seq: int) -> Message | None:
+        document = await self.messages.find_one({"conversationId": conversation_id, "seq": seq})
+        return Message.from_document(document) if document else None
+
     async def history(
         self, conversation_id: str, *, after_seq: int = 0, up_to_seq: int | None = None
     ) -> list[Message]:
-        """Messages of a conversation in seq order, ``after_seq < seq <= up_to_seq``."""
-        query: Doc = {"conversationId": conversation_id}
-        bounds: Doc = {}
-        if after_seq:
-            bounds["$gt"] = after_seq
-        if up_to_seq is not None:
-            bounds["$lte"] = up_to_seq
-        if bounds:
-            query["seq"] = bounds
-        cursor = self.messages.find(query).sort("seq", ASCENDING)
-        return [Message.from_document(d) async for d in cursor]
+        """Messages of a conversation in seq order, ``after_seq < seq <= up_to_seq``.
+
+        A bounded range reads only what it returns and little more: a few lines by seq, more
+        by their buckets of :data:`BUCKET` seqs (equality lookups). Without ``up_to_seq`` it
+        reads the whole conversation: for tools and tests, never on the path of a turn.
+        """
+        if up_to_seq is None:
+            query: Doc = {"conversationId": conversation_id}
+            if after_seq:
+                query["seq"] = {"$gt": after_seq}
+            found = await self.messages.find(query).to_list()
+            return sorted((Message.from_document(d) for d in found), key=lambda m: m.seq)
+        if up_to_seq <= after_seq:
+            return []
+        if up_to_seq - after_seq <= FEW_LINES:
+            lines = [
+                await self.message_at(conversation_id, seq)
+                for seq in range(after_seq + 1, up_to_seq + 1)
+            ]
+            return [line for line in lines if line is not None]
+        found = []
+        for bucket in range(bucket_of(after_seq + 1), bucket_of(up_to_seq) + 1):
+            documents = await self.messages.find(
+                {"conversationId": conversation_id, "bucket": bucket}
+            ).to_list()
+            found.extend(d for d in documents if after_seq < d["seq"] <= up_to_seq)
+        if len(found) < up_to_seq - after_seq:
+            # Lines written before buckets existed: read the range the slow way.
+            found = await self.messages.find(
+                {"conversationId": conversation_id, "seq": {"$gt": after_seq, "$lte": up_to_seq}}
+            ).to_list()
+        return sorted((Message.from_document(d) for d in found), key=lambda m: m.seq)
 
     async def states_watching(self, actor: str, conversation_id: str) -> list[Doc]:
         """State documents of ``actor``'s instances that follow ``conversation_id``."""

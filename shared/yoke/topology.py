@@ -6,6 +6,8 @@ from typing import Any
 
 from pamqp.common import FieldTable
 
+from yoke.models import Message, ToolCallPart
+
 EVENTS_EXCHANGE = "yoke.events"
 COMMANDS_EXCHANGE = "yoke.commands"
 DEAD_LETTER_EXCHANGE = "yoke.dead-letters"
@@ -16,6 +18,19 @@ SUBMIT_COMMAND = "conversation.message.submit"
 # The consistent-hash exchanges hash this header: the conversation (or, for agent.* events, the
 # forum) a delivery belongs to. Every event we publish carries it.
 CONVERSATION_HEADER = "x-yoke-conversation"
+
+# Headers every event carries so that each service's route exchange (a headers exchange between
+# yoke.events and its shards) delivers it only what it acts on: the event type, and for a posted
+# message the kind of conversation, the message's type and role, and whether it calls tools.
+# (No "x-" prefix: a headers exchange ignores such headers when it matches.)
+EVENT_HEADER = "yoke-event"
+KIND_HEADER = "yoke-kind"
+TYPE_HEADER = "yoke-type"
+ROLE_HEADER = "yoke-role"
+CALLS_HEADER = "yoke-calls"
+
+# One binding of a service's route exchange: header values an event must all carry.
+Interest = dict[str, str]
 
 # Headers a dead letter carries, so an operator can see why and replay it where it came from.
 DEAD_SERVICE_HEADER = "x-yoke-service"
@@ -32,6 +47,36 @@ DELIVERY_LIMIT = 10
 def routing_key(event_type: str, key: str) -> str:
     """``<event type>.<conversation or forum id>``, as outside bindings expect."""
     return f"{event_type}.{key}"
+
+
+# Bindings of shard exchanges to yoke.events made before route exchanges existed; removed.
+LEGACY_SHARD_BINDINGS = (
+    "conversation.message.posted.#",
+    "agent.forum.joined.#",
+    "agent.monologue.compacted.#",
+)
+
+
+def route_exchange(service: str) -> str:
+    """The headers exchange that picks, from yoke.events, what a service acts on."""
+    return f"yoke.{service}.route"
+
+
+def interest(event_type: str, **headers: str) -> Interest:
+    """A route binding: ``interest("conversation.message.posted", kind="forum")``."""
+    names = {"kind": KIND_HEADER, "type": TYPE_HEADER, "role": ROLE_HEADER, "calls": CALLS_HEADER}
+    return {EVENT_HEADER: event_type, **{names[key]: value for key, value in headers.items()}}
+
+
+def posted_headers(message: Message, kind: str) -> dict[str, str]:
+    """The routing headers of a ``conversation.message.posted`` event."""
+    calls = any(isinstance(part, ToolCallPart) for part in message.parts)
+    return {
+        KIND_HEADER: kind,
+        TYPE_HEADER: message.type,
+        ROLE_HEADER: message.role,
+        CALLS_HEADER: "yes" if calls else "no",
+    }
 
 
 def shard_exchange(service: str) -> str:
