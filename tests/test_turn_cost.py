@@ -70,8 +70,7 @@ async def _turn(client: Client, store: Store, forum_id: str, agent_id: str, text
         store,
         forum_id,
         lambda lines: any(
-            m.meta.in_reply_to == line and m.author_actor_id == agent_id
-            for m in agent_lines(lines)
+            m.meta.in_reply_to == line and m.author_actor_id == agent_id for m in agent_lines(lines)
         ),
     )
 

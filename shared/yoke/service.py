@@ -136,9 +136,7 @@ class Service:
         prefetch = self.settings.prefetch
         if self._event_handlers:
             await check_shard_count(self.bus, self.store, self.name, self.settings.shards)
-            queues = await self.bus.declare_shards(
-                self.name, self._interests, self.settings.shards
-            )
+            queues = await self.bus.declare_shards(self.name, self._interests, self.settings.shards)
             for queue in queues:
                 route = Route(queue, self.lane_key, self._handle_event)
                 on_message = self.dispatcher.on_message(route)
