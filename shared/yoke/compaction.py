@@ -13,31 +13,36 @@ and the trigger), and every step is idempotent. Two places decide where lines go
 one at a time: the processor's state (``watch``: which monologue it answers; one writer, its
 lane) and the forum participant's ``metadata.monologueId`` (where ingestion copies). The old
 monologue's lane does the steps up to the repoint; the new monologue's first step (the carried
-trigger, the "wake-up") does the rest before answering:
+trigger, the "wake-up") does the rest before answering it.
 
-| step (old lane, then new)   | a crash right after it is finished by ...                     |
-|-----------------------------|---------------------------------------------------------------|
-| (summarizing)               | the trigger's redelivery: the processor still watches the old |
-|                             | monologue below the trigger, so the step runs again           |
-| ``record_intent``: procedure| the same redelivery (and any later line of the old monologue: |
-| + participant's "swapping"  | the runtime's catch-up runs the trigger first); each step     |
-| ``open_monologue``          | finds its document written and goes on                        |
-| ``write_summary``           |   "                                                           |
-| ``write_context``           |   "                                                           |
-| ``arm_wake``: the carried   |   " (ingestion copies into the old monologue, which the        |
-| trigger, stored unpublished |   processor still watches; carried later)                     |
-| ``repoint`` (state -> new)  | the wake-up: the carried trigger is still in the outbox, so    |
-|                             | the sweeper publishes it and the processor, now watching the   |
-|                             | new monologue, takes it; and ingestion: it sees "swapping",    |
-|                             | finds the processor on the new monologue, carries the old     |
-|                             | tail there itself (publishing the wake-up) and copies there   |
-| ``rouse``: wake-up published| the wake-up's delivery (redelivered if unacked)               |
-| ``move_participant``        | the wake-up's redelivery; ingestion now copies into the new   |
-| (monologueId, chain; clears | monologue, carrying the old tail there first                  |
-| "swapping")                 |                                                               |
-| ``carry_over`` (the tail)   | the wake-up's redelivery                                      |
-| ``announce`` (the event)    |   "                                                           |
-| ``close`` (procedure done)  | nothing left                                                  |
+A crash right after each step (the old monologue's lane runs them up to ``rouse``, the new one's
+first step the rest; a transient failure retried in-process runs the same steps again, except
+that nothing after the repoint may fail in the old lane, whose retry would find the processor
+gone):
+
+| after ...                        | finished by ...                                            |
+|----------------------------------|------------------------------------------------------------|
+| (nothing: while summarizing)     | the trigger's redelivery: the processor still watches the  |
+|                                  | old monologue, below the trigger, so the step runs again   |
+| ``record_intent``: the procedure | the same redelivery (or any later line of the old          |
+| and the participant's "swapping" | monologue: the runtime's catch-up runs the trigger first); |
+| ``open_monologue``               | each step finds its documents written and goes on. Lines   |
+| ``write_summary``                | meanwhile go to the old monologue, which the processor     |
+| ``write_context``                | still watches; the swap carries them over later            |
+| ``arm_wake``: the carried        |                                                            |
+| trigger, stored unpublished      |                                                            |
+| ``repoint``: state -> new        | the wake-up, still in the outbox: the sweeper publishes it |
+|                                  | and the processor, watching the new monologue, takes it;   |
+|                                  | or ingestion first: it sees "swapping", finds the          |
+|                                  | processor on the new monologue, carries the old tail there |
+|                                  | (publishing the wake-up) and copies its line after it      |
+| ``rouse``: the wake-up published | the wake-up's delivery (given back if unacked)             |
+| ``move_participant``: the        | the wake-up's redelivery; ingestion copies into the new    |
+| monologueId and the chain; no    | monologue, carrying the old tail there first               |
+| more "swapping"                  |                                                            |
+| ``carry_over``: the tail         | the wake-up's redelivery                                   |
+| ``announce``: the event          | the wake-up's redelivery                                   |
+| ``close``: the procedure done    | nothing is left                                            |
 
 So ingestion never copies into a monologue no processor watches for good: before the repoint
 the processor watches the old monologue; after it, either ingestion sees the half-done swap and
