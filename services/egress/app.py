@@ -39,6 +39,7 @@ class Egress:
         self.joins = service.store.db[JOINS]
         # Monologues whose predecessors are known to be fully forwarded.
         self._settled: LRUCache[str, bool] = LRUCache()
+        self._joins: LRUCache[str, Join] = LRUCache()
 
     async def remember_join(self, event: AgentForumJoined) -> None:
         join = Join(**event.model_dump())
@@ -55,6 +56,17 @@ class Egress:
         )
 
     async def find_join(self, agent_actor_id: str, forum_id: str) -> Join | None:
+        """The join an agent line belongs to; what egress uses of it (the forum and the agent's
+        participant there) never changes, so each is read once per process."""
+        key = join_id(agent_actor_id, forum_id)
+        if (known := self._joins.get(key)) is not None:
+            return known
+        join = await self._read_join(agent_actor_id, forum_id)
+        if join is not None:
+            self._joins[key] = join
+        return join
+
+    async def _read_join(self, agent_actor_id: str, forum_id: str) -> Join | None:
         document = await self.joins.find_one({"_id": join_id(agent_actor_id, forum_id)})
         if document is not None:
             document.pop("_id")

@@ -20,7 +20,7 @@ from yoke.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.compaction import carry_tail, copy_target
 from yoke.consumer import Malformed
 from yoke.ids import derive_id
-from yoke.joins import INGESTION, IngestionConfig, IngestionState, ensure_participant
+from yoke.joins import INGESTION, IngestionConfig, IngestionState, ensure_participant_id
 from yoke.metrics import COMMANDS
 from yoke.models import (
     MAX_ID_CHARS,
@@ -169,9 +169,6 @@ class Door:
             return _rejected(f"conversation {forum.id!r} is a {forum.kind}; submit to a forum")
         # The id derives from the idempotency key: a repeat finds the line already written.
         message_id = derive_id("submit", forum.id, command.idempotency_key)
-        existing = await self.store.get_message(message_id)
-        if existing is not None:
-            return SubmitReply(status="accepted", message_id=existing.id, duplicate=True)
         author = await self.store.save_actor(
             Actor(
                 id=derive_id("human", command.author.external_id),
@@ -180,22 +177,22 @@ class Door:
                 external_id=command.author.external_id,
             )
         )
-        participant = await ensure_participant(self.store, forum.id, author.id)
+        participant_id = await ensure_participant_id(self.store, forum.id, author.id)
         # The mesh sets its own meta (hops, routing, causality): a command's are dropped, so a
         # wrong type there cannot fail the write.
         extra = {k: v for k, v in (command.meta or {}).items() if k not in _MESH_META_KEYS}
-        stored = await self.service.poster.post(
+        stored, created = await self.service.poster.post_new(
             Message(
                 id=message_id,
                 conversation_id=forum.id,
                 author_actor_id=author.id,
-                participant_id=participant.id,
+                participant_id=participant_id,
                 role="user",
                 parts=[TextPart(text=command.text)],
                 meta=MessageMeta.model_validate({**extra, "agentHops": 0}),
             )
         )
-        return SubmitReply(status="accepted", message_id=stored.id, duplicate=False)
+        return SubmitReply(status="accepted", message_id=stored.id, duplicate=not created)
 
 
 def _rejected(error: str) -> SubmitReply:
@@ -231,13 +228,13 @@ async def copy_to_monologue(
             meta={"sourceActorId": line.author_actor_id},
         )
     )
-    shadow_participant = await ensure_participant(store, monologue_id, shadow.id)
+    shadow_participant_id = await ensure_participant_id(store, monologue_id, shadow.id)
     copy = await context.post(
         Message(
             id=derive_id("copy", monologue_id, line.id),
             conversation_id=monologue_id,
             author_actor_id=shadow.id,
-            participant_id=shadow_participant.id,
+            participant_id=shadow_participant_id,
             role="user",
             parts=[part for part in line.parts if isinstance(part, TextPart)],
             meta=MessageMeta(

@@ -195,14 +195,13 @@ class ActorRuntime:
         the instance is done through: the message's, or past the handler's own lines that
         directly follow it and are no triggers.
         """
-        if definition.load_config is not None:
-            config = await definition.load_config(self.service.store, document)
-        else:
-            config = definition.config_schema.model_validate(document["config"])
+        config = definition.config_schema.model_validate(document["config"])
         if not definition.trigger(
             config, definition.state_schema.model_validate(document["state"]), message
         ):
             return None, message.seq
+        if definition.load_config is not None:  # read only for a line it acts on
+            config = await definition.load_config(self.service.store, document)
         state_id = str(document["_id"])
         repointed = False
         posted: list[Message] = []

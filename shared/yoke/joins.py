@@ -149,6 +149,17 @@ async def ensure_participant(
     )
 
 
+async def ensure_participant_id(store: Store, conversation_id: str, actor_id: str) -> str:
+    """The id of the actor's participant, made if needed: written once per process."""
+    return await store.save_participant_once(
+        Participant(
+            id=participant_id(conversation_id, actor_id),
+            conversation_id=conversation_id,
+            actor_id=actor_id,
+        )
+    )
+
+
 async def create_agent(
     store: Store,
     name: str,

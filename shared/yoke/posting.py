@@ -35,13 +35,18 @@ class Poster:
         Posting an id that exists returns the stored message (publishing it if that never
         happened), so a redelivered event's effects are written once.
         """
+        stored, _ = await self.post_new(message)
+        return stored
+
+    async def post_new(self, message: Message) -> tuple[Message, bool]:
+        """:meth:`post`, also saying whether this call wrote it (``False``: it existed)."""
         stored, created = await self.store.insert_message(message)
         if created:
             await self._publish(stored)
             MESSAGES_POSTED.labels(self.service, stored.type).inc()
         elif not await self.store.is_published(stored.id):
             await self._publish(stored)
-        return stored
+        return stored, created
 
     async def emit(self, payload: EventPayload, *, event_id: str) -> None:
         """Publish a non-message event (``agent.*``) under a caller-derived id."""

@@ -89,7 +89,10 @@ class Store:
         self.failures: AsyncCollection[Doc] = self.db["failures"]
         # Highest seq this process knows to exist per conversation: saves a query per post.
         self._last_seq: LRUCache[str, int] = LRUCache()
-        self._kinds: LRUCache[str, str] = LRUCache()
+        # Documents that never change once written: read (or written) once per process.
+        self._actors: LRUCache[str, Actor] = LRUCache()
+        self._conversations: LRUCache[str, Conversation] = LRUCache()
+        self._participants_made: LRUCache[str, bool] = LRUCache()
 
     async def ensure_indexes(self) -> None:
         """Create collections and indexes; idempotent, every service runs it at start-up.
@@ -141,15 +144,24 @@ class Store:
 
     async def save_actor(self, actor: Actor) -> Actor:
         """Create the actor, or return the one already stored under its id."""
+        if (known := self._actors.get(actor.id)) is not None:
+            return known
         if await self.insert_if_absent(self.actors, actor.to_document()):
+            self._actors[actor.id] = actor
             return actor
         found = await self.get_actor(actor.id)
         assert found is not None
         return found
 
     async def get_actor(self, actor_id: str) -> Actor | None:
+        """An actor; they never change once written, so each is read once per process."""
+        if (known := self._actors.get(actor_id)) is not None:
+            return known
         document = await self.actors.find_one({"_id": actor_id})
-        return Actor.from_document(document) if document else None
+        if document is None:
+            return None
+        actor = self._actors[actor_id] = Actor.from_document(document)
+        return actor
 
     async def save_conversation(self, conversation: Conversation) -> Conversation:
         if await self.insert_if_absent(self.conversations, conversation.to_document()):
@@ -160,17 +172,18 @@ class Store:
 
     async def conversation_kind(self, conversation_id: str) -> str:
         """``forum`` or ``monologue`` (``unknown`` if absent); kinds never change: cached."""
-        kind = self._kinds.get(conversation_id)
-        if kind is None:
-            conversation = await self.get_conversation(conversation_id)
-            if conversation is None:
-                return "unknown"
-            kind = self._kinds[conversation_id] = conversation.kind
-        return kind
+        conversation = await self.get_conversation(conversation_id)
+        return conversation.kind if conversation is not None else "unknown"
 
     async def get_conversation(self, conversation_id: str) -> Conversation | None:
+        """A conversation; never changed once written, so each is read once per process."""
+        if (known := self._conversations.get(conversation_id)) is not None:
+            return known
         document = await self.conversations.find_one({"_id": conversation_id})
-        return Conversation.from_document(document) if document else None
+        if document is None:
+            return None
+        conversation = self._conversations[conversation_id] = Conversation.from_document(document)
+        return conversation
 
     async def save_participant(self, participant: Participant) -> Participant:
         if await self.insert_if_absent(self.participants, participant.to_document()):
@@ -180,6 +193,18 @@ class Store:
         )
         assert document is not None
         return Participant.from_document(document)
+
+    async def save_participant_once(self, participant: Participant) -> str:
+        """Make sure the participant exists; its id, written once per process.
+
+        For callers that need only the (derived) id: the participant's metadata may have moved
+        on since, so what :meth:`save_participant` returns is not cached.
+        """
+        if participant.id not in self._participants_made:
+            stored = await self.save_participant(participant)
+            self._participants_made[stored.id] = True
+            return stored.id
+        return participant.id
 
     async def get_participant(self, participant_id: str) -> Participant | None:
         document = await self.participants.find_one({"_id": participant_id})
