@@ -1,9 +1,11 @@
-"""``python -m bench`` (``make bench``): bus hop vs raw relay, in a throwaway vhost and database.
+"""``python -m bench`` (``make bench``): whole turns through the real mesh, beside the bus hop
+and the raw aio-pika relay, in one run, in a throwaway vhost and database.
 
-Each side gets the same shape: a warm-up, then ``--events`` events over ``--conversations``
-closed loops (one in flight per conversation), then ``--serial`` events one at a time (the
-hop's latency with nothing queued). The raw side runs first so the store's after-work
-(PostgreSQL's vacuum and checkpoints) cannot slow it.
+First the floor: a raw relay hop and one hop of the yoke bus, each with a warm-up, ``--events``
+events over ``--conversations`` closed loops, then ``--serial`` events one at a time (the raw
+side first, so the store's after-work cannot slow it). Then the five services start as real
+processes and the turn phases run (:mod:`bench.mesh_bench`): latency, throughput, growth,
+isolation and scale. The table is printed and written to ``bench/results.json``.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from bench import bus_hop, raw_relay
+from bench import bus_hop, raw_relay, report
 from bench.child import PROFILE_ENV
 from bench.cpu import servers_cpu, servers_delta
 from bench.loop import Side, closed_loop
+from bench.mesh_bench import Figures, MeshBench
 from bench.sandbox import Sandbox, management_url_for, sandbox
 from bench.stats import Run, Samples, percentile, summary, table
 from yoke.logs import configure_logging
@@ -32,6 +35,26 @@ EVENTS_ENV = "YOKE_BENCH_EVENTS"
 # Connecting, declaring quorum queues and starting a relay process: generous, but not forever
 # (a store that accepts connections and never answers would otherwise hang the run).
 START_WITHIN = 120.0
+RESULTS = Path(__file__).resolve().parent / "results.json"
+
+# Options with a full and a ``--quick`` default: (name, full, quick, type, help).
+SIZES: tuple[tuple[str, float, float, type, str], ...] = (
+    ("events", 2000, 200, int, "events per side in the hop's loaded phase"),
+    ("conversations", 50, 10, int, "hop conversations, one event in flight each"),
+    ("warmup", 200, 20, int, "unmeasured hop events per side first"),
+    ("serial", 200, 50, int, "hop events sent one at a time after the loaded phase; 0 skips"),
+    ("turns", 200, 20, int, "turns one at a time in one forum (turn latency)"),
+    ("turn-warmup", 10, 3, int, "unmeasured turns before the latency phase"),
+    ("forums", 200, 10, int, "forums posting at once (throughput)"),
+    ("forum-turns", 5, 2, int, "turns each forum posts, one after another (throughput)"),
+    ("growth-lines", 5000, 200, int, "lines of history in the long forum (growth)"),
+    ("growth-turns", 30, 8, int, "turns measured in the fresh and in the long forum (growth)"),
+    ("isolation-forums", 20, 4, int, "ordinary forums (isolation)"),
+    ("isolation-turns", 20, 6, int, "turns each ordinary forum posts (isolation)"),
+    ("slow-seconds", 5.0, 2.0, float, "seconds the slow forum's model takes per step"),
+    ("joins", 10000, 200, int, "idle forums joined (scale)"),
+    ("scale-turns", 20, 3, int, "turns in one of them after the joins (scale)"),
+)
 
 
 def progress(text: str) -> None:
@@ -42,33 +65,63 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
         description=(
-            "Events per second and latency through one hop of the yoke bus (a real Service "
-            "that writes to MongoDB and posts a reply) against a raw aio-pika relay, measured "
-            "in the same run. Uses YOKE_AMQP_URL / YOKE_MONGODB_URL (and "
-            "YOKE_RABBITMQ_MANAGEMENT_URL) when set; works in a fresh vhost and database "
-            "that it removes afterwards. Prints figures, asserts nothing."
+            "Whole turns through the real mesh (the five services as processes, an echo "
+            "agent): (1) turn latency, a line submitted on yoke.commands until the agent's "
+            "answering forum line is seen on yoke.events, p50/p99, one turn at a time; "
+            "(2) throughput with --forums forums posting at once; (3) growth, turn p50 in a "
+            "fresh forum against one with --growth-lines lines of history; (4) isolation, "
+            "p99 of ordinary forums while one forum's model takes --slow-seconds per step, "
+            "against the same without it; (5) scale, RSS of each service with --joins joined "
+            "idle forums, and how long the joins took; (6) where a turn's time and CPU go "
+            "(per hop, per service, RabbitMQ/FerretDB/PostgreSQL) and the ratios to a raw "
+            "aio-pika relay hop and one bus hop, measured first in the same run. Uses "
+            "YOKE_AMQP_URL / YOKE_MONGODB_URL (and YOKE_RABBITMQ_MANAGEMENT_URL) when set; "
+            "works in a fresh vhost and database that it removes afterwards. Prints a table "
+            "with targets and pass/miss, writes it as JSON, asserts nothing."
         ),
     )
     parser.add_argument(
-        "--events",
+        "--quick",
+        action="store_true",
+        help="every phase small (a smoke run of a minute or two); explicit sizes still win",
+    )
+    for name, full, quick, kind, text in SIZES:
+        default = full
+        if name == "events":
+            default = int(os.environ.get(EVENTS_ENV, str(full)))
+        parser.add_argument(
+            f"--{name}",
+            type=kind,
+            default=None,
+            help=f"{text} (default {default:g}, --quick {quick:g})",
+        )
+    for phase in ("hop", "growth", "isolation", "scale"):
+        parser.add_argument(
+            f"--skip-{phase}", action="store_true", help=f"leave the {phase} phase out"
+        )
+    parser.add_argument(
+        "--mesh-shards",
         type=int,
-        default=int(os.environ.get(EVENTS_ENV, "2000")),
-        help=f"events per side in the loaded phase (default ${EVENTS_ENV} or 2000)",
+        default=4,
+        help="YOKE_SHARDS of the five services (default 4)",
     )
     parser.add_argument(
-        "--conversations",
+        "--join-concurrency",
         type=int,
-        default=50,
-        help="conversations, one closed loop and so one event in flight each (default 50)",
+        default=16,
+        help="joins in flight at once (default 16)",
     )
     parser.add_argument(
-        "--warmup", type=int, default=200, help="unmeasured events per side first (default 200)"
+        "--turn-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for one turn's answer before giving up (default 60)",
     )
     parser.add_argument(
-        "--serial",
-        type=int,
-        default=200,
-        help="events sent one at a time after the loaded phase; 0 skips it (default 200)",
+        "--results",
+        type=Path,
+        default=RESULTS,
+        help=f"where to write the figures as JSON (default {RESULTS})",
     )
     parser.add_argument(
         "--shards",
@@ -88,13 +141,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run both relays under cProfile and write their stats into DIR (skews figures)",
     )
     args = parser.parse_args(argv)
+    for name, full, quick, kind, _ in SIZES:
+        attribute = name.replace("-", "_")
+        if getattr(args, attribute) is None:
+            default = int(os.environ.get(EVENTS_ENV, str(full))) if name == "events" else full
+            setattr(args, attribute, kind(quick if args.quick else default))
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
-    for name in ("events", "conversations", "shards"):
+    for name in (
+        "events",
+        "conversations",
+        "shards",
+        "turns",
+        "forums",
+        "forum_turns",
+        "growth_turns",
+        "isolation_forums",
+        "isolation_turns",
+        "joins",
+        "scale_turns",
+        "mesh_shards",
+        "join_concurrency",
+    ):
         if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1")
-    if args.warmup < 0 or args.serial < 0:
-        parser.error("--warmup and --serial cannot be negative")
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0 or args.serial < 0 or args.turn_warmup < 0 or args.growth_lines < 0:
+        parser.error("--warmup, --serial, --turn-warmup and --growth-lines cannot be negative")
     return args
 
 
@@ -240,6 +312,11 @@ async def run(args: argparse.Namespace) -> None:
         f"servers: {redact(settings.amqp_url)} (management {management}), "
         f"{redact(settings.mongodb_url)}"
     )
+    raw = bus = None
+    results: Figures = {
+        "machine": {"cpus": os.cpu_count(), "note": busy or None},
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    }
     async with sandbox(settings.amqp_url, settings.mongodb_url, management) as box:
         progress(f"sandbox: vhost {box.vhost}, database {box.database}")
         raw = await measure(
@@ -248,19 +325,64 @@ async def run(args: argparse.Namespace) -> None:
             ),
             args,
         )
-        bus = await measure(bus_hop.BusHop(box, child_env(box, args)), args)
+        if not args.skip_hop:
+            bus = await measure(bus_hop.BusHop(box, child_env(box, args)), args)
+        await measure_turns(box, management, args, results)
         progress("removing the vhost and the database")
-    runs = [bus.load, raw.load, *(r for r in (bus.serial, raw.serial) if r is not None)]
+    hop = raw.serial or raw.load
+    results["rawRelay"] = {
+        "load": report.run_figures(raw.load),
+        "serial": report.run_figures(raw.serial),
+    }
+    if bus is not None:
+        results["busHop"] = {
+            "load": report.run_figures(bus.load),
+            "serial": report.run_figures(bus.serial),
+        }
+    report.finish(results, hop.ms(0.5), hop.ms(0.99), raw.load.rate)
+    runs = [
+        *(o.load for o in (bus, raw) if o is not None),
+        *(o.serial for o in (bus, raw) if o is not None and o.serial is not None),
+    ]
     print()
     print(table(runs))
+    if bus is not None:
+        print()
+        print(breakdown(bus, raw))
+        print()
+        print(summary(bus.load, raw.load))
     print()
-    print(breakdown(bus, raw))
-    print()
-    print(summary(bus.load, raw.load))
+    print(report.render(results))
+    report.write(results, args.results)
+    print(f"\nfigures written to {args.results}")
     if busy:
         print(f"note: {busy}; figures from a quiet machine compare better")
     if args.profile:
         print(f"relay profiles: {args.profile}/*.pstats (python -m pstats FILE)")
+
+
+async def measure_turns(
+    box: Sandbox, management: str, args: argparse.Namespace, results: Figures
+) -> None:
+    """The five services as processes, and each turn phase the options leave in."""
+    mesh = MeshBench(box, management, args, progress)
+    failed = True
+    try:
+        async with asyncio.timeout(START_WITHIN * 2):
+            await mesh.start()
+        results["turnLatency"], _ = await mesh.latency()
+        results["throughput"] = await mesh.throughput()
+        if not args.skip_growth:
+            results["growth"] = await mesh.growth()
+        if not args.skip_isolation:
+            results["isolation"] = await mesh.isolation()
+        if not args.skip_scale:
+            results["scale"] = await mesh.scale()
+        failed = False
+    finally:
+        codes = await mesh.stop()
+        if failed or any(code != 0 for code in codes.values()):
+            progress(f"services' logs (YOKE_LOG_LEVEL=WARNING): {mesh.log_dir}")
 
 
 def child_env(box: Sandbox, args: argparse.Namespace) -> dict[str, str]:

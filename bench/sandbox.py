@@ -84,3 +84,20 @@ async def _remove(api: httpx.AsyncClient, vhost_path: str, mongodb_base: str, na
         log.warning("could not drop database %s: %r", name, error)
     finally:
         await client.close()
+
+
+async def queued_messages(management: str, amqp_base: str, vhost: str) -> dict[str, int]:
+    """Messages ready or unacknowledged in each consumed queue of ``vhost`` that holds any
+    (the mesh's backlog; a queue nobody consumes, such as a dead-letter queue, never drains)."""
+    parts = urlsplit(amqp_base)
+    auth = (unquote(parts.username or "guest"), unquote(parts.password or "guest"))
+    async with httpx.AsyncClient(base_url=management, auth=auth, timeout=30) as api:
+        response = await api.get(
+            f"/api/queues/{quote(vhost, safe='')}", params={"columns": "name,messages,consumers"}
+        )
+        response.raise_for_status()
+        return {
+            str(queue["name"]): int(queue.get("messages") or 0)
+            for queue in response.json()
+            if queue.get("messages") and queue.get("consumers")
+        }

@@ -1,0 +1,226 @@
+"""The turn figures as a table beside the raw relay, the targets with pass/miss (never
+asserted), and ``bench/results.json`` with every section (``{"skipped": true}`` for a phase
+left out), so runs can be compared by eye and by script.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.stats import Run
+
+Figures = dict[str, Any]
+SECTIONS = (
+    "rawRelay",
+    "busHop",
+    "turnLatency",
+    "throughput",
+    "growth",
+    "isolation",
+    "scale",
+    "ratios",
+    "targets",
+)
+SKIPPED: Figures = {"skipped": True}
+
+
+def run_figures(run: Run | None) -> Figures:
+    if run is None:
+        return dict(SKIPPED)
+    return {
+        "label": run.label,
+        "events": run.events,
+        "inFlight": run.in_flight,
+        "eventsPerSecond": round(run.rate, 1),
+        "p50Ms": round(run.ms(0.5), 3),
+        "p99Ms": round(run.ms(0.99), 3),
+    }
+
+
+@dataclass
+class Target:
+    name: str
+    wanted: str
+    value: float
+    limit: float
+    at_most: bool
+
+    @property
+    def met(self) -> bool | None:
+        if math.isnan(self.value):
+            return None
+        return self.value <= self.limit if self.at_most else self.value >= self.limit
+
+    def figures(self) -> Figures:
+        return {
+            "name": self.name,
+            "target": self.wanted,
+            "value": None if math.isnan(self.value) else round(self.value, 3),
+            "pass": self.met,
+        }
+
+
+def number(section: Figures, *path: str) -> float:
+    value: Any = section
+    for key in path:
+        if not isinstance(value, dict) or key not in value:
+            return math.nan
+        value = value[key]
+    return float(value) if isinstance(value, int | float) else math.nan
+
+
+def targets(results: Figures, hop_p50_ms: float) -> list[Target]:
+    rss = results["scale"].get("rssMbAfterTurns") or {}
+    forums = results["throughput"].get("forums", "N")
+    joins = results["scale"].get("joins", "N")
+    return [
+        Target(
+            "turn p50 / raw hop p50",
+            "<= 8x",
+            number(results, "turnLatency", "p50Ms") / hop_p50_ms,
+            8.0,
+            True,
+        ),
+        Target(
+            f"turns/s with {forums} forums",
+            ">= 60",
+            number(results, "throughput", "turnsPerSecond"),
+            60.0,
+            False,
+        ),
+        Target(
+            "growth ratio (p50 long / fresh)",
+            "<= 1.3",
+            number(results, "growth", "ratio"),
+            1.3,
+            True,
+        ),
+        Target(
+            "isolation ratio (p99 beside slow / alone)",
+            "<= 1.5",
+            number(results, "isolation", "ratio"),
+            1.5,
+            True,
+        ),
+        Target(
+            f"max service RSS at {joins} joins (MB)",
+            "<= 150",
+            max(rss.values()) if rss else math.nan,
+            150.0,
+            True,
+        ),
+    ]
+
+
+def turn_rows(results: Figures) -> list[Figures]:
+    rows: list[Figures] = []
+    for key in ("turnLatency", "throughput"):
+        if "turns" in results[key]:
+            rows.append(results[key])
+    growth, isolation = results["growth"], results["isolation"]
+    rows += [growth[k] for k in ("fresh", "long") if k in growth]
+    rows += [isolation[k] for k in ("alone", "besideSlow") if k in isolation]
+    if "turnsAfter" in results["scale"]:
+        rows.append(results["scale"]["turnsAfter"])
+    return rows
+
+
+def render(results: Figures) -> str:
+    lines: list[str] = []
+    header = (
+        f"{'whole turns through the mesh':<40}{'forums':>7}{'turns':>7}{'turns/s':>9}"
+        f"{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'max ms':>9}"
+    )
+    lines += [header, "-" * len(header)]
+    for row in turn_rows(results):
+        lines.append(
+            f"{row['label']:<40}{row['forums']:>7}{row['turns']:>7}{row['turnsPerSecond']:>9.1f}"
+            f"{row['p50Ms']:>9.1f}{row['p90Ms']:>9.1f}{row['p99Ms']:>9.1f}{row['maxMs']:>9.1f}"
+        )
+    for key, label in (("rawRelay", "raw relay hop"), ("busHop", "bus hop")):
+        run = results[key].get("serial") or results[key].get("load") or {}
+        if "p50Ms" in run:
+            lines.append(
+                f"{label + ' (' + str(run['inFlight']) + ' in flight)':<40}{'':>7}"
+                f"{run['events']:>7}{run['eventsPerSecond']:>9.1f}{run['p50Ms']:>9.2f}"
+                f"{'':>9}{run['p99Ms']:>9.2f}"
+            )
+    stages = results["turnLatency"].get("stages") or {}
+    if stages:
+        lines += ["", "Where a turn's time goes (one at a time; ms, p50 / p99):"]
+        for name, figures in stages.items():
+            lines.append(f"  {name:<48}{figures['p50Ms']:>9.1f}{figures['p99Ms']:>9.1f}")
+    cpu_latency = results["turnLatency"].get("cpuMsPerTurn") or {}
+    cpu_load = results["throughput"].get("cpuMsPerTurn") or {}
+    if cpu_latency or cpu_load:
+        lines += ["", f"CPU per turn (ms)  {'one at a time':>16}{'many forums':>14}"]
+        for name in sorted(set(cpu_latency) | set(cpu_load)):
+            one = cpu_latency.get(name, math.nan)
+            many = cpu_load.get(name, math.nan)
+            lines.append(f"  {name:<17}{one:>16.2f}{many:>14.2f}")
+        total_one = sum(cpu_latency.values())
+        total_many = sum(cpu_load.values())
+        lines.append(f"  {'total':<17}{total_one:>16.2f}{total_many:>14.2f}")
+    scale = results["scale"]
+    if "rssMbAfter" in scale:
+        lines += [
+            "",
+            f"Scale: {scale['joins']} joins in {scale['joinSeconds']}s"
+            f" ({scale['joinsPerSecond']}/s), mesh settled {scale['settleSeconds']}s later",
+            f"  {'RSS MB':<12}{'before':>9}{'after joins':>13}{'after turns':>13}",
+        ]
+        for name, before in scale["rssMbBefore"].items():
+            lines.append(
+                f"  {name:<12}{before:>9.1f}{scale['rssMbAfter'].get(name, math.nan):>13.1f}"
+                f"{scale['rssMbAfterTurns'].get(name, math.nan):>13.1f}"
+            )
+    growth = results["growth"]
+    if "ratio" in growth:
+        lines.append(
+            f"\nGrowth: {growth['historyLines']} lines of history written in"
+            f" {growth['historySeconds']}s (monologue too: {growth['monologuePrefilled']})"
+        )
+    ratios = results["ratios"]
+    lines += [
+        "",
+        "Ratios: "
+        + ", ".join(f"{name} {value:.2f}x" for name, value in ratios.items() if value is not None),
+        "",
+        f"{'target':<46}{'wanted':>9}{'measured':>11}  result",
+    ]
+    for target in results["targets"]:
+        value = target["value"]
+        shown = f"{value:.2f}" if value is not None else "n/a"
+        verdict = {True: "pass", False: "miss", None: "n/a"}[target["pass"]]
+        lines.append(f"{target['name']:<46}{target['target']:>9}{shown:>11}  {verdict}")
+    return "\n".join(lines)
+
+
+def finish(results: Figures, hop_p50_ms: float, hop_p99_ms: float, hop_rate: float) -> Figures:
+    """Fill the ratios and targets, and mark every phase that did not run as skipped."""
+    for key in SECTIONS:
+        results.setdefault(key, dict(SKIPPED))
+    turn = results["turnLatency"]
+    results["ratios"] = {
+        "turn p50 / raw hop p50": _ratio(number(turn, "p50Ms"), hop_p50_ms),
+        "turn p99 / raw hop p99": _ratio(number(turn, "p99Ms"), hop_p99_ms),
+        "turns/s with many forums / raw hops/s": _ratio(
+            number(results, "throughput", "turnsPerSecond"), hop_rate
+        ),
+    }
+    results["targets"] = [target.figures() for target in targets(results, hop_p50_ms)]
+    return results
+
+
+def _ratio(value: float, base: float) -> float | None:
+    if math.isnan(value) or math.isnan(base) or base == 0:
+        return None
+    return round(value / base, 3)
+
+
+def write(results: Figures, path: Path) -> None:
+    path.write_text(json.dumps(results, indent=2, sort_keys=False) + "\n")
