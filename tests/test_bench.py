@@ -1,0 +1,84 @@
+"""``make bench`` cannot rot: its smallest form runs every phase through the real mesh and
+writes every section of the results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.processes import ROOT
+
+# Every phase, each as small as it goes: a smoke run, not a measurement.
+SMALLEST = [
+    "--quick",
+    "--events=30",
+    "--warmup=5",
+    "--serial=10",
+    "--conversations=5",
+    "--turns=5",
+    "--turn-warmup=1",
+    "--forums=3",
+    "--forum-turns=1",
+    "--growth-lines=20",
+    "--growth-turns=2",
+    "--isolation-forums=2",
+    "--isolation-turns=2",
+    "--slow-seconds=1",
+    "--joins=50",
+    "--scale-turns=1",
+]
+SECTIONS = (
+    "rawRelay",
+    "busHop",
+    "turnLatency",
+    "throughput",
+    "growth",
+    "isolation",
+    "scale",
+    "ratios",
+    "targets",
+)
+# About 50 s on a quiet machine; the deadline leaves room for a shared one.
+DEADLINE = 240
+
+
+def test_the_smallest_bench_measures_every_phase(
+    servers: tuple[str, str, str], tmp_path: Path
+) -> None:
+    amqp, mongodb, management = servers
+    results = tmp_path / "results.json"
+    env = {
+        **os.environ,
+        "YOKE_AMQP_URL": amqp,
+        "YOKE_MONGODB_URL": mongodb,
+        "YOKE_RABBITMQ_MANAGEMENT_URL": management,
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", *SMALLEST, f"--results={results}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(results.read_text())
+    assert [s for s in SECTIONS if figures.get(s, {"skipped": True}) == {"skipped": True}] == []
+    assert figures["turnLatency"]["turns"] == 5
+    assert figures["throughput"]["turns"] == 3
+    assert figures["growth"]["long"]["turns"] == 2 and figures["growth"]["monologuePrefilled"]
+    assert figures["isolation"]["besideSlow"]["turns"] == 4
+    assert set(figures["scale"]["rssMbAfter"]) == {
+        "ingestion",
+        "processor",
+        "egress",
+        "followup",
+        "guardian",
+    }
+    assert figures["scale"]["joins"] == 50
+    assert len(figures["targets"]) == 5
+    assert all(target["pass"] in (True, False) for target in figures["targets"])
+    assert "pass" in done.stdout or "miss" in done.stdout  # the table, with its verdicts
