@@ -26,7 +26,7 @@ from yoke.compaction import (
     needs_compaction,
     split_for_compaction,
 )
-from yoke.joins import PROCESSOR, ProcessorConfig, join_id
+from yoke.joins import PROCESSOR, Join, ProcessorConfig, join_id
 from yoke.models import Message, Part, TextPart, ToolCallPart, ToolResultPart
 from yoke.store import Store
 
@@ -118,9 +118,13 @@ async def test_a_crash_inside_a_compaction_loses_and_repeats_no_line(
     await mesh.processes["processor"].wait_healthy()
 
     # Nobody needs to speak again for the interrupted swap to finish and answer the lines.
-    await lines_until(
-        store, forum_id, lambda lines: len(agent_lines(lines)) == len(texts), timeout=30
-    )
+    try:
+        await lines_until(
+            store, forum_id, lambda lines: len(agent_lines(lines)) == len(texts), timeout=30
+        )
+    except AssertionError:
+        print(await where_the_join_is(store, join))
+        raise
     # And the agent keeps answering, through more compactions.
     for index in range(8):
         texts.append(f"after {index:02d}")
@@ -158,6 +162,29 @@ async def test_a_crash_inside_a_compaction_loses_and_repeats_no_line(
         return found is not None and found["monologueId"] == chain[-1].to_monologue_id
 
     await eventually(egress_follows, timeout=10, what="egress to follow the last swap")
+
+
+async def where_the_join_is(store: Store, join: Join) -> str:
+    """The swap's documents and the monologues' lines, for a failure's report."""
+    report = []
+    participant = await store.get_participant(join.forum_participant_id)
+    report.append(f"participant metadata: {participant.metadata if participant else None}")
+    state_id = instance_state_id(PROCESSOR, join_id(join.agent_actor_id, join.forum_id))
+    state = await store.load_state(state_id) or {}
+    report.append(f"processor: watch={state.get('watch')} watermark={state.get('watermark')}")
+    swaps = store.db[PROCEDURES].find({"forumParticipantId": join.forum_participant_id})
+    monologues = [join.monologue_id]
+    for swap in await swaps.to_list():
+        report.append(f"procedure: {swap}")
+        monologues.append(str(swap["toMonologueId"]))
+    for monologue in dict.fromkeys(monologues):
+        report.append(f"monologue {monologue}:")
+        for line in await store.history(monologue):
+            report.append(
+                f"  {line.seq} {line.role} {line.text[:40]!r} id={line.id}"
+                f" carriedFrom={line.meta.carried_from}"
+            )
+    return "\n".join(report)
 
 
 # --- tool rounds across a swap (no services needed) ----------------------------------------
