@@ -233,14 +233,22 @@ async def test_outbox_sweeper_publishes_what_a_crashed_writer_left(
     )
     assert crashed.returncode == faults.EXIT_CODE
     [written] = await store.history("outbox")
-    assert not await store.is_published(written.id)
+    document = await store.messages.find_one({"_id": written.id})
+    assert document is not None
+    # The dead writer announced itself before it wrote; its heartbeat has stopped.
+    writers = store.db["writers"]
+    assert await writers.find_one({"_id": document["writer"]}) is not None
 
     consumer = spawn(*RECORDER, YOKE_OUTBOX_GRACE_SECONDS="0.5")
     await consumer.wait_healthy()
     await eventually(lambda: _at_least(store, 1), timeout=30, what="the swept event handled")
     [record] = await handled_records(store)
     assert record["messageId"] == written.id
-    assert await store.is_published(written.id)
+
+    async def finished() -> bool:
+        return await writers.find_one({"_id": document["writer"]}) is None
+
+    await eventually(finished, timeout=30, what="the dead writer finished and forgotten")
 
 
 def _environ() -> dict[str, str]:
@@ -319,7 +327,11 @@ async def test_malformed_deliveries_are_dead_lettered_with_a_reason(
     bus = Bus(amqp_url, name="test-raw")
     await bus.connect()
     key = "conversation.message.posted.broken"
-    header = {topology.CONVERSATION_HEADER: "broken"}
+    # Published as the mesh publishes events: with the header its route exchanges select on.
+    header = {
+        topology.CONVERSATION_HEADER: "broken",
+        topology.EVENT_HEADER: "conversation.message.posted",
+    }
     good = line("broken", "fine")
     try:
         await bus.publish(
@@ -347,8 +359,12 @@ async def test_malformed_deliveries_are_dead_lettered_with_a_reason(
                 "message": stored.to_wire(),
             },
         }
-        await bus.publish(
-            topology.EVENTS_EXCHANGE, key, json.dumps(envelope).encode(), message_id="c"
+        await bus.publish(  # no conversation header
+            topology.EVENTS_EXCHANGE,
+            key,
+            json.dumps(envelope).encode(),
+            message_id="c",
+            headers={topology.EVENT_HEADER: "conversation.message.posted"},
         )
     finally:
         await bus.close()

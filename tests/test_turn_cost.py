@@ -16,9 +16,11 @@ from collections import Counter
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.mesh import Mesh, agent_lines, lines_until, say
+from tests.support.mesh import Mesh, say
+from tests.support.processes import eventually
 from yoke.client import Client
-from yoke.joins import create_agent, create_forum, join_conversation
+from yoke.ids import derive_id
+from yoke.joins import create_agent, create_forum, join_conversation, join_id
 from yoke.models import Message, TextPart
 from yoke.posting import Poster
 from yoke.store import Store
@@ -64,15 +66,23 @@ def _total(counts: Counter[str], prefix: str) -> int:
     return sum(value for key, value in counts.items() if key.startswith(prefix))
 
 
+def _reply_id(agent_id: str, forum_id: str, line_id: str) -> str:
+    """The id the echo agent's forum answer to ``line_id`` gets (every effect's id is derived)."""
+    key = join_id(agent_id, forum_id)
+    copy = derive_id("copy", derive_id("monologue", key), line_id)
+    return derive_id("egress", derive_id("output", key, copy))
+
+
 async def _turn(client: Client, store: Store, forum_id: str, agent_id: str, text: str) -> None:
+    """One line and its answer, polled by the answer's id (a look at the whole forum would
+    count in the rows read)."""
     line = await say(client, forum_id, text)
-    await lines_until(
-        store,
-        forum_id,
-        lambda lines: any(
-            m.meta.in_reply_to == line and m.author_actor_id == agent_id for m in agent_lines(lines)
-        ),
-    )
+    reply = _reply_id(agent_id, forum_id, line)
+
+    async def answered() -> bool:
+        return await store.messages.find_one({"_id": reply}, {"_id": 1}) is not None
+
+    await eventually(answered, timeout=60, what=f"the answer to {text!r}", interval=0.05)
 
 
 async def test_a_turn_costs_a_handful_of_store_operations_and_deliveries(

@@ -16,6 +16,7 @@ import json
 import logging
 from collections import Counter
 
+from yoke import topology
 from yoke.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.compaction import compact
 from yoke.ids import derive_id
@@ -89,6 +90,8 @@ def carried_meta(context: Context, trigger: Message) -> MessageMeta:
 
 
 async def step(context: Context, trigger: Message) -> None:
+    if context.config.guarded:  # the agent's lines are the guardian's to see
+        context.route[topology.GUARDED_HEADER] = "yes"
     calls = [part for part in trigger.parts if isinstance(part, ToolCallPart)]
     if trigger.role == "agent":
         if calls:

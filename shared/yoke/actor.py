@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from yoke.errors import DeadLetter, Stopping
 from yoke.failures import Failure
 from yoke.ids import derive_id
+from yoke.lru import LRUCache
 from yoke.models import Message, MessageMeta, MessagePosted, TextPart
 from yoke.posting import Poster
 from yoke.service import Service
@@ -59,7 +60,7 @@ class ActorContext(Generic[C, S]):
         return derive_id(kind, self.instance_id, self.trigger.id, *extra)
 
     async def post(self, message: Message) -> Message:
-        stored = await self.poster.post(message)
+        stored = await self.poster.post(message, route=self.route)
         self.posted.append(stored)
         return stored
 
@@ -68,6 +69,8 @@ class ActorContext(Generic[C, S]):
     # What the handler wrote: the runtime moves the watermark past its own lines that are not
     # triggers (they are not delivered back to it).
     posted: list[Message] = field(default_factory=list)
+    # Extra routing headers for what the handler posts (see topology.posted_headers).
+    route: dict[str, str] = field(default_factory=dict)
 
     async def repoint(self, conversation_id: str, watermark: int) -> None:
         """Follow another conversation from ``watermark`` on (the monologue swap), saved at once.
@@ -139,6 +142,8 @@ class ActorRuntime:
         lines not delivered are read by seq when a later event shows the gap."""
         self.service = service
         self.definitions = definitions
+        # Per instance and conversation: how far it got (see _advance), ahead of the store.
+        self._passed: LRUCache[str, int] = LRUCache()
         service.on_event(MessagePosted, self.on_posted, where=where)
 
     async def on_posted(self, event: MessagePosted) -> None:
@@ -157,8 +162,15 @@ class ActorRuntime:
     async def _advance(
         self, definition: ActorDefinition[Any, Any], document: dict[str, Any], event: MessagePosted
     ) -> list[str]:
-        """Handle the instance's lines up to the event's; returns what had to be set aside."""
-        watermark = int(document.get("watermark", 0))
+        """Handle the instance's lines up to the event's; returns what had to be set aside.
+
+        Lines the instance only passes over (no trigger) move its watermark in this process's
+        memory, not in the store: the next line it acts on saves it. After a restart, such lines
+        are read again by seq and passed over again.
+        """
+        memo = f"{document['_id']}|{event.conversation_id}"
+        watermark = max(int(document.get("watermark", 0)), self._passed.get(memo, 0))
+        document["watermark"] = watermark
         if event.seq <= watermark:
             return await self._retry_set_aside(definition, document, event.seq)
         store = self.service.store
@@ -173,6 +185,9 @@ class ActorRuntime:
             if message.seq <= int(document["watermark"]):
                 continue  # passed already, as one of the instance's own lines
             outcome, through = await self._run(definition, document, message, event.conversation_id)
+            if outcome == PASSED:
+                document["watermark"] = self._passed[memo] = through
+                continue
             if outcome == "repointed":
                 break
             if outcome is not None:
@@ -199,7 +214,7 @@ class ActorRuntime:
         if not definition.trigger(
             config, definition.state_schema.model_validate(document["state"]), message
         ):
-            return None, message.seq
+            return PASSED, message.seq
         if definition.load_config is not None:  # read only for a line it acts on
             config = await definition.load_config(self.service.store, document)
         state_id = str(document["_id"])
@@ -331,7 +346,7 @@ class ActorRuntime:
                 if message is not None
                 else None
             )
-            if outcome is not None and outcome != "repointed":
+            if outcome is not None and outcome not in ("repointed", PASSED):
                 still.append(outcome)
                 continue
             await store.close_failure(failure.id)
@@ -346,8 +361,12 @@ class ActorRuntime:
     async def _save(self, document: dict[str, Any], watch: str, watermark: int) -> None:
         document["watch"] = watch
         document["watermark"] = watermark
+        self._passed[f"{document['_id']}|{watch}"] = watermark
         await self.service.store.save_state(str(document["_id"]), document)
 
+
+# What _run says of a line that is no trigger for the instance: passed over.
+PASSED = "passed"
 
 # An instance keeps the seqs of its open failures (bounded): a redelivery checks them for free.
 MAX_REMEMBERED_FAILURES = 100

@@ -80,7 +80,6 @@ from yoke.models import (
     Conversation,
     Document,
     Message,
-    MessagePosted,
     MonologueCompacted,
     Participant,
     TextPart,
@@ -465,11 +464,9 @@ async def rouse(context: Context, wake: Message) -> None:
     """Publish the wake-up; if that fails, the sweeper does it (so nothing here raises: a
     retried handler would find the processor gone from this monologue)."""
     try:
-        if await context.store.is_published(wake.id):
-            # The sweeper published it while nobody watched the new monologue: again, now.
-            await context.poster.emit(MessagePosted.of(wake), event_id=derive_id("posted", wake.id))
-        else:
-            await context.post(wake)
+        # (Perhaps the outbox published it already, while nobody watched the new monologue:
+        # then again, now; the processor takes an event once.)
+        await context.poster.publish(wake)
     except Exception:
         log.warning(
             "could not publish a compaction's wake-up; the outbox sweeper will",

@@ -37,7 +37,7 @@ from pymongo.errors import CollectionInvalid, OperationFailure
 
 from yoke.compaction import carry_tail
 from yoke.ids import derive_id
-from yoke.join_config import FollowUpConfig, load_join_config
+from yoke.join_config import FollowUpConfig, JoinConfig, load_join_config
 from yoke.joins import ensure_participant, join_id, participant_id
 from yoke.lru import LRUCache
 from yoke.metrics import (
@@ -51,6 +51,9 @@ from yoke.posting import Poster
 from yoke.store import Store
 
 log = logging.getLogger(__name__)
+
+# A join's configuration is read again after this long (a re-join takes effect by then).
+CONFIG_SECONDS = 10.0
 
 FOLLOWUPS = "followups"
 # Decisions are procedure records (DESIGN invariant 9), next to compaction's swaps.
@@ -197,10 +200,22 @@ class FollowUps:
     async def _actor_kind(self, actor_id: str) -> str:
         return await _kind(self._actor_kinds, self.store.actors, actor_id)
 
+    async def _join_config(self, key: str) -> JoinConfig | None:
+        """The join's configuration, read at most every CONFIG_SECONDS per join (an agent that
+        talks fast does not cost a read per line; a new join is read at once)."""
+        cached = self.store.memo.get(f"followup-config:{key}")
+        now = time.monotonic()
+        if isinstance(cached, tuple) and now - cached[0] < CONFIG_SECONDS:
+            found: JoinConfig | None = cached[1]
+            return found
+        config = await load_join_config(self.store, key)
+        self.store.memo[f"followup-config:{key}"] = (now, config)
+        return config
+
     async def schedule(self, line: Message) -> FollowUp | None:
         """Schedule a nudge about the agent's forum line, if its join asks for follow-ups."""
         key = join_id(line.author_actor_id, line.conversation_id)
-        config = await load_join_config(self.store, key)
+        config = await self._join_config(key)
         if config is None or config.follow_up is None:
             return None
         # The agent spoke again: its earlier schedule in this forum is superseded.

@@ -656,6 +656,6 @@ def register(service: Service) -> Guardian:
     service.on_event(
         MessagePosted,
         guardian.on_posted,
-        where=[{"kind": "monologue", "type": "message", "role": "agent"}],
+        where=[{"kind": "monologue", "type": "message", "role": "agent", "guarded": "yes"}],
     )
     return guardian

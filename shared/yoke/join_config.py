@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, JsonValue, field_validator
 
+from yoke.ids import new_id
 from yoke.models import WireModel
 from yoke.safe_regex import compile_safe
 from yoke.store import Store
@@ -132,19 +133,37 @@ class JoinConfig(StrictWireModel):
 # --- storage: one document per join, written only by joins ------------------------------------
 
 JOIN_CONFIGS = "join_configs"
+VERSION_FIELD = "_version"
 
 
 async def load_join_config(store: Store, join_key: str) -> JoinConfig | None:
     """The join's configuration (``join_key`` is :func:`yoke.joins.join_id`), if it has one."""
+    found = await load_versioned_join_config(store, join_key)
+    return found[1] if found is not None else None
+
+
+async def load_versioned_join_config(
+    store: Store, join_key: str
+) -> tuple[str | None, JoinConfig] | None:
+    """The join's configuration and the version its last save gave it."""
     document = await store.db[JOIN_CONFIGS].find_one({"_id": join_key})
     if document is None:
         return None
     document.pop("_id")
-    return JoinConfig.model_validate(document)
+    version = document.pop(VERSION_FIELD, None)
+    return (str(version) if version else None), JoinConfig.model_validate(document)
 
 
-async def save_join_config(store: Store, join_key: str, config: JoinConfig) -> None:
-    """Replace the join's configuration; only a join (``yoke join``) writes it."""
+async def save_join_config(store: Store, join_key: str, config: JoinConfig) -> str:
+    """Replace the join's configuration; only a join (``yoke join``) writes it.
+
+    Each save has a version of its own: whoever caches a configuration (the processor) knows
+    by it that the cached one is still the join's.
+    """
+    version = new_id()
     await store.db[JOIN_CONFIGS].replace_one(
-        {"_id": join_key}, {"_id": join_key, **config.to_wire()}, upsert=True
+        {"_id": join_key},
+        {"_id": join_key, **config.to_wire(), VERSION_FIELD: version},
+        upsert=True,
     )
+    return version

@@ -7,6 +7,7 @@ announces ``agent.forum.joined``. Every id is derived, so joining twice returns 
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,7 +16,11 @@ from pydantic import Field, JsonValue
 from yoke.actor import SYSTEM_ACTOR_ID as SYSTEM_ACTOR_ID
 from yoke.actor import create_instance_document, instance_state_id
 from yoke.ids import derive_id, new_id
-from yoke.join_config import JoinConfig, load_join_config, save_join_config
+from yoke.join_config import (
+    JoinConfig,
+    load_versioned_join_config,
+    save_join_config,
+)
 from yoke.join_config import ScriptedCall as ScriptedCall
 from yoke.join_config import ScriptedOutput as ScriptedOutput
 from yoke.models import (
@@ -61,15 +66,16 @@ class ProcessorConfig(WireModel):
     # Checked before each model call; None means no limit.
     budget_tokens: int | None = Field(default=None, ge=0)
     budget_usd: float | None = Field(default=None, ge=0)
+    # The join has a guardian: the agent's lines are routed to it (else it is not bothered).
+    guarded: bool = False
 
     def with_join(self, join: JoinConfig | None) -> ProcessorConfig:
         """This config with what the join sets; None fields of the join keep the defaults."""
         if join is None:
             return self
         tunables = {name: getattr(join, name) for name in JOIN_TUNABLES}
-        return self.model_copy(
-            update={name: value for name, value in tunables.items() if value is not None}
-        )
+        update = {name: value for name, value in tunables.items() if value is not None}
+        return self.model_copy(update={**update, "guarded": join.guardian is not None})
 
 
 # JoinConfig fields that are the processor's (the rest belongs to follow-up and guardian).
@@ -86,10 +92,35 @@ JOIN_TUNABLES = (
 )
 
 
+# The instance document's note of its join configuration's version (see join_conversation).
+CONFIG_VERSION = "configVersion"
+# A cached join configuration is read again after this long whatever its version says.
+CONFIG_CACHE_SECONDS = 60.0
+
+
 async def load_processor_config(store: Store, document: dict[str, Any]) -> ProcessorConfig:
-    """The processor's config for one step: its instance's, overlaid with the join's."""
+    """The processor's config for one step: its instance's, overlaid with the join's.
+
+    The join's is read only when the version noted on the instance document (read anyway)
+    differs from the cached one's, or the cached one is old.
+    """
     config = ProcessorConfig.model_validate(document["config"])
-    return config.with_join(await load_join_config(store, str(document["instanceId"])))
+    key = str(document["instanceId"])
+    version = document.get(CONFIG_VERSION)
+    cached = store.memo.get(f"join-config:{key}")
+    now = time.monotonic()
+    if (
+        version
+        and isinstance(cached, tuple)
+        and cached[0] == version
+        and now - cached[2] < CONFIG_CACHE_SECONDS
+    ):
+        return config.with_join(cached[1])
+    found = await load_versioned_join_config(store, key)
+    join = found[1] if found is not None else None
+    if found is not None and found[0]:
+        store.memo[f"join-config:{key}"] = (found[0], join, now)
+    return config.with_join(join)
 
 
 class ProcessorState(WireModel):
@@ -240,7 +271,10 @@ async def join_conversation(
     key = join_id(agent.id, forum.id)
     if config is not None:
         # First, so the processor finds it from its first step; written only here.
-        await save_join_config(store, key, config)
+        version: str | None = await save_join_config(store, key, config)
+    else:
+        stored = await load_versioned_join_config(store, key)
+        version = stored[0] if stored else await save_join_config(store, key, JoinConfig())
     monologue = await store.save_conversation(
         Conversation(
             id=derive_id("monologue", key), kind="monologue", title=f"{agent.name} in {forum.title}"
@@ -273,17 +307,20 @@ async def join_conversation(
         monologue_id=active_monologue, agent_participant_id=monologue_participant.id
     )
     # Start both instances at the current end of what they watch: a new join answers new lines.
-    await store.insert_if_absent(
-        store.states,
-        create_instance_document(
-            PROCESSOR,
-            key,
-            watch=active_monologue,
-            config=processor_config,
-            state=state,
-            watermark=await store.last_seq(active_monologue),
-        ),
+    processor_document = create_instance_document(
+        PROCESSOR,
+        key,
+        watch=active_monologue,
+        config=processor_config,
+        state=state,
+        watermark=await store.last_seq(active_monologue),
     )
+    processor_document[CONFIG_VERSION] = version
+    if not await store.insert_if_absent(store.states, processor_document):
+        # Joined before: tell the processor its join's configuration changed.
+        await store.states.update_one(
+            {"_id": processor_document["_id"]}, {"$set": {CONFIG_VERSION: version}}
+        )
     await store.insert_if_absent(
         store.states,
         create_instance_document(

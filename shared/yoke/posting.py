@@ -1,21 +1,21 @@
 """``post()``: the one way a message is written, and the outbox sweeper behind it.
 
-DESIGN invariants 1 and 2: the message is stored (marked unpublished) before its event is
-published with a confirm; a crash in between leaves it for the sweeper, never lost.
+DESIGN invariants 1 and 2: the message is stored before its event is published with a
+confirm; a crash in between leaves it to the outbox (:mod:`yoke.outbox`), never lost.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from datetime import UTC, datetime, timedelta
+from collections.abc import Mapping
 
 from yoke import topology
 from yoke.bus import Bus
 from yoke.ids import derive_id
 from yoke.metrics import MESSAGES_POSTED, OUTBOX_REPUBLISHED
 from yoke.models import Envelope, EventPayload, Message, MessagePosted
+from yoke.outbox import OutboxKeeper
 from yoke.store import Store
 
 log = logging.getLogger(__name__)
@@ -29,59 +29,54 @@ class Poster:
         self.bus = bus
         self.service = service
 
-    async def post(self, message: Message) -> Message:
+    async def post(self, message: Message, *, route: Mapping[str, str] | None = None) -> Message:
         """Store ``message`` under the next seq and publish it; idempotent by message id.
 
         Posting an id that exists returns the stored message (publishing it if that never
         happened), so a redelivered event's effects are written once.
         """
-        stored, _ = await self.post_new(message)
+        stored, _ = await self.post_new(message, route=route)
         return stored
 
-    async def post_new(self, message: Message) -> tuple[Message, bool]:
+    async def post_new(
+        self, message: Message, *, route: Mapping[str, str] | None = None
+    ) -> tuple[Message, bool]:
         """:meth:`post`, also saying whether this call wrote it (``False``: it existed)."""
         stored, created = await self.store.insert_message(message)
         if created:
-            await self._publish(stored)
+            await self.publish(stored, route=route)
             MESSAGES_POSTED.labels(self.service, stored.type).inc()
-        elif not await self.store.is_published(stored.id):
-            await self._publish(stored)
+        elif stored.id in self.store.outbox.unconfirmed:
+            await self.publish(stored, route=route)  # ours, and its event was never confirmed
         return stored, created
 
     async def emit(self, payload: EventPayload, *, event_id: str) -> None:
         """Publish a non-message event (``agent.*``) under a caller-derived id."""
         await self.bus.publish_event(Envelope.wrap(event_id, payload), payload.key)
 
-    async def _publish(self, message: Message) -> None:
+    async def publish(self, message: Message, *, route: Mapping[str, str] | None = None) -> None:
+        """Publish a stored message's event, with the headers the services route on (and
+        ``route``, what its writer adds: see :data:`topology.GUARDED_HEADER`)."""
         payload = MessagePosted.of(message)
         kind = await self.store.conversation_kind(message.conversation_id)
         # The event id derives from the message: a republished event is recognisably the same.
         await self.bus.publish_event(
             Envelope.wrap(derive_id("posted", message.id), payload),
             payload.key,
-            topology.posted_headers(message, kind),
+            {**topology.posted_headers(message, kind), **(route or {})},
         )
-        await self.store.mark_published(message.id)
+        self.store.outbox.confirmed(message.id)
 
-    async def sweep_once(self, grace: float) -> int:
-        """Publish messages left unpublished for longer than ``grace`` seconds."""
-        cutoff = datetime.now(UTC) - timedelta(seconds=grace)
-        pending = await self.store.unpublished_before(cutoff)
-        for message in pending:
-            log.warning(
-                "republishing a message left unpublished",
-                extra={"conversationId": message.conversation_id, "messageId": message.id},
-            )
-            await self._publish(message)
-            OUTBOX_REPUBLISHED.labels(self.service).inc()
-        return len(pending)
+    def keeper(self) -> OutboxKeeper:
+        """The background work that keeps DESIGN invariant 2 (see :mod:`yoke.outbox`)."""
+        return OutboxKeeper(
+            self.store.outbox,
+            self.store.db["writers"],
+            self.store.messages,
+            self.publish,
+            lambda count: OUTBOX_REPUBLISHED.labels(self.service).inc(count),
+        )
 
     async def run_sweeper(self, grace: float, stopping: asyncio.Event) -> None:
-        """Sweep every ``grace / 2`` seconds until ``stopping`` is set."""
-        while not stopping.is_set():
-            try:
-                await self.sweep_once(grace)
-            except Exception:
-                log.exception("outbox sweep failed; trying again")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopping.wait(), timeout=max(grace / 2, 0.2))
+        """Heartbeats, own retries and dead writers' leftovers until ``stopping`` is set."""
+        await self.keeper().run(grace, stopping)

@@ -7,7 +7,6 @@ under concurrency (DESIGN invariant 8), anything contended is decided by a uniqu
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import datetime
 from typing import Any
 
 from pymongo import ASCENDING, AsyncMongoClient, monitoring
@@ -19,10 +18,14 @@ from yoke.failures import Failure
 from yoke.lru import LRUCache
 from yoke.metrics import IN_DELIVERY, STORE_OPERATIONS
 from yoke.models import Actor, Conversation, Message, Participant, utcnow
+from yoke.outbox import Outbox
 
 Doc = dict[str, Any]
 NAMESPACE_EXISTS = 48
 
+
+# What an actor instance's lane writes of its document (a join writes the rest).
+RUNTIME_FIELDS = ("watch", "watermark", "state", "failed")
 
 # Messages are also filed by ``seq // BUCKET``: a range of lines is read by equality lookups.
 BUCKET = 128
@@ -69,6 +72,8 @@ class Store:
         "failures",
         "join_configs",
         "guardian",
+        "writers",
+        "followups",
     )
 
     def __init__(self, url: str, *, app_name: str = "yoke", pool_size: int = 16) -> None:
@@ -89,10 +94,14 @@ class Store:
         self.failures: AsyncCollection[Doc] = self.db["failures"]
         # Highest seq this process knows to exist per conversation: saves a query per post.
         self._last_seq: LRUCache[str, int] = LRUCache()
+        # This process as a writer: what it stored whose event is not confirmed yet.
+        self.outbox = Outbox(app_name)
         # Documents that never change once written: read (or written) once per process.
         self._actors: LRUCache[str, Actor] = LRUCache()
         self._conversations: LRUCache[str, Conversation] = LRUCache()
         self._participants_made: LRUCache[str, bool] = LRUCache()
+        # Small per-process memos of things read by id (their owners say when they go stale).
+        self.memo: LRUCache[str, object] = LRUCache()
 
     async def ensure_indexes(self) -> None:
         """Create collections and indexes; idempotent, every service runs it at start-up.
@@ -112,7 +121,7 @@ class Store:
         await self.messages.create_index(
             [("conversationId", ASCENDING), ("seq", ASCENDING)], unique=True, name="conv_seq"
         )
-        await self.messages.create_index([("published", ASCENDING)], name="published")
+        await self.messages.create_index([("outbox", ASCENDING)], name="outbox")
         await self.messages.create_index(
             [("conversationId", ASCENDING), ("bucket", ASCENDING)], name="conv_bucket"
         )
@@ -128,6 +137,7 @@ class Store:
         await self.db.command("ping")
 
     async def close(self) -> None:
+        await self.outbox.close(self.db["writers"])
         await self.client.close()
 
     # --- generic documents -------------------------------------------------------------
@@ -270,13 +280,15 @@ class Store:
         lost race costs one more insert at the next seq (DESIGN invariant 8).
         """
         conversation_id = message.conversation_id
+        if not self.outbox.registered:
+            await self.outbox.register(self.db["writers"])
         known = self._last_seq.get(conversation_id)
         candidate = (known if known is not None else await self.last_seq(conversation_id)) + 1
         for conflicts in range(1, 10_001):
             stored = message.model_copy(update={"seq": candidate})
             document = stored.to_document()
-            document["published"] = False
             document["bucket"] = bucket_of(candidate)
+            self.outbox.stamp(document, stored)
             try:
                 await self.messages.insert_one(document)
             except DuplicateKeyError:
@@ -292,20 +304,9 @@ class Store:
                     candidate = await self.last_seq(conversation_id) + 1
                 continue
             self.observe_seq(conversation_id, candidate)
+            self.outbox.written(stored)
             return stored, True
         raise SeqConflict(f"could not allocate a seq in conversation {conversation_id}")
-
-    async def mark_published(self, message_id: str) -> None:
-        await self.messages.update_one({"_id": message_id}, {"$set": {"published": True}})
-
-    async def is_published(self, message_id: str) -> bool:
-        document = await self.messages.find_one({"_id": message_id}, {"published": 1})
-        return bool(document and document.get("published"))
-
-    async def unpublished_before(self, cutoff: datetime, limit: int = 500) -> list[Message]:
-        cursor = self.messages.find({"published": False}).limit(limit)
-        found = [Message.from_document(d) async for d in cursor]
-        return sorted((m for m in found if m.created_at <= cutoff), key=lambda m: m.seq)
 
     async def message_at(self, conversation_id: str, seq: int) -> Message | None:
         document = await self.messages.find_one({"conversationId": conversation_id, "seq": seq})
@@ -362,7 +363,9 @@ class Store:
         Never an upsert: a join that was left (its state deleted) stays left, whatever a step
         that was still running saves afterwards.
         """
-        await self.states.replace_one({"_id": state_id}, document)
+        await self.states.update_one(
+            {"_id": state_id}, {"$set": {k: document[k] for k in RUNTIME_FIELDS if k in document}}
+        )
 
     # --- failures ----------------------------------------------------------------------
 

@@ -28,6 +28,8 @@ KIND_HEADER = "yoke-kind"
 TYPE_HEADER = "yoke-type"
 ROLE_HEADER = "yoke-role"
 CALLS_HEADER = "yoke-calls"
+# Set by the processor on lines of joins that have a guardian: only those reach it.
+GUARDED_HEADER = "yoke-guarded"
 
 # One binding of a service's route exchange: header values an event must all carry.
 Interest = dict[str, str]
@@ -64,7 +66,13 @@ def route_exchange(service: str) -> str:
 
 def interest(event_type: str, **headers: str) -> Interest:
     """A route binding: ``interest("conversation.message.posted", kind="forum")``."""
-    names = {"kind": KIND_HEADER, "type": TYPE_HEADER, "role": ROLE_HEADER, "calls": CALLS_HEADER}
+    names = {
+        "kind": KIND_HEADER,
+        "type": TYPE_HEADER,
+        "role": ROLE_HEADER,
+        "calls": CALLS_HEADER,
+        "guarded": GUARDED_HEADER,
+    }
     return {EVENT_HEADER: event_type, **{names[key]: value for key, value in headers.items()}}
 
 

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -33,7 +34,9 @@ from yoke.bus import Bus
 from yoke.dead_letters import list_dead_letters
 from yoke.ids import new_id
 from yoke.joins import create_agent, create_forum, join_conversation
+from yoke.outbox import dead_after
 from yoke.posting import Poster
+from yoke.settings import Settings
 from yoke.store import Store
 from yoke.supervisor import SERVICES
 
@@ -309,16 +312,21 @@ class Run:
         unpublished: list[str] = []
 
         async def outbox_empty() -> bool:
+            """No writer that stopped (a killed service) is left with writes unfinished."""
             nonlocal unpublished
             try:
-                found = await self.store.messages.find(
-                    {"published": False}, {"conversationId": 1, "seq": 1}
-                ).to_list()
+                writers = await self.store.db["writers"].find({}).to_list()
             except Exception as error:
-                unpublished = [f"could not read the messages: {error}"]
+                unpublished = [f"could not read the writers: {error}"]
                 return False
-            unpublished = [f"{d['_id']} (conversation {d['conversationId']})" for d in found]
-            return not found
+            now = datetime.now(UTC)
+            silent = timedelta(seconds=dead_after(Settings().outbox_grace_seconds) + 5)
+            unpublished = [
+                f"writer {d['_id']} ({d.get('service')}) silent since {d['beat']}"
+                for d in writers
+                if "beat" in d and now - d["beat"].replace(tzinfo=UTC) > silent
+            ]
+            return not unpublished
 
         if not await self._wait_async(outbox_empty, timeout):
             self.problems.append(

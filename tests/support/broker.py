@@ -38,9 +38,7 @@ class Management:
             response = await api.get(f"/api/vhosts/{self._vhost}/connections")
             response.raise_for_status()
             for connection in response.json():
-                client_name = (connection.get("client_properties") or {}).get(
-                    "connection_name", ""
-                )
+                client_name = (connection.get("client_properties") or {}).get("connection_name", "")
                 if not str(client_name).startswith(name_prefix):
                     continue
                 await api.delete(
@@ -54,9 +52,7 @@ class Management:
         """Hold the vhost's connection limit at 0 (new connections refused), or lift it."""
         async with self._client() as api:
             path = f"/api/vhost-limits/{self._vhost}/max-connections"
-            response = await (
-                api.put(path, json={"value": 0}) if refuse else api.delete(path)
-            )
+            response = await (api.put(path, json={"value": 0}) if refuse else api.delete(path))
             response.raise_for_status()
 
     async def queues(self) -> dict[str, dict[str, Any]]:

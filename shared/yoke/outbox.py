@@ -1,0 +1,240 @@
+"""Which written messages may still lack their event, without an update per message.
+
+DESIGN invariant 2: a message is stored before its event is published, and a crash in between
+must not lose the event. Recording "published" on every message would cost an update per
+message (a read-modify-write on FerretDB), so instead:
+
+- each process is a *writer* with an id of its own; every message it stores carries that id
+  and an *outbox slot* (writer and minute, a field read by equality);
+- the writer keeps its not-yet-confirmed messages in memory, publishes them again itself if
+  a publish keeps failing, and every second stores a heartbeat: "alive, and everything I wrote
+  before T is published";
+- any process that finds a writer whose heartbeat stopped claims it (a unique insert) and
+  publishes again what that writer stored from T on, read slot by slot; then forgets it.
+
+A republished event is the same event (its id derives from the message): consumers dedupe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from pymongo.errors import DuplicateKeyError
+
+from yoke.ids import new_id
+from yoke.models import Message
+
+log = logging.getLogger(__name__)
+
+Doc = dict[str, Any]
+
+# Heartbeats a second; a writer silent for ``dead_after(grace)`` is finished by others.
+BEAT_SECONDS = 1.0
+# A claim on a dead writer older than this is taken to have died with its sweeper.
+CLAIM_EXPIRES_SECONDS = 60.0
+# At most this many minutes of a dead writer are read back (older ones were settled).
+MAX_SLOTS = 24 * 60
+
+
+def dead_after(grace: float) -> float:
+    """How long a writer may be silent before others finish its writes (three beats at least)."""
+    return max(3 * BEAT_SECONDS, 3 * grace)
+
+
+def slot_of(writer: str, when: datetime) -> str:
+    return f"{writer}:{int(when.timestamp() // 60)}"
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Outbox:
+    """This process's writes that lack a confirmed publish, and the sweep of dead writers."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+        self.writer = new_id()
+        self.unconfirmed: dict[str, Message] = {}
+        # Announced before the first write, so a writer that dies at once is finished too.
+        self.registered = False
+        self.lock = asyncio.Lock()
+        self.registering = asyncio.Lock()
+        self._heart: asyncio.Task[None] | None = None
+
+    async def register(self, writers: Any) -> None:
+        """Announce this writer, then keep its heartbeat going for as long as the loop runs.
+
+        Every process that writes messages beats (a service, the CLI, a test): a writer whose
+        beat stops is taken for dead and its recent writes are published again by others.
+        """
+        async with self.registering:
+            if self.registered:
+                return
+            await beat(writers, self)
+            self._heart = asyncio.get_running_loop().create_task(self._beat_forever(writers))
+
+    async def _beat_forever(self, writers: Any) -> None:
+        while True:
+            await asyncio.sleep(BEAT_SECONDS)
+            try:
+                await beat(writers, self)
+            except Exception as error:
+                log.warning("could not store the outbox heartbeat: %r", error)
+
+    async def close(self, writers: Any) -> None:
+        """Stop beating; with nothing left unconfirmed, leave nothing for others to finish."""
+        if self._heart is None:
+            return
+        self._heart.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._heart
+        self._heart = None
+        if not self.unconfirmed:
+            with contextlib.suppress(Exception):
+                await writers.delete_one({"_id": self.writer})
+
+    def stamp(self, document: Doc, message: Message) -> None:
+        """Mark a document about to be stored as this writer's, in its outbox slot."""
+        document["writer"] = self.writer
+        document["outbox"] = slot_of(self.writer, message.created_at)
+
+    def written(self, message: Message) -> None:
+        self.unconfirmed[message.id] = message
+
+    def confirmed(self, message_id: str) -> None:
+        self.unconfirmed.pop(message_id, None)
+
+    def owes(self, document: Doc) -> bool:
+        """Whether this writer still has to publish a stored message (its own, unconfirmed)."""
+        return document.get("writer") == self.writer and str(document["_id"]) in self.unconfirmed
+
+    def settled_before(self) -> datetime:
+        """Everything this writer stored before this moment is published."""
+        pending = [message.created_at for message in self.unconfirmed.values()]
+        return min(pending, default=_now())
+
+    def overdue(self, grace: float) -> list[Message]:
+        """Own messages unconfirmed for longer than ``grace`` seconds (a failed publish)."""
+        cutoff = _now() - timedelta(seconds=grace)
+        return sorted(
+            (m for m in self.unconfirmed.values() if m.created_at <= cutoff),
+            key=lambda m: (m.conversation_id, m.seq),
+        )
+
+
+class OutboxKeeper:
+    """The background half: heartbeats, own retries, and finishing dead writers."""
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        writers: Any,
+        messages: Any,
+        publish: Callable[[Message], Awaitable[None]],
+        on_republished: Callable[[int], None],
+    ) -> None:
+        self.outbox = outbox
+        self.writers = writers
+        self.messages = messages
+        self.publish = publish
+        self.on_republished = on_republished
+
+    async def retry_own(self, grace: float) -> int:
+        overdue = self.outbox.overdue(grace)
+        for message in overdue:
+            log.warning(
+                "publishing again a message whose event was not confirmed",
+                extra={"conversationId": message.conversation_id, "messageId": message.id},
+            )
+            await self.publish(message)
+        return len(overdue)
+
+    async def finish_dead_writers(self, silent_for: float) -> int:
+        """Publish again what writers that stopped beating stored after their last settle."""
+        now = _now()
+        republished = 0
+        for writer in await self.writers.find({"beat": {"$exists": True}}).to_list():
+            beat = _aware(writer["beat"])
+            if writer["_id"] == self.outbox.writer or now - beat < timedelta(seconds=silent_for):
+                continue
+            if not await self._claim(str(writer["_id"]), now):
+                continue
+            republished += await self._finish(writer, now)
+        return republished
+
+    async def _claim(self, writer: str, now: datetime) -> bool:
+        claim = f"sweep:{writer}"
+        try:
+            await self.writers.insert_one({"_id": claim, "claimedAt": now})
+            return True
+        except DuplicateKeyError:
+            existing = await self.writers.find_one({"_id": claim})
+            if existing is not None and now - _aware(existing["claimedAt"]) > timedelta(
+                seconds=CLAIM_EXPIRES_SECONDS
+            ):
+                await self.writers.delete_one({"_id": claim})  # its sweeper died: next round
+            return False
+
+    async def _finish(self, writer: Doc, now: datetime) -> int:
+        name = str(writer["_id"])
+        since = _aware(writer["settledBefore"]) - timedelta(seconds=2)
+        first = int(since.timestamp() // 60)
+        last = min(int(now.timestamp() // 60), first + MAX_SLOTS)
+        found: list[Message] = []
+        for minute in range(first, last + 1):
+            for document in await self.messages.find({"outbox": f"{name}:{minute}"}).to_list():
+                message = Message.from_document(document)
+                if message.created_at >= since:
+                    found.append(message)
+        found.sort(key=lambda m: (m.conversation_id, m.seq))
+        for message in found:
+            await self.publish(message)
+        if found:
+            log.warning(
+                "published again %d messages of a writer that stopped (%s, %s)",
+                len(found),
+                writer.get("service"),
+                name,
+            )
+            self.on_republished(len(found))
+        await self.writers.delete_one({"_id": name})
+        await self.writers.delete_one({"_id": f"sweep:{name}"})
+        return len(found)
+
+    async def run(self, grace: float, stopping: asyncio.Event) -> None:
+        """Retry own overdue publishes and finish dead writers, every other second."""
+        await self.outbox.register(self.writers)
+        while not stopping.is_set():
+            try:
+                await self.retry_own(grace)
+                await self.finish_dead_writers(dead_after(grace))
+            except Exception:
+                log.warning("outbox round failed; trying again", exc_info=True)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), timeout=2 * BEAT_SECONDS)
+
+
+async def beat(writers: Any, outbox: Outbox) -> None:
+    """Store the writer's heartbeat: alive now, and settled up to ``settled_before``."""
+    async with outbox.lock:  # one writer of its document (an upsert is no atomic insert)
+        document = {
+            "_id": outbox.writer,
+            "service": outbox.service,
+            "beat": _now(),
+            "settledBefore": outbox.settled_before(),
+        }
+        try:
+            await writers.replace_one({"_id": outbox.writer}, document, upsert=True)
+        except DuplicateKeyError:
+            await writers.replace_one({"_id": outbox.writer}, document)
+        outbox.registered = True
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
