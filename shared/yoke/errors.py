@@ -43,6 +43,15 @@ class Permanent(Exception):
     """Retrying cannot help: the input is invalid or the code has a bug."""
 
 
+class Misconfigured(Exception):
+    """The process cannot run as configured (say, a changed shard count): restarting it will
+    not help, a person must act. A service exits with :data:`EXIT_MISCONFIGURED`."""
+
+
+# sysexits' EX_CONFIG: ``yoke up`` does not restart a service that exits with it.
+EXIT_MISCONFIGURED = 78
+
+
 class DeadLetter(Permanent):
     """Already retried and recorded: dead-letter the delivery now, with this reason."""
 

@@ -32,6 +32,7 @@ from aiormq.exceptions import ChannelNotFoundEntity
 
 from yoke import topology
 from yoke.bus import Bus
+from yoke.errors import Misconfigured
 from yoke.store import Store
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ DRAIN_WAIT_SECONDS = 30.0
 _BROKER_HEADERS = ("x-delivery-count", "x-death")
 
 
-class ShardCountChanged(RuntimeError):
+class ShardCountChanged(Misconfigured):
     """The broker holds a different number of this service's shard queues than configured."""
 
 

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -18,7 +19,7 @@ from pydantic import ValidationError
 from yoke import topology
 from yoke.bus import Bus
 from yoke.consumer import Dispatcher, Malformed, Route, event_type_of, key_from_header
-from yoke.errors import RetryPolicy
+from yoke.errors import EXIT_MISCONFIGURED, Misconfigured, RetryPolicy
 from yoke.health import HealthServer
 from yoke.logs import configure_logging
 from yoke.metrics import EVENT_LAG_SECONDS
@@ -249,7 +250,11 @@ def run_service(name: str, register: Callable[[Service], None]) -> None:
         register(service)
         await service.run()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except Misconfigured as error:
+        log.error("%s cannot start: %s", name, error)
+        sys.exit(EXIT_MISCONFIGURED)
 
 
 __all__ = ["Malformed", "Service", "parse_envelope", "run_service", "topology"]

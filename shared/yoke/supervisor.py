@@ -8,6 +8,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from yoke.errors import EXIT_MISCONFIGURED
+
 SERVICES = ("ingestion", "processor", "egress", "followup", "guardian")
 MAX_BACKOFF_SECONDS = 30.0
 
@@ -39,6 +41,9 @@ async def watch(child: Child, stopping: asyncio.Event) -> None:
         assert child.process is not None
         code = await child.process.wait()
         if stopping.is_set():
+            return
+        if code == EXIT_MISCONFIGURED:
+            say(f"{child.name} cannot run as configured (see its log); not restarting it")
             return
         lived = time.monotonic() - child.started_at
         backoff = 1.0 if lived > 60 else min(backoff * 2, MAX_BACKOFF_SECONDS)
