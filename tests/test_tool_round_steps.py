@@ -21,7 +21,7 @@ class StorePoster:
         self.store = store
         self.posted: list[Message] = []
 
-    async def post(self, message: Message) -> Message:
+    async def post(self, message: Message, *, route: object = None) -> Message:
         stored, _ = await self.store.insert_message(message)
         self.posted.append(stored)
         return stored

@@ -3,7 +3,14 @@
 -- answer: every query becomes a sequential scan of the whole collection (FerretDB issue 4646).
 -- A GIN index over the same expressions answers @>. This event trigger gives every index
 -- FerretDB creates such a twin, so an equality query reads only the rows it returns, as it
--- would on MongoDB. Idempotent: run it on every start; it also backfills existing indexes.
+-- would on MongoDB. Idempotent: run it before FerretDB starts (its sessions read the database
+-- setting below when they connect); it also backfills existing indexes.
+
+-- FerretDB sends its filters as prepared statements with the field name as a parameter
+-- (_jsonb->$1 @> $2). After five runs PostgreSQL may settle on a generic plan, which cannot
+-- know the field and so can use no expression index: a sequential scan again. Custom plans,
+-- made with the values at hand, keep every run on the index.
+ALTER DATABASE ferretdb SET plan_cache_mode = force_custom_plan;
 
 CREATE OR REPLACE FUNCTION yoke_gin_twin(index_oid oid) RETURNS void
 LANGUAGE plpgsql AS $$
