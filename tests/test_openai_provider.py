@@ -140,3 +140,13 @@ async def test_unknown_tool_invalid_input_exception_and_timeout_are_error_result
         context,
     )
     assert (ok.is_error, ok.output) == (False, "20")
+
+
+def test_steps_share_one_client_and_its_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    from yoke.openai_provider import OpenAIProvider
+    from yoke.settings import Settings
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    settings = Settings()
+    first, second = OpenAIProvider("gpt-a", settings), OpenAIProvider("gpt-b", settings)
+    assert first.client is second.client

@@ -56,6 +56,8 @@ Context = ActorContext[ProcessorConfig, ProcessorState]
 # Doom-loop guard: the LOOP_LIMIT-th identical call within the last LOOP_WINDOW calls is refused.
 LOOP_LIMIT = 4
 LOOP_WINDOW = 10
+# Lines read back for the guard: a call and its results take two, people's lines come between.
+LOOP_LINES = 4 * LOOP_WINDOW
 
 
 def call_signature(call: ToolCallPart) -> str:
@@ -171,10 +173,16 @@ def wants_model_answer(config: ProcessorConfig, line: Message) -> bool:
 
 
 async def context_window(context: Context, trigger: Message) -> list[Message]:
-    """The step's transcript: from the context start (``/reset``) up to its trigger."""
+    """The step's transcript: from the context start (``/reset``) up to its trigger, and at
+    most the last ``YOKE_CONTEXT_LINES`` lines (DESIGN invariant 11: a step reads as much at
+    the 5,000th line as at the 50th; compaction carries the older lines as a summary)."""
     return await context.store.history(
         trigger.conversation_id,
-        after_seq=max(0, context.state.context_from_seq - 1),
+        after_seq=max(
+            0,
+            context.state.context_from_seq - 1,
+            trigger.seq - context.settings.context_lines,
+        ),
         up_to_seq=trigger.seq,
     )
 
@@ -290,7 +298,11 @@ def repeated_calls(
 
 async def run_tools(context: Context, trigger: Message, calls: list[ToolCallPart]) -> None:
     tools = resolve_tools(context.config.tools)
-    earlier = await context.store.history(trigger.conversation_id, up_to_seq=trigger.seq - 1)
+    earlier = await context.store.history(  # enough lines to hold the last LOOP_WINDOW calls
+        trigger.conversation_id,
+        after_seq=max(0, trigger.seq - 1 - LOOP_LINES),
+        up_to_seq=trigger.seq - 1,
+    )
     refused = repeated_calls(earlier, calls, tools)
     runnable = [call for call in calls if call.call_id not in refused]
     results = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import time
 from typing import Any
@@ -49,13 +50,29 @@ def describe(error: Exception) -> str:
     return f"{kind} (HTTP {status})" if status else kind
 
 
+_CLIENTS: dict[tuple[float, str | None, str | None], AsyncOpenAI] = {}
+
+
+def shared_client(timeout: float) -> AsyncOpenAI:
+    """One client (one connection pool) per process and server, not one per step.
+
+    Keyed by what the client reads from the environment too, so a changed OPENAI_BASE_URL or
+    key (tests start servers of their own) gets a client of its own.
+    """
+    key = (timeout, os.environ.get("OPENAI_BASE_URL"), os.environ.get("OPENAI_API_KEY"))
+    client = _CLIENTS.get(key)
+    if client is None:
+        client = _CLIENTS[key] = AsyncOpenAI(max_retries=0, timeout=timeout)
+    return client
+
+
 class OpenAIProvider:
     def __init__(self, model: str, settings: Settings) -> None:
         self.model = model
         self.settings = settings
         # The model as a metric label: bounded, whatever a person typed after /model.
         self.label = model_label(model, settings.prices)
-        self.client = AsyncOpenAI(max_retries=0, timeout=settings.provider_request_timeout_seconds)
+        self.client = shared_client(settings.provider_request_timeout_seconds)
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         arguments: dict[str, Any] = {

@@ -37,6 +37,8 @@ class Settings(BaseSettings):
     # In-process attempts of a failing handler before its delivery is dead-lettered.
     handler_attempts: int = Field(default=3, ge=1)
     retry_backoff_seconds: float = Field(default=0.2, ge=0)
+    # Lines of its monologue a processor step reads at most (the model's context window).
+    context_lines: int = Field(default=200, ge=2)
     # Longest wait between retries while a dependency (store, broker) is unavailable.
     retry_cap_seconds: float = Field(default=5.0, gt=0)
 
