@@ -176,7 +176,8 @@ async def _rows_per_turn(
         # The outbox's writers table is read by every process's heartbeat round, whatever the
         # traffic: its rows are the machine's clock, not the turn's.
         samples.append(sum(v for table, v in delta.items() if not table.startswith("writers_")))
-    return sorted(samples)[1]
+    # The fewest: background work (autovacuum's analyze, another test's cleanup) only adds.
+    return min(samples)
 
 
 @pytest.mark.skipif(not _local_ferretdb(), reason="needs the local FerretDB's PostgreSQL")

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 P = TypeVar("P", bound=EventPayload)
 # How often the consumer watchdog looks for queues this process no longer consumes.
 CONSUMER_CHECK_SECONDS = 2.0
+# How long a stopping service lets the outbox keeper finish its round.
+SWEEPER_STOP_SECONDS = 10.0
 EventHandler = Callable[[EventPayload], Awaitable[None]]
 
 
@@ -159,9 +161,12 @@ class Service:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watchdog
         await self.dispatcher.drain()
-        await self.bus.close()
         if self._sweeper is not None:
-            await self._sweeper
+            # Its round may be publishing (another writer's leftovers): let it end while the
+            # broker connection is still open, within reason; what it leaves, others finish.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._sweeper, timeout=SWEEPER_STOP_SECONDS)
+        await self.bus.close()
         if self._health is not None:
             await self._health.close()
         await self.store.close()
