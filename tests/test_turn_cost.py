@@ -163,6 +163,10 @@ async def _fill(store: Store, poster: Poster, forum_id: str, lines: int) -> None
 async def _rows_per_turn(
     mesh: Mesh, store: Store, client: Client, forum_id: str, agent_id: str, schema: str
 ) -> float:
+    # Table statistics as autovacuum keeps them in a running system: without them PostgreSQL
+    # may plan a freshly filled table as a tiny one and scan it.
+    for table in _rows_read(schema):
+        _psql(f"ANALYZE {schema}.{table}")
     await _turn(client, store, forum_id, agent_id, "settle")
     await _settled(mesh)
     samples = []

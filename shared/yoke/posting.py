@@ -46,8 +46,11 @@ class Poster:
         if created:
             await self.publish(stored, route=route)
             MESSAGES_POSTED.labels(self.service, stored.type).inc()
-        elif stored.id in self.store.outbox.unconfirmed:
-            await self.publish(stored, route=route)  # ours, and its event was never confirmed
+        else:
+            # Written before (a redelivered effect): its event may never have gone out, if its
+            # writer died in between. Publishing it again now, before anything that follows it,
+            # keeps the conversation's order; consumers take an event once.
+            await self.publish(stored, route=route)
         return stored, created
 
     async def emit(self, payload: EventPayload, *, event_id: str) -> None:
