@@ -18,7 +18,7 @@ from collections import Counter
 
 from yoke import topology
 from yoke.actor import ActorContext, ActorDefinition, ActorRuntime
-from yoke.compaction import compact
+from yoke.compaction import call_ids, compact, result_ids
 from yoke.ids import derive_id
 from yoke.inference import InferenceRequest, ProviderFailed, cost_of, provider_for
 from yoke.joins import (
@@ -203,14 +203,10 @@ def open_round(transcript: list[Message]) -> Message | None:
     """The agent's latest tool-call line, when no result of its calls follows it here."""
     for index in range(len(transcript) - 1, -1, -1):
         line = transcript[index]
-        called = {part.call_id for part in line.parts if isinstance(part, ToolCallPart)}
+        called = call_ids(line)
         if line.role != "agent" or not called:
             continue
-        answered = any(
-            isinstance(part, ToolResultPart) and part.call_id in called
-            for later in transcript[index + 1 :]
-            for part in later.parts
-        )
+        answered = any(called & result_ids(later) for later in transcript[index + 1 :])
         return None if answered else line
     return None
 

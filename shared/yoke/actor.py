@@ -188,7 +188,7 @@ class ActorRuntime:
             if outcome == PASSED:
                 document["watermark"] = self._passed[memo] = through
                 continue
-            if outcome == "repointed":
+            if outcome == REPOINTED:
                 break
             if outcome is not None:
                 set_aside.append(outcome)
@@ -205,10 +205,11 @@ class ActorRuntime:
     ) -> tuple[str | None, int]:
         """Run the handler on ``message`` under the retry policy.
 
-        Returns None when done, ``"repointed"`` when the instance now follows another
-        conversation, or the reason the line was set aside after its last attempt; and the seq
-        the instance is done through: the message's, or past the handler's own lines that
-        directly follow it and are no triggers.
+        Returns None when done, :data:`PASSED` when the line is no trigger for the instance,
+        :data:`REPOINTED` when the instance now follows another conversation, or the reason the
+        line was set aside after its last attempt; and the seq the instance is done through:
+        the message's, or past the handler's own lines that directly follow it and are no
+        triggers.
         """
         config = definition.config_schema.model_validate(document["config"])
         if not definition.trigger(
@@ -272,7 +273,7 @@ class ActorRuntime:
             reason = f"{definition.name} {document['instanceId']}: line {message.id}: {error!r}"
             return reason, message.seq
         if repointed:
-            return "repointed", message.seq
+            return REPOINTED, message.seq
         through = message.seq
         state = definition.state_schema.model_validate(document["state"])
         for line in sorted(posted, key=lambda line: line.seq):
@@ -346,7 +347,7 @@ class ActorRuntime:
                 if message is not None
                 else None
             )
-            if outcome is not None and outcome not in ("repointed", PASSED):
+            if outcome is not None and outcome not in (REPOINTED, PASSED):
                 still.append(outcome)
                 continue
             await store.close_failure(failure.id)
@@ -365,8 +366,10 @@ class ActorRuntime:
         await self.service.store.save_state(str(document["_id"]), document)
 
 
-# What _run says of a line that is no trigger for the instance: passed over.
+# What _run says of a line besides a set-aside reason: no trigger for the instance (passed
+# over), or the instance follows another conversation now.
 PASSED = "passed"
+REPOINTED = "repointed"
 
 # An instance keeps the seqs of its open failures (bounded): a redelivery checks them for free.
 MAX_REMEMBERED_FAILURES = 100

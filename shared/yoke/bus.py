@@ -95,6 +95,7 @@ class Bus:
             and not connection.is_closed
             and connection.connected.is_set()
             and connection.transport is not None
+            and not connection.reconnecting
         )
 
     async def close(self) -> None:
@@ -259,7 +260,7 @@ class Bus:
 
     def problems(self) -> list[str]:
         """What keeps this process from consuming everything it should (empty: nothing)."""
-        if not self.is_connected or self.connection.reconnecting:
+        if not self.is_connected:
             return ["broker connection down"]
         return [p for s in self.subscriptions if (p := s.problem()) is not None]
 

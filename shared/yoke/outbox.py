@@ -55,7 +55,7 @@ def _now() -> datetime:
 
 
 class Outbox:
-    """This process's writes that lack a confirmed publish, and the sweep of dead writers."""
+    """This process as a writer: its writes that lack a confirmed publish, and its heartbeat."""
 
     def __init__(self, service: str) -> None:
         self.service = service
@@ -63,7 +63,6 @@ class Outbox:
         self.unconfirmed: dict[str, Message] = {}
         # Announced before the first write, so a writer that dies at once is finished too.
         self.registered = False
-        self.lock = asyncio.Lock()
         self.registering = asyncio.Lock()
         self._heart: asyncio.Task[None] | None = None
 
@@ -76,14 +75,31 @@ class Outbox:
         async with self.registering:
             if self.registered:
                 return
-            await beat(writers, self)
+            await self.beat(writers)
+            self.registered = True
             self._heart = asyncio.get_running_loop().create_task(self._beat_forever(writers))
+
+    async def beat(self, writers: Any) -> None:
+        """Store the heartbeat: alive now, and settled up to :meth:`settled_before`.
+
+        Only :meth:`register` and then the heartbeat task write it: one writer.
+        """
+        document = {
+            "_id": self.writer,
+            "service": self.service,
+            "beat": _now(),
+            "settledBefore": self.settled_before(),
+        }
+        try:
+            await writers.replace_one({"_id": self.writer}, document, upsert=True)
+        except DuplicateKeyError:  # an upsert is no atomic insert on FerretDB: it exists
+            await writers.replace_one({"_id": self.writer}, document)
 
     async def _beat_forever(self, writers: Any) -> None:
         while True:
             await asyncio.sleep(BEAT_SECONDS)
             try:
-                await beat(writers, self)
+                await self.beat(writers)
             except Exception as error:
                 log.warning("could not store the outbox heartbeat: %r", error)
 
@@ -109,10 +125,6 @@ class Outbox:
 
     def confirmed(self, message_id: str) -> None:
         self.unconfirmed.pop(message_id, None)
-
-    def owes(self, document: Doc) -> bool:
-        """Whether this writer still has to publish a stored message (its own, unconfirmed)."""
-        return document.get("writer") == self.writer and str(document["_id"]) in self.unconfirmed
 
     def settled_before(self) -> datetime:
         """Everything this writer stored before this moment is published."""
@@ -218,22 +230,6 @@ class OutboxKeeper:
                 log.warning("outbox round failed; trying again", exc_info=True)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopping.wait(), timeout=2 * BEAT_SECONDS)
-
-
-async def beat(writers: Any, outbox: Outbox) -> None:
-    """Store the writer's heartbeat: alive now, and settled up to ``settled_before``."""
-    async with outbox.lock:  # one writer of its document (an upsert is no atomic insert)
-        document = {
-            "_id": outbox.writer,
-            "service": outbox.service,
-            "beat": _now(),
-            "settledBefore": outbox.settled_before(),
-        }
-        try:
-            await writers.replace_one({"_id": outbox.writer}, document, upsert=True)
-        except DuplicateKeyError:
-            await writers.replace_one({"_id": outbox.writer}, document)
-        outbox.registered = True
 
 
 def _aware(value: datetime) -> datetime:

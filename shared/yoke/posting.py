@@ -32,8 +32,8 @@ class Poster:
     async def post(self, message: Message, *, route: Mapping[str, str] | None = None) -> Message:
         """Store ``message`` under the next seq and publish it; idempotent by message id.
 
-        Posting an id that exists returns the stored message (publishing it if that never
-        happened), so a redelivered event's effects are written once.
+        Posting an id that exists returns the stored message and publishes it again, so a
+        redelivered event's effects are written once and their events are not lost.
         """
         stored, _ = await self.post_new(message, route=route)
         return stored
@@ -43,14 +43,12 @@ class Poster:
     ) -> tuple[Message, bool]:
         """:meth:`post`, also saying whether this call wrote it (``False``: it existed)."""
         stored, created = await self.store.insert_message(message)
+        # Also when it was written before (a redelivered effect): its event may never have gone
+        # out if its writer died in between, and publishing it again now, before anything that
+        # follows it, keeps the conversation's order. Consumers take an event once.
+        await self.publish(stored, route=route)
         if created:
-            await self.publish(stored, route=route)
             MESSAGES_POSTED.labels(self.service, stored.type).inc()
-        else:
-            # Written before (a redelivered effect): its event may never have gone out, if its
-            # writer died in between. Publishing it again now, before anything that follows it,
-            # keeps the conversation's order; consumers take an event once.
-            await self.publish(stored, route=route)
         return stored, created
 
     async def emit(self, payload: EventPayload, *, event_id: str) -> None:

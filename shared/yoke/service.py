@@ -204,7 +204,7 @@ class Service:
         suspects: set[str] = set()
         while not self.stopping.is_set():
             await asyncio.sleep(CONSUMER_CHECK_SECONDS)
-            if self.bus.problems() == ["broker connection down"]:
+            if not self.bus.is_connected:  # aio-pika restores everything when it is back
                 suspects.clear()
                 continue
             for subscription in list(self.bus.subscriptions):

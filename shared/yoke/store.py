@@ -358,7 +358,8 @@ class Store:
         return await self.states.find_one({"_id": state_id})
 
     async def save_state(self, state_id: str, document: Doc) -> None:
-        """Replace the state document; one lane owns each state (one writer).
+        """Save what the instance's lane owns of its document (:data:`RUNTIME_FIELDS`): one
+        writer, and the join's fields (``configVersion``) are left as the join wrote them.
 
         Never an upsert: a join that was left (its state deleted) stays left, whatever a step
         that was still running saves afterwards.
