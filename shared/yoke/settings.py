@@ -23,6 +23,15 @@ class Settings(BaseSettings):
 
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
     mongodb_url: str = "mongodb://127.0.0.1:27017/yoke"
+    # TLS (yoke.tls): the CA that signed an amqps:// server's certificate, and this client's
+    # own certificate and key when the broker asks for one (PEM files).
+    amqp_ca_file: str | None = None
+    amqp_cert_file: str | None = None
+    amqp_key_file: str | None = None
+    # The same for MongoDB (also possible in the URL: tls=true&tlsCAFile=...); the client
+    # certificate is one PEM file holding the certificate and its key, as pymongo takes it.
+    mongodb_ca_file: str | None = None
+    mongodb_cert_file: str | None = None
     # Concurrent MongoDB operations per process. Keep the sum over all processes below the
     # server's own pool (FerretDB: 250 as `make services` starts it; see deploy/local).
     mongodb_pool_size: int = Field(default=16, ge=1)
