@@ -58,6 +58,12 @@ class Settings(BaseSettings):
     # USD per million tokens by model: {"gpt-4o-mini": [0.15, 0.6]} (input, output).
     prices: dict[str, tuple[float, float]] = Field(default_factory=dict)
 
+    # The HTTP gateway (services/gateway): its API, console, /healthz and /metrics.
+    gateway_port: int = Field(default=8080, ge=0, le=65535)
+    gateway_host: str = "0.0.0.0"
+    # How long a POST waits for the door's answer before it says 503 (Retry-After).
+    gateway_submit_timeout_seconds: float = Field(default=10.0, gt=0)
+
     def metrics_port_for(self, service: str) -> int:
         if self.metrics_port is not None:
             return self.metrics_port
