@@ -22,7 +22,7 @@ from aio_pika.abc import (
 )
 from aiormq.exceptions import AMQPError
 
-from yoke import topology
+from yoke import tls, topology
 from yoke.errors import Transient
 from yoke.models import Envelope
 
@@ -76,6 +76,7 @@ class Bus:
             client_properties={"connection_name": self.name},
             timeout=10,
             reconnect_interval=RECONNECT_INTERVAL_SECONDS,
+            **tls.amqp_options(self.url),
         )
         self._publisher = await self._connection.channel(publisher_confirms=True)
         await self.declare_core()
