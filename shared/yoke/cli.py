@@ -16,6 +16,7 @@ from yoke import supervisor
 from yoke.bus import Bus
 from yoke.client import Client
 from yoke.dead_letters import list_dead_letters, replay_dead_letters
+from yoke.errors import EXIT_MISCONFIGURED, Misconfigured
 from yoke.join_config import JoinConfig
 from yoke.joins import create_agent, create_forum, join_conversation, leave_conversation
 from yoke.models import Message
@@ -24,6 +25,7 @@ from yoke.reshard import ReshardRefused, reshard
 from yoke.service import describe_validation_error
 from yoke.settings import Settings
 from yoke.store import Store
+from yoke.tls import refused_as_misconfigured
 
 
 class CommandError(Exception):
@@ -371,10 +373,14 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     try:
-        asyncio.run(args.handler(args))
+        with refused_as_misconfigured():
+            asyncio.run(args.handler(args))
     except CommandError as error:
         print(f"yoke: {error}", file=sys.stderr)
         sys.exit(2 if isinstance(error, UsageError) else 1)
+    except Misconfigured as error:  # say, a server certificate that does not verify
+        print(f"yoke: {error}", file=sys.stderr)
+        sys.exit(EXIT_MISCONFIGURED)
     except KeyboardInterrupt:
         sys.exit(130)
 

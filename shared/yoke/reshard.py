@@ -30,7 +30,7 @@ from aio_pika.abc import (
 )
 from aiormq.exceptions import ChannelNotFoundEntity
 
-from yoke import topology
+from yoke import tls, topology
 from yoke.bus import Bus
 from yoke.errors import Misconfigured
 from yoke.store import Store
@@ -74,7 +74,7 @@ async def connection_to(amqp_url: str) -> AsyncIterator[AbstractConnection]:
     error: Exception | None = None
     for url in (part.strip() for part in amqp_url.split(",") if part.strip()):
         try:
-            connection = await aio_pika.connect(url, timeout=10)
+            connection = await aio_pika.connect(url, timeout=10, **tls.amqp_options(url))
         except (ConnectionError, OSError, TimeoutError) as failure:
             error = failure
             continue

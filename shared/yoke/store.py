@@ -14,6 +14,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import CollectionInvalid, DuplicateKeyError, OperationFailure
 
+from yoke import tls
 from yoke.failures import Failure
 from yoke.lru import LRUCache
 from yoke.metrics import IN_DELIVERY, STORE_OPERATIONS
@@ -84,6 +85,7 @@ class Store:
             maxPoolSize=pool_size,
             serverSelectionTimeoutMS=10_000,
             event_listeners=[OperationCounter(app_name)],
+            **tls.mongodb_options(),
         )
         self.db: AsyncDatabase[Doc] = self.client.get_default_database(default="yoke")
         self.actors: AsyncCollection[Doc] = self.db["actors"]
