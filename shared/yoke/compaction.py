@@ -59,7 +59,6 @@ would answer a call left behind. The context is cut so that each tool result kee
 
 from __future__ import annotations
 
-import json
 import logging
 from datetime import datetime
 
@@ -67,7 +66,7 @@ from pydantic import Field
 
 from yoke.actor import ActorContext, instance_state_id
 from yoke.ids import derive_id
-from yoke.inference import InferenceRequest, ProviderFailed, provider_for
+from yoke.inference import InferenceRequest, ProviderFailed, estimate_tokens, provider_for
 from yoke.joins import (
     PROCESSOR,
     SYSTEM_ACTOR_ID,
@@ -136,20 +135,6 @@ class MonologueSwap(Document):
 
 def swap_id(to_monologue_id: str) -> str:
     return derive_id("swap", to_monologue_id)
-
-
-def estimate_tokens(messages: list[Message]) -> int:
-    """About four characters a token, plus a little per message."""
-    characters = 0
-    for message in messages:
-        for part in message.parts:
-            if isinstance(part, TextPart):
-                characters += len(part.text)
-            elif isinstance(part, ToolCallPart):
-                characters += len(part.name) + len(json.dumps(part.input))
-            elif isinstance(part, ToolResultPart):
-                characters += len(part.output)
-    return characters // 4 + 4 * len(messages)
 
 
 def chain_of(participant: Participant) -> list[CompactionLink]:

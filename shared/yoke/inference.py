@@ -9,12 +9,15 @@ model, for the bench's isolation phase); any other model id goes to the OpenAI p
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
 
 from yoke.joins import ScriptedOutput
-from yoke.models import Message, TextPart, ToolCallPart, Usage
+from yoke.metrics import LLM_LATENCY, LLM_REQUESTS, model_label
+from yoke.models import Message, TextPart, ToolCallPart, ToolResultPart, Usage
 from yoke.settings import Settings
 from yoke.tools import Tool
 
@@ -60,15 +63,37 @@ def newest_user_text(transcript: list[Message]) -> str | None:
     return None
 
 
+def estimate_tokens(messages: list[Message]) -> int:
+    """About four characters a token, plus a little per message."""
+    characters = 0
+    for message in messages:
+        for part in message.parts:
+            if isinstance(part, TextPart):
+                characters += len(part.text)
+            elif isinstance(part, ToolCallPart):
+                characters += len(part.name) + len(json.dumps(part.input))
+            elif isinstance(part, ToolResultPart):
+                characters += len(part.output)
+    return characters // 4 + 4 * len(messages)
+
+
 class EchoProvider:
-    """Replies to the newest user text with that text, verbatim; never calls a tool."""
+    """Replies to the newest user text with that text, verbatim; never calls a tool.
+
+    Its usage is estimated like a real model's (four characters a token), so a demo's token
+    panels and budgets behave as they would with one.
+    """
 
     model = "fixture-echo"
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
-        return InferenceResult(
-            text=newest_user_text(request.transcript), usage=Usage(model=self.model)
+        text = newest_user_text(request.transcript)
+        usage = Usage(
+            model=self.model,
+            input_tokens=estimate_tokens(request.transcript),
+            output_tokens=len(text or "") // 4,
         )
+        return InferenceResult(text=text, usage=usage)
 
 
 class SlowEchoProvider(EchoProvider):
@@ -133,14 +158,37 @@ class ScriptedProvider:
         )
 
 
+class Measured:
+    """A fixture model's calls recorded like any model's: requests and latency by model.
+
+    (The OpenAI provider records its own, per HTTP request; tokens are recorded by the caller.)
+    """
+
+    def __init__(self, provider: Provider) -> None:
+        self.provider = provider
+        self.model = provider.model
+
+    async def infer(self, request: InferenceRequest) -> InferenceResult:
+        label = model_label(self.model)
+        started = time.monotonic()
+        try:
+            result = await self.provider.infer(request)
+        except Exception:
+            LLM_REQUESTS.labels(label, "error").inc()
+            raise
+        LLM_REQUESTS.labels(label, "ok").inc()
+        LLM_LATENCY.labels(label).observe(time.monotonic() - started)
+        return result
+
+
 def provider_for(model: str, script: list[ScriptedOutput], settings: Settings) -> Provider:
     if model == "fixture-echo":
-        return EchoProvider()
+        return Measured(EchoProvider())
     if model == "fixture-script":
-        return ScriptedProvider(script)
+        return Measured(ScriptedProvider(script))
     seconds = slow_seconds(model)
     if seconds is not None:
-        return SlowEchoProvider(model, seconds)
+        return Measured(SlowEchoProvider(model, seconds))
     if model.startswith("fixture-"):
         raise ProviderFailed(f"unknown fixture model {model!r}")
     from yoke.openai_provider import OpenAIProvider

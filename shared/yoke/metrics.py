@@ -52,6 +52,17 @@ OUTBOX_REPUBLISHED = Counter(
     "Messages the sweeper found unpublished and published.",
     ["service"],
 )
+# Set by :mod:`yoke.outbox` from each writer's in-memory unconfirmed messages.
+OUTBOX_UNPUBLISHED = Gauge(
+    "yoke_outbox_unpublished",
+    "Messages this process stored whose event the broker has not confirmed yet.",
+    ["service"],
+)
+OUTBOX_OLDEST_UNPUBLISHED_SECONDS = Gauge(
+    "yoke_outbox_oldest_unpublished_seconds",
+    "Age of the oldest message this process stored whose event is not confirmed (0: none).",
+    ["service"],
+)
 LANES_ACTIVE = Gauge(
     "yoke_lanes_active", "Conversations with work in flight in this process.", ["service"]
 )

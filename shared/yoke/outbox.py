@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 from pymongo.errors import DuplicateKeyError
 
 from yoke.ids import new_id
+from yoke.metrics import OUTBOX_OLDEST_UNPUBLISHED_SECONDS, OUTBOX_UNPUBLISHED
 from yoke.models import Message
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,23 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+# Every writer of this process, for the gauges (a process may hold more than one store).
+_WRITERS: weakref.WeakSet[Outbox] = weakref.WeakSet()
+
+
+def unpublished(service: str) -> int:
+    """Messages the service's writers in this process stored and have not seen confirmed."""
+    return sum(len(o.unconfirmed) for o in list(_WRITERS) if o.service == service)
+
+
+def oldest_unpublished_seconds(service: str) -> float:
+    """How long the oldest of those has waited (0 with none): what the outbox alert watches."""
+    oldest = [
+        m.created_at for o in list(_WRITERS) if o.service == service for m in o.unconfirmed.values()
+    ]
+    return max(0.0, (_now() - min(oldest)).total_seconds()) if oldest else 0.0
+
+
 class Outbox:
     """This process as a writer: its writes that lack a confirmed publish, and its heartbeat."""
 
@@ -61,6 +80,11 @@ class Outbox:
         self.service = service
         self.writer = new_id()
         self.unconfirmed: dict[str, Message] = {}
+        _WRITERS.add(self)
+        OUTBOX_UNPUBLISHED.labels(service).set_function(lambda: unpublished(service))
+        OUTBOX_OLDEST_UNPUBLISHED_SECONDS.labels(service).set_function(
+            lambda: oldest_unpublished_seconds(service)
+        )
         # Announced before the first write, so a writer that dies at once is finished too.
         self.registered = False
         self.registering = asyncio.Lock()
