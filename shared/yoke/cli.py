@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from yoke import supervisor
 from yoke.bus import Bus
+from yoke.cli_publishers import register as register_publishers
 from yoke.client import Client
 from yoke.dead_letters import list_dead_letters, replay_dead_letters
 from yoke.errors import EXIT_MISCONFIGURED, Misconfigured
@@ -367,6 +368,7 @@ def parser() -> argparse.ArgumentParser:
     resharding.add_argument(
         "--service", action="append", help="only this service (repeatable; default all)"
     )
+    register_publishers(commands)
     return root
 
 

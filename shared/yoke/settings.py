@@ -22,6 +22,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="YOKE_", extra="ignore")
 
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    # RabbitMQ's management API, for `yoke publisher create` (default http://<AMQP host>:15672,
+    # as the AMQP URL's user; a user in this URL, say an operator, is used instead).
+    management_url: str | None = None
     mongodb_url: str = "mongodb://127.0.0.1:27017/yoke"
     # TLS (yoke.tls): the CA that signed an amqps:// server's certificate, and this client's
     # own certificate and key when the broker asks for one (PEM files).

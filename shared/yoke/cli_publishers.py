@@ -1,0 +1,146 @@
+"""``yoke publisher create``: a bridge's RabbitMQ user, with exactly the bridge permissions.
+
+Made through RabbitMQ's management API in the mesh's vhost (YOKE_AMQP_URL's), so an operator
+never types the permission patterns: they are :data:`yoke.topology.PUBLISHER_PERMISSIONS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import sys
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+import httpx
+
+from yoke import topology
+from yoke.settings import Settings
+
+MANAGEMENT_PORT = 15672
+
+
+class PublisherRefused(Exception):
+    """The management API could not be reached or said no: nothing (more) was created."""
+
+
+@dataclass(frozen=True)
+class Management:
+    """Where the management API is (no credentials in ``url``), as whom, and for which vhost."""
+
+    url: str
+    auth: tuple[str, str]
+    vhost: str
+
+
+def management_of(amqp_url: str, management_url: str | None = None) -> Management:
+    """The management API for the mesh's vhost.
+
+    The vhost is the AMQP URL's (its first node when YOKE_AMQP_URL lists several). The API is
+    ``management_url`` (YOKE_MANAGEMENT_URL) when given, else ``http://<AMQP host>:15672``. It
+    is called as the user ``management_url`` names, if it names one (an operator with the
+    management tag, when the services' own user has none), else as the AMQP URL's user, which
+    in a development setup is the one administrator there is.
+    """
+    amqp = urlsplit(amqp_url.split(",")[0].strip())
+    vhost = unquote(amqp.path[1:]) if amqp.path not in ("", "/") else "/"
+    auth = (unquote(amqp.username or "guest"), unquote(amqp.password or "guest"))
+    if management_url:
+        given = urlsplit(management_url)
+        if given.username is not None:
+            auth = (unquote(given.username), unquote(given.password or ""))
+        netloc = given.hostname or ""
+        if ":" in netloc:  # an IPv6 literal
+            netloc = f"[{netloc}]"
+        if given.port is not None:
+            netloc = f"{netloc}:{given.port}"
+        base = urlunsplit((given.scheme, netloc, given.path.rstrip("/"), "", ""))
+    else:
+        host = amqp.hostname or "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        base = f"http://{host}:{MANAGEMENT_PORT}"
+    return Management(base, auth, vhost)
+
+
+def _why(response: httpx.Response) -> str:
+    try:
+        body: Any = response.json()
+    except ValueError:
+        body = None
+    reason = body.get("reason") if isinstance(body, dict) else None
+    return f"{response.status_code} {reason or response.reason_phrase}"
+
+
+async def create_publisher(management: Management, name: str, password: str | None = None) -> str:
+    """Create user ``name`` with the bridge permissions in the vhost; returns its password.
+
+    An existing user is refused, not overwritten: the name might be the services' own user,
+    whose tags and password a PUT would replace. If the permissions cannot be set, the user
+    just made is removed again.
+    """
+    if not name or name != name.strip():
+        raise PublisherRefused(f"invalid user name {name!r}")
+    password = password or secrets.token_urlsafe(24)
+    user = f"/api/users/{quote(name, safe='')}"
+    permissions = f"/api/permissions/{quote(management.vhost, safe='')}/{quote(name, safe='')}"
+    try:
+        async with httpx.AsyncClient(
+            base_url=management.url, auth=management.auth, timeout=30
+        ) as api:
+            existing = await api.get(user)
+            if existing.status_code == 200:
+                raise PublisherRefused(f"RabbitMQ user {name!r} exists already; choose another")
+            if existing.status_code != 404:
+                raise PublisherRefused(
+                    f"the management API at {management.url} refused: {_why(existing)}"
+                )
+            created = await api.put(user, json={"password": password, "tags": ""})
+            if created.is_error:
+                raise PublisherRefused(
+                    f"the management API at {management.url} refused to create user "
+                    f"{name!r}: {_why(created)}"
+                )
+            granted = await api.put(permissions, json=topology.PUBLISHER_PERMISSIONS)
+            if granted.is_error:
+                await api.delete(user)
+                raise PublisherRefused(
+                    f"the management API at {management.url} refused permissions in vhost "
+                    f"{management.vhost!r}: {_why(granted)}"
+                )
+    except httpx.HTTPError as error:
+        raise PublisherRefused(
+            f"cannot reach the management API at {management.url}: {error!r}"
+        ) from error
+    return password
+
+
+async def publisher_create(args: argparse.Namespace) -> None:
+    settings = Settings()
+    management = management_of(settings.amqp_url, settings.management_url)
+    try:
+        password = await create_publisher(management, args.name)
+    except PublisherRefused as error:
+        raise SystemExit(f"yoke: {error}") from error
+    print(
+        f"created RabbitMQ user {args.name!r} in vhost {management.vhost!r}: it may submit to "
+        f"{topology.COMMANDS_EXCHANGE} and bind bridge.* queues to {topology.FORUM_EXCHANGE}; "
+        "its password is the last line",
+        file=sys.stderr,
+    )
+    print(password)
+
+
+def register(commands: Any) -> None:
+    """``yoke publisher create --name NAME``."""
+    publisher = commands.add_parser("publisher", help="bridges' RabbitMQ users").add_subparsers(
+        dest="sub", required=True
+    )
+    help = (
+        "create a RabbitMQ user with exactly a bridge's permissions in the mesh's vhost "
+        "(through the management API); prints its password bare on the last line"
+    )
+    create = publisher.add_parser("create", help=help, description=help)
+    create.set_defaults(handler=publisher_create)
+    create.add_argument("--name", required=True, help="the new user's name")
