@@ -124,6 +124,39 @@ class Bus:
             topology.DEAD_LETTER_QUEUE, durable=True, arguments={"x-queue-type": "quorum"}
         )
         await queue.bind(dead, routing_key="#")
+        await self.declare_forum()
+
+    async def declare_forum(self) -> None:
+        """``yoke.forum``, what bridges read: forum lines and activity, never a monologue.
+
+        yoke.events -> ``yoke.forum.route`` (headers: ``yoke-kind=forum`` only) -> yoke.forum
+        (topic). Exchange-to-exchange bindings keep the routing key, so a bridge binds
+        ``conversation.message.posted.<forum id>`` here as it did on yoke.events, and the
+        broker does the copying: no extra publish on the posting path. Both are internal, so
+        only this route feeds them.
+
+        Not RabbitMQ topic permissions: on 3.10.8 a topic permission's ``read`` pattern does
+        restrict ``queue.bind`` keys on a topic exchange (ACCESS_REFUSED otherwise), but a forum
+        id and a monologue id look alike in a routing key, so only a pattern listing every
+        forum (rewritten for each new one) could tell them apart, and a bridge could no longer
+        bind ``conversation.message.posted.#``.
+        """
+        channel = self._channel()
+        route = await channel.declare_exchange(
+            topology.FORUM_ROUTE_EXCHANGE,
+            aio_pika.ExchangeType.HEADERS,
+            durable=True,
+            internal=True,
+        )
+        await route.bind(self._exchanges[topology.EVENTS_EXCHANGE], routing_key="#")
+        forum = await channel.declare_exchange(
+            topology.FORUM_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True, internal=True
+        )
+        await forum.bind(
+            route,
+            routing_key="",
+            arguments={"x-match": "all", topology.KIND_HEADER: topology.PUBLIC_KIND},
+        )
 
     async def declare_shards(
         self, service: str, interests: list[topology.Interest], shards: int
@@ -264,6 +297,20 @@ class Bus:
         if not self.is_connected:
             return ["broker connection down"]
         return [p for s in self.subscriptions if (p := s.problem()) is not None]
+
+    async def unsubscribe(self, subscription: Subscription) -> None:
+        """Stop consuming a queue by closing its channel (a shard handed over: DESIGN §4).
+
+        Unacked deliveries go back to the queue in order, and single active consumer makes
+        the next consumer active. A channel the broker already lost is simply forgotten.
+        """
+        if subscription in self.subscriptions:
+            self.subscriptions.remove(subscription)
+        if not subscription.channel.is_closed:
+            try:
+                await subscription.channel.close()
+            except Exception as error:
+                log.warning("closing %s's channel: %r", subscription.queue_name, error)
 
     async def resubscribe(self, subscription: Subscription) -> None:
         """Consume ``subscription``'s queue again on a fresh channel (after a lost consumer).

@@ -89,13 +89,14 @@ class Client:
             self._waiting.pop(correlation_id, None)
 
     async def watch(self, conversation_id: str) -> AsyncIterator[Message]:
-        """Lines posted to a conversation from now on, as they are published."""
+        """Lines posted to a forum from now on, as they are published (from yoke.forum, all a
+        bridge may read)."""
         assert self._channel is not None
         queue = await self._channel.declare_queue(
             topology.BRIDGE_QUEUE_PREFIX + new_id(), exclusive=True, auto_delete=True
         )
         await queue.bind(
-            topology.EVENTS_EXCHANGE,
+            topology.FORUM_EXCHANGE,
             routing_key=topology.routing_key(MessagePosted.TYPE, conversation_id),
         )
         async with queue.iterator(no_ack=True) as deliveries:

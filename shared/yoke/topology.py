@@ -13,6 +13,15 @@ COMMANDS_EXCHANGE = "yoke.commands"
 DEAD_LETTER_EXCHANGE = "yoke.dead-letters"
 DEAD_LETTER_QUEUE = "yoke.dead-letters"
 
+# What outside systems read (a bridge binds its queues here with the same routing keys as on
+# yoke.events): forum lines and agent activity, never a monologue's events. yoke.events feeds it
+# through FORUM_ROUTE_EXCHANGE, a headers exchange passing only events whose KIND_HEADER is
+# PUBLIC_KIND; both are internal (nobody publishes to them but that binding). See
+# Bus.declare_core for why an exchange and not RabbitMQ topic permissions.
+FORUM_EXCHANGE = "yoke.forum"
+FORUM_ROUTE_EXCHANGE = "yoke.forum.route"
+PUBLIC_KIND = "forum"
+
 SUBMIT_COMMAND = "conversation.message.submit"
 
 # The consistent-hash exchanges hash this header: the conversation (or, for agent.* events, the
@@ -111,12 +120,14 @@ def quorum_queue_arguments() -> FieldTable:
 
 
 # What an outside publisher (a bridge) may do, as RabbitMQ permission patterns: submit commands,
-# declare queues of its own (named ``bridge.*``), bind them to yoke.events and read them.
+# declare queues of its own (named ``bridge.*``), bind them to yoke.forum and read them. Nothing
+# else it may read carries a monologue: not yoke.events, the dead letters, or the services'
+# route and shard exchanges and queues.
 BRIDGE_QUEUE_PREFIX = "bridge."
 PUBLISHER_PERMISSIONS = {
     "configure": r"^bridge\..*",
     "write": r"^(yoke\.commands|bridge\..*)$",
-    "read": r"^(yoke\.events|bridge\..*)$",
+    "read": r"^(yoke\.forum|bridge\..*)$",
 }
 
 

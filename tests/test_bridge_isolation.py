@@ -1,0 +1,239 @@
+"""A bridge reads forum lines and nothing of any agent's monologue (issue 14, DESIGN §3).
+
+The bridge's user is made by ``yoke publisher create``; it then binds the widest key it can on
+every exchange of the vhost (the list comes from the management API, so an exchange added
+later is tried too), and an OpenAI-model agent takes a turn with a tool call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+import aio_pika
+import httpx
+import pytest
+from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
+from aiormq.exceptions import AMQPError
+
+from tests.support.fake_openai import FakeOpenAI, completion
+from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until
+from tests.support.processes import eventually
+from yoke import topology
+from yoke.client import Client
+from yoke.joins import create_forum
+from yoke.models import Envelope, MessagePosted, ToolCallPart, ToolResultPart
+from yoke.store import Store
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fake_openai() -> Iterator[FakeOpenAI]:
+    with FakeOpenAI() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
+    return {
+        "OPENAI_BASE_URL": fake_openai.base_url,
+        "OPENAI_API_KEY": "sk-test-not-a-secret",
+        "YOKE_PROVIDER_GIVE_UP_SECONDS": "5",
+        "YOKE_PROVIDER_REQUEST_TIMEOUT_SECONDS": "5",
+    }
+
+
+@dataclass
+class Publisher:
+    name: str
+    url: str  # the AMQP URL of the module's vhost with this user's name and password
+
+
+async def run_cli(env: dict[str, str], *args: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "yoke.cli",
+        *args,
+        env={**os.environ, **env},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+def with_user(amqp_url: str, user: str, password: str) -> str:
+    parts = urlsplit(amqp_url)
+    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{parts.hostname}"
+    return urlunsplit(parts._replace(netloc=f"{netloc}:{parts.port or 5672}"))
+
+
+def admin_of(amqp_url: str) -> tuple[str, str]:
+    parts = urlsplit(amqp_url)
+    return unquote(parts.username or "guest"), unquote(parts.password or "guest")
+
+
+def vhost_of(amqp_url: str) -> str:
+    return unquote(urlsplit(amqp_url).path[1:]) or "/"
+
+
+@pytest.fixture(scope="module")
+async def management(
+    servers: tuple[str, str, str], amqp_url: str
+) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=servers[2], auth=admin_of(amqp_url), timeout=30) as api:
+        yield api
+
+
+@pytest.fixture(scope="module")
+async def publisher(
+    mesh: Mesh, amqp_url: str, management: httpx.AsyncClient
+) -> AsyncIterator[Publisher]:
+    name = f"bridge-{uuid.uuid4().hex[:8]}"
+    code, out, err = await run_cli(mesh.env, "publisher", "create", "--name", name)
+    assert code == 0, err
+    password = out.splitlines()[-1]
+    try:
+        yield Publisher(name, with_user(amqp_url, name, password))
+    finally:
+        await management.delete(f"/api/users/{quote(name, safe='')}")
+
+
+@dataclass
+class Tap:
+    """One queue of the bridge's, bound as widely as the broker lets it on every exchange."""
+
+    bound: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
+    deliveries: list[AbstractIncomingMessage] = field(default_factory=list)
+
+    async def keep(self, delivery: AbstractIncomingMessage) -> None:
+        self.deliveries.append(delivery)
+
+    def envelopes(self) -> list[tuple[str, Envelope]]:
+        return [
+            (d.routing_key or "", Envelope.model_validate_json(d.body)) for d in self.deliveries
+        ]
+
+
+def widest_binding(kind: str) -> tuple[str, dict[str, str]]:
+    """The binding that lets the most through an exchange of this type."""
+    if kind == "headers":
+        return "", {"x-match": "all"}  # no header to match: everything matches
+    if kind == "x-consistent-hash":
+        return "1", {}
+    return "#", {}
+
+
+async def tap_everything(
+    connection: AbstractRobustConnection, management: httpx.AsyncClient, vhost: str
+) -> Tap:
+    tap = Tap()
+    channel = await connection.channel()
+    queue = await channel.declare_queue(f"bridge.tap.{uuid.uuid4().hex}", exclusive=True)
+    listing = await management.get(f"/api/exchanges/{quote(vhost, safe='')}")
+    listing.raise_for_status()
+    exchanges = [(x["name"], x["type"]) for x in listing.json()]
+    assert (topology.EVENTS_EXCHANGE, "topic") in exchanges  # the mesh's topology is there
+    for name, kind in exchanges:
+        key, arguments = widest_binding(kind)
+        attempt = await connection.channel()  # a refusal closes the channel it happens on
+        try:
+            await (await attempt.get_queue(queue.name, ensure=False)).bind(
+                name, routing_key=key, arguments=arguments
+            )
+            tap.bound.append(name)
+        except AMQPError as error:
+            tap.refused[name or "(default)"] = str(error)
+    await queue.consume(tap.keep, no_ack=True)
+    return tap
+
+
+def has_calls(line: object) -> bool:
+    return any(isinstance(part, ToolCallPart) for part in getattr(line, "parts", []))
+
+
+def has_results(line: object) -> bool:
+    return any(isinstance(part, ToolResultPart) for part in getattr(line, "parts", []))
+
+
+async def test_a_publisher_bound_to_everything_it_may_read_sees_forum_lines_and_no_monologue(
+    store: Store,
+    new_join: JoinFactory,
+    fake_openai: FakeOpenAI,
+    publisher: Publisher,
+    management: httpx.AsyncClient,
+    amqp_url: str,
+) -> None:
+    fake_openai.script(
+        completion(None, [("call-1", "calculator", '{"expression": "6 * 7"}')]),
+        completion("six times seven is 42"),
+    )
+    forum_id, join = await new_join(model="gpt-test", tools=["calculator"])
+    fence_forum = (await create_forum(store, "fence")).id
+    connection = await aio_pika.connect_robust(publisher.url)
+    try:
+        tap = await tap_everything(connection, management, vhost_of(amqp_url))
+        assert tap.bound, f"the publisher may bind nothing at all: {tap.refused}"
+
+        async with Client(publisher.url) as bridge:
+            reply = await bridge.submit(
+                forum_id, "what is 6 * 7?", external_id="slack:U1", display_name="Ada"
+            )
+            assert reply.status == "accepted", reply.error
+            forum = await lines_until(store, forum_id, lambda lines: len(agent_lines(lines)) >= 1)
+            monologue = await store.history(join.monologue_id)
+            assert any(map(has_calls, monologue)) and any(map(has_results, monologue))
+
+            # Every monologue event of the turn was routed before the forum's answer (each was
+            # acted on first); a line in another forum, submitted now and seen on the same
+            # queue, fences anything routed later in the turn's wake.
+            fence = await bridge.submit(
+                fence_forum, "fence", external_id="slack:U1", display_name="Ada"
+            )
+            assert fence.status == "accepted", fence.error
+
+            def seen_ids() -> set[str]:
+                return {
+                    payload.message.id
+                    for _, envelope in tap.envelopes()
+                    if isinstance(payload := envelope.parse(), MessagePosted)
+                }
+
+            async def fenced() -> bool:
+                return fence.message_id in seen_ids()
+
+            await eventually(fenced, timeout=30, what="the fence line on the bridge's queue")
+
+        received = tap.envelopes()
+        strays = [
+            (key, envelope.type)
+            for key, envelope in received
+            if not key.endswith((f".{forum_id}", f".{fence_forum}"))
+        ]
+        monologue_ids = {line.id for line in monologue}
+        leaked = [
+            payload.message.text
+            for _, envelope in received
+            if isinstance(payload := envelope.parse(), MessagePosted)
+            and (
+                payload.message.conversation_id == join.monologue_id
+                or payload.message.id in monologue_ids
+            )
+        ]
+        assert leaked == [] and strays == [], (
+            f"bound on {tap.bound}, the publisher received monologue lines {leaked} "
+            f"and events not of a forum: {strays}"
+        )
+        assert {line.id for line in forum} <= seen_ids()
+        assert tap.bound == [topology.FORUM_EXCHANGE], tap.refused
+    finally:
+        await connection.close()
