@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     mongodb_pool_size: int = Field(default=16, ge=1)
     shards: int = Field(default=16, ge=1, le=1024)
     metrics_port: int | None = None
+    # Which replica of its service this process is (``yoke up --replicas`` numbers them from 0):
+    # replica k serves /metrics on the service's port + 10·k.
+    replica: int = Field(default=0, ge=0, le=99)
     max_text_bytes: int = Field(default=65536, ge=1)
     log_format: Literal["json", "text"] | None = None
     log_level: str = "INFO"
@@ -70,4 +73,4 @@ class Settings(BaseSettings):
     def metrics_port_for(self, service: str) -> int:
         if self.metrics_port is not None:
             return self.metrics_port
-        return DEFAULT_METRICS_PORTS.get(service, 9100)
+        return DEFAULT_METRICS_PORTS.get(service, 9100) + 10 * self.replica
