@@ -20,8 +20,10 @@ from yoke.dead_letters import list_dead_letters, replay_dead_letters
 from yoke.errors import EXIT_MISCONFIGURED, Misconfigured
 from yoke.join_config import JoinConfig
 from yoke.joins import create_agent, create_forum, join_conversation, leave_conversation
+from yoke.logs import configure_cli_logging
 from yoke.models import Message
 from yoke.posting import Poster
+from yoke.redact import redact
 from yoke.reshard import ReshardRefused, reshard
 from yoke.service import describe_validation_error
 from yoke.settings import Settings
@@ -373,15 +375,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    configure_cli_logging()  # warnings and tracebacks without connection passwords
     args = parser().parse_args(argv)
     try:
         with refused_as_misconfigured():
             asyncio.run(args.handler(args))
     except CommandError as error:
-        print(f"yoke: {error}", file=sys.stderr)
+        print(f"yoke: {redact(str(error))}", file=sys.stderr)
         sys.exit(2 if isinstance(error, UsageError) else 1)
     except Misconfigured as error:  # say, a server certificate that does not verify
-        print(f"yoke: {error}", file=sys.stderr)
+        print(f"yoke: {redact(str(error))}", file=sys.stderr)
         sys.exit(EXIT_MISCONFIGURED)
     except KeyboardInterrupt:
         sys.exit(130)

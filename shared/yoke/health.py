@@ -7,6 +7,8 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from yoke.redact import redact
+
 # What keeps the process from serving: an empty list means healthy.
 HealthCheck = Callable[[], Awaitable[list[str]]]
 
@@ -41,7 +43,8 @@ class HealthServer:
             elif path == "/healthz":
                 problems = await self.healthy()
                 status, content_type = (503 if problems else 200), "text/plain"
-                body = ("".join(f"{p}\n" for p in problems) or "ok\n").encode()
+                # Reasons quote errors, and errors may quote connection URLs.
+                body = redact("".join(f"{p}\n" for p in problems) or "ok\n").encode()
             else:
                 status, content_type, body = 404, "text/plain", b"not found\n"
             reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]

@@ -10,6 +10,8 @@ import logging
 import sys
 from datetime import UTC, datetime
 
+from yoke.redact import RedactingFormatter, install_excepthook
+
 CONTEXT_FIELDS = ("service", "event", "conversationId", "messageId", "causationId", "queue")
 
 
@@ -52,9 +54,21 @@ class TextFormatter(logging.Formatter):
 def configure_logging(service: str, fmt: str | None = None, level: str = "INFO") -> None:
     chosen = fmt or ("text" if sys.stderr.isatty() else "json")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter(service) if chosen == "json" else TextFormatter(service))
+    formatter = JsonFormatter(service) if chosen == "json" else TextFormatter(service)
+    # Connection URLs in messages and tracebacks are shown without their passwords.
+    handler.setFormatter(RedactingFormatter(formatter))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    install_excepthook()
     for noisy in ("aiormq", "aio_pika", "pymongo"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def configure_cli_logging() -> None:
+    """The CLI's warnings as Python would print them (message only, stderr), but redacted."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(RedactingFormatter(logging.Formatter("%(message)s")))
+    handler.setLevel(logging.WARNING)
+    logging.getLogger().handlers[:] = [handler]
+    install_excepthook()
