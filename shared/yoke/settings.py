@@ -69,6 +69,14 @@ class Settings(BaseSettings):
     gateway_host: str = "0.0.0.0"
     # How long a POST waits for the door's answer before it says 503 (Retry-After).
     gateway_submit_timeout_seconds: float = Field(default=10.0, gt=0)
+    # Outgoing webhooks: one POST's timeout; a failing receiver is retried with backoff from
+    # the first wait up to the cap, for up to the window, then its lines are dead-lettered.
+    webhook_timeout_seconds: float = Field(default=10.0, gt=0)
+    webhook_backoff_seconds: float = Field(default=1.0, gt=0)
+    webhook_backoff_cap_seconds: float = Field(default=300.0, gt=0)
+    webhook_retry_window_seconds: float = Field(default=3600.0, ge=0)
+    # A gateway replica holds a subscription in leases of this long (one delivers it at a time).
+    webhook_lease_seconds: float = Field(default=10.0, gt=0)
 
     def metrics_port_for(self, service: str) -> int:
         if self.metrics_port is not None:
