@@ -28,6 +28,10 @@ SUBMIT_COMMAND = "conversation.message.submit"
 # forum) a delivery belongs to. Every event we publish carries it.
 CONVERSATION_HEADER = "x-yoke-conversation"
 
+# Set by ingestion's command router on a command it moves from the intake queue to the shards:
+# the command's name (the routing key it was submitted with). Deliveries without it are events.
+COMMAND_HEADER = "yoke-command"
+
 # Headers every event carries so that each service's route exchange (a headers exchange between
 # yoke.events and its shards) delivers it only what it acts on: the event type, and for a posted
 # message the kind of conversation, the message's type and role, and whether it calls tools.
@@ -105,7 +109,8 @@ def shard_queue(service: str, index: int) -> str:
 
 
 def intake_queue(service: str) -> str:
-    """The single-active-consumer queue a service reads outside commands from."""
+    """The single-active-consumer queue outside commands arrive on; a light router moves each
+    to the service's shards (keyed by the conversation in its body), where it is handled."""
     return f"yoke.{service}.commands"
 
 
