@@ -135,6 +135,16 @@ PUBLISHER_PERMISSIONS = {
     "read": r"^(yoke\.forum|bridge\..*)$",
 }
 
+# What the services' own RabbitMQ user may do (deploy/rabbitmq/definitions.json gives it exactly
+# this, and no tag: it never uses the management API): everything named yoke.*, and publish
+# through the default exchange, which is how ingestion answers a command on its reply_to queue
+# (a bridge's own queue) and how a dead letter goes back to the queue it died in.
+SERVICE_PERMISSIONS = {
+    "configure": r"^yoke\..*",
+    "write": r"^(yoke\..*|amq\.default)$",
+    "read": r"^yoke\..*",
+}
+
 
 # Every declaration of a shard or intake queue uses exactly these (a mismatch is refused).
 QUORUM_QUEUE: dict[str, Any] = {"durable": True, "arguments": quorum_queue_arguments()}
