@@ -27,6 +27,7 @@ from yoke.models import (
     Actor,
     Message,
     MessageMeta,
+    RejectCode,
     SubmitMessage,
     SubmitReply,
     TextPart,
@@ -95,31 +96,37 @@ def _not_a_json_constant(name: str) -> object:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_command(body: bytes, max_bytes: int) -> SubmitMessage | str:
-    """The command in ``body``, or why it is rejected.
+def parse_command(body: bytes, max_bytes: int) -> SubmitMessage | SubmitReply:
+    """The command in ``body``, or the rejection that says why not.
 
     The raw checks come first, each cheap and bounded: size, UTF-8, nesting depth. Then the
     schema, whose validators refuse what the store cannot hold.
     """
     if len(body) > max_bytes:
-        return f"command is {len(body)} bytes; the limit is {max_bytes}"
+        return _rejected("too_large", f"command is {len(body)} bytes; the limit is {max_bytes}")
     try:
         text = body.decode()
     except UnicodeDecodeError as error:
-        return f"body is not valid UTF-8 ({error.reason} at byte {error.start})"
+        return _rejected(
+            "invalid_body", f"body is not valid UTF-8 ({error.reason} at byte {error.start})"
+        )
     depth = nesting_depth(body)
     if depth > MAX_BODY_DEPTH:
-        return f"body is nested too deeply (more than {MAX_BODY_DEPTH} levels)"
+        return _rejected(
+            "invalid_body", f"body is nested too deeply (more than {MAX_BODY_DEPTH} levels)"
+        )
     try:
         parsed = json.loads(text, parse_constant=_not_a_json_constant)
     except ValueError as error:
-        return f"body is not valid JSON: {error}"
+        return _rejected("invalid_body", f"body is not valid JSON: {error}")
     if not isinstance(parsed, dict):
-        return f"the command must be a JSON object, not {type(parsed).__name__}"
+        return _rejected(
+            "invalid_body", f"the command must be a JSON object, not {type(parsed).__name__}"
+        )
     try:
         return SubmitMessage.model_validate(parsed)
     except ValidationError as error:
-        return f"invalid command: {describe_validation_error(error)}"
+        return _rejected("invalid_command", f"invalid command: {describe_validation_error(error)}")
 
 
 class Door:
@@ -155,18 +162,23 @@ class Door:
 
     async def submit(self, body: bytes) -> SubmitReply:
         command = parse_command(body, self.max_body_bytes)
-        if isinstance(command, str):
-            return _rejected(command)
+        if isinstance(command, SubmitReply):
+            return command
         size = len(command.text.encode())
         if size > self.max_text_bytes:
             return _rejected(
-                f"text is {size} bytes; the limit is {self.max_text_bytes} (YOKE_MAX_TEXT_BYTES)"
+                "too_large",
+                f"text is {size} bytes; the limit is {self.max_text_bytes} (YOKE_MAX_TEXT_BYTES)",
             )
         forum = await self.store.get_conversation(command.conversation_id)
         if forum is None:
-            return _rejected(f"unknown conversation {command.conversation_id!r}")
+            return _rejected(
+                "unknown_conversation", f"unknown conversation {command.conversation_id!r}"
+            )
         if forum.kind != "forum":
-            return _rejected(f"conversation {forum.id!r} is a {forum.kind}; submit to a forum")
+            return _rejected(
+                "not_a_forum", f"conversation {forum.id!r} is a {forum.kind}; submit to a forum"
+            )
         # The id derives from the idempotency key: a repeat finds the line already written.
         message_id = derive_id("submit", forum.id, command.idempotency_key)
         author = await self.store.save_actor(
@@ -195,8 +207,8 @@ class Door:
         return SubmitReply(status="accepted", message_id=stored.id, duplicate=not created)
 
 
-def _rejected(error: str) -> SubmitReply:
-    return SubmitReply(status="rejected", error=error)
+def _rejected(code: RejectCode, error: str) -> SubmitReply:
+    return SubmitReply(status="rejected", error=error, code=code)
 
 
 def copies_line(config: IngestionConfig, state: IngestionState, message: Message) -> bool:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractQueue, AbstractRobustConnection
 
-from yoke import tls, topology
+from yoke import amqp_nodes, topology
 from yoke.ids import new_id
 from yoke.models import CommandAuthor, Envelope, Message, MessagePosted, SubmitMessage, SubmitReply
 
@@ -25,15 +25,24 @@ class Client:
         self._waiting: dict[str, asyncio.Future[SubmitReply]] = {}
 
     async def __aenter__(self) -> Client:
-        self._connection = await aio_pika.connect_robust(
-            self.amqp_url, timeout=10, **tls.amqp_options(self.amqp_url)
-        )
+        self._connection = await amqp_nodes.connect_robust(self.amqp_url, timeout=10)
         self._channel = await self._connection.channel(publisher_confirms=True)
         self._replies = await self._channel.declare_queue(
             topology.BRIDGE_QUEUE_PREFIX + new_id(), exclusive=True, auto_delete=True
         )
         await self._replies.consume(self._on_reply, no_ack=True)
         return self
+
+    @property
+    def connected(self) -> bool:
+        """Connected right now (a robust connection that is reconnecting is not)."""
+        connection = self._connection
+        return (
+            connection is not None
+            and not connection.is_closed
+            and connection.connected.is_set()
+            and not connection.reconnecting
+        )
 
     async def __aexit__(self, *_: object) -> None:
         if self._connection is not None:

@@ -212,9 +212,25 @@ class MonologueCompacted(WireModel):
         return self.forum_id
 
 
-EventPayload = MessagePosted | AgentForumJoined | MonologueCompacted
+class AgentActivity(WireModel):
+    """What an agent is doing in a forum, at a step's start and end: ephemeral, for live views
+    (the gateway's stream). Never stored, never a trigger; routed like a forum line."""
+
+    TYPE: ClassVar[str] = "agent.activity"
+
+    agent_actor_id: str
+    forum_id: str
+    state: Literal["thinking", "tool", "idle"]
+
+    @property
+    def key(self) -> str:
+        return self.forum_id
+
+
+EventPayload = MessagePosted | AgentForumJoined | MonologueCompacted | AgentActivity
 EVENT_TYPES: dict[str, type[EventPayload]] = {
-    model.TYPE: model for model in (MessagePosted, AgentForumJoined, MonologueCompacted)
+    model.TYPE: model
+    for model in (MessagePosted, AgentForumJoined, MonologueCompacted, AgentActivity)
 }
 
 
@@ -353,8 +369,18 @@ class SubmitMessage(WireModel):
         return meta
 
 
+# Why the door rejected a command, for programs (the HTTP gateway maps them to statuses).
+RejectCode = Literal[
+    "invalid_body", "invalid_command", "too_large", "unknown_conversation", "not_a_forum"
+]
+
+
 class SubmitReply(WireModel):
     status: Literal["accepted", "rejected"]
     message_id: str | None = None
     duplicate: bool | None = None
     error: str | None = None
+    # With ``error``: ``invalid_body`` (not UTF-8 JSON, or nested too deeply),
+    # ``invalid_command`` (a field is missing or wrong), ``too_large``, ``unknown_conversation``,
+    # ``not_a_forum``.
+    code: RejectCode | None = None

@@ -1,0 +1,426 @@
+"""The HTTP gateway: a thin door over the mesh's public contract for systems that speak HTTP.
+
+It publishes submit commands to ``yoke.commands`` (the same door, validation and idempotency as
+a bridge gets, through :class:`yoke.client.Client`), reads lines from the store by seq, and
+streams a forum's events from ``yoke.events``. It never writes a message itself.
+
+Routes: ``/v1/forums/{forumId}/messages`` (POST, GET), ``/v1/forums/{forumId}/stream`` (SSE),
+``/openapi.json``; ``/healthz`` and ``/metrics`` need no token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BeforeValidator, Field, ValidationError
+from starlette.background import BackgroundTask
+from starlette.routing import Match
+
+from services.gateway.deps import (
+    REQUEST_SECONDS,
+    REQUESTS,
+    STREAMS,
+    ApiError,
+    ErrorBody,
+    ForumDep,
+    Gateway,
+    TokenDep,
+    gateway,
+    unavailable,
+)
+from services.gateway.stream import ForumStream, Hub
+from yoke.client import Client
+from yoke.errors import EXIT_MISCONFIGURED, is_transient
+from yoke.ids import new_id
+from yoke.logs import configure_logging
+from yoke.models import (
+    MAX_NAME_CHARS,
+    CommandAuthor,
+    Message,
+    SubmitMessage,
+    WireModel,
+    unstorable,
+)
+from yoke.service import describe_validation_error
+from yoke.settings import Settings
+from yoke.store import Store
+from yoke.tokens import ensure_token_indexes
+
+log = logging.getLogger(__name__)
+
+# An external id as a caller sends it; namespaced by its token's name before it goes on.
+MAX_EXTERNAL_ID_CHARS = 128
+MAX_IDEMPOTENCY_KEY_CHARS = 128
+MAX_PAGE = 1000
+# The door's reasons (SubmitReply.code) as HTTP statuses; anything else is a 400.
+STATUS_OF_CODE = {"too_large": 413, "unknown_conversation": 404, "not_a_forum": 404}
+
+
+def _storable(value: object) -> object:
+    if isinstance(value, str) and (problem := unstorable(value)) is not None:
+        raise ValueError(problem)
+    return value
+
+
+class PostAuthor(WireModel):
+    """Who speaks: ``externalId`` is yours to choose, within your token's namespace."""
+
+    external_id: Annotated[
+        str, Field(min_length=1, max_length=MAX_EXTERNAL_ID_CHARS), BeforeValidator(_storable)
+    ]
+    display_name: Annotated[
+        str, Field(min_length=1, max_length=MAX_NAME_CHARS), BeforeValidator(_storable)
+    ]
+
+
+class PostMessage(WireModel):
+    author: PostAuthor
+    text: Annotated[str, Field(min_length=1), BeforeValidator(_storable)]
+
+
+class Accepted(WireModel):
+    message_id: str
+    duplicate: bool
+
+
+class MessagesPage(WireModel):
+    messages: list[Message]
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": description}
+    for status, description in {
+        400: "invalid request",
+        401: "missing, unknown or revoked token",
+        403: "forum outside the token's scope",
+        404: "unknown forum",
+    }.items()
+}
+
+api = APIRouter(prefix="/v1")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) past ``limit`` bytes before it is all read."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "too_large", f"body is {declared} bytes; the limit is {limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, "too_large", f"body is over the limit of {limit} bytes")
+    return bytes(body)
+
+
+def parse_post(body: bytes) -> PostMessage:
+    try:
+        data = json.loads(body)
+    except ValueError as error:  # UnicodeDecodeError too
+        raise ApiError(400, "invalid_body", f"body is not valid JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise ApiError(400, "invalid_body", "body must be a JSON object")
+    try:
+        return PostMessage.model_validate(data)
+    except ValidationError as error:
+        raise ApiError(400, "invalid_body", describe_validation_error(error)) from error
+
+
+@api.post(
+    "/forums/{forumId}/messages",
+    status_code=202,
+    response_model=Accepted,
+    responses={
+        **ERRORS,
+        413: {"model": ErrorBody, "description": "text or body too large"},
+        503: {"model": ErrorBody, "description": "the mesh did not answer in time"},
+    },
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": PostMessage.model_json_schema(by_alias=True)}
+            },
+        }
+    },
+    summary="Post a line to a forum as one of your token's people",
+)
+async def post_message(
+    request: Request,
+    forum: ForumDep,
+    token: TokenDep,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            alias="Idempotency-Key",
+            description="Each key makes one line (per token and forum); a repeat answers the "
+            "first line's id with duplicate true. Without one, each POST is a new line.",
+        ),
+    ] = None,
+) -> JSONResponse:
+    state = gateway(request)
+    max_text = state.settings.max_text_bytes
+    post = parse_post(await read_body(request, max_text * 2 + 4096))
+    size = len(post.text.encode())
+    if size > max_text:
+        raise ApiError(413, "too_large", f"text is {size} bytes; the limit is {max_text}")
+    if idempotency_key is not None and (
+        not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS or unstorable(idempotency_key)
+    ):
+        raise ApiError(
+            400,
+            "invalid_idempotency_key",
+            f"Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY_CHARS} characters of text",
+        )
+    command = SubmitMessage(
+        conversation_id=forum.id,
+        author=CommandAuthor(
+            external_id=token.namespaced(post.author.external_id),
+            display_name=post.author.display_name,
+        ),
+        text=post.text,
+        # Namespaced too: one token's key never finds another token's line.
+        idempotency_key=token.namespaced(idempotency_key or new_id()),
+    )
+    timeout = state.settings.gateway_submit_timeout_seconds
+    try:
+        reply = await state.client.submit_raw(
+            command.model_dump_json(exclude_none=True).encode(), reply_timeout=timeout
+        )
+    except TimeoutError as error:
+        raise unavailable(f"the mesh did not answer within {timeout:g} s; try again") from error
+    except Exception as error:
+        log.warning("could not submit to the mesh: %r", error)
+        raise unavailable("the mesh cannot be reached; try again") from error
+    if reply.status == "rejected":
+        code = reply.code or "invalid_command"
+        raise ApiError(STATUS_OF_CODE.get(code, 400), code, reply.error or "rejected")
+    assert reply.message_id is not None
+    body = Accepted(message_id=reply.message_id, duplicate=bool(reply.duplicate))
+    return JSONResponse(body.to_wire(), status_code=202)
+
+
+@api.get(
+    "/forums/{forumId}/messages",
+    response_model=MessagesPage,
+    responses=ERRORS,
+    summary="A forum's lines in seq order, after a seq",
+)
+async def list_messages(
+    request: Request,
+    forum: ForumDep,
+    after: Annotated[int, Query(ge=0, description="lines with a higher seq than this")] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="at most this many")] = 100,
+) -> JSONResponse:
+    store = gateway(request).store
+    # Bounded by seq (DESIGN invariant 11): the head by indexed lookups, then at most ``limit``
+    # lines by their buckets; never a read of the whole forum.
+    head = await store.last_seq(forum.id)
+    lines = await store.history(forum.id, after_seq=after, up_to_seq=min(after + limit, head))
+    return JSONResponse({"messages": [line.to_wire() for line in lines]})
+
+
+@api.get(
+    "/forums/{forumId}/stream",
+    responses={
+        **ERRORS,
+        200: {
+            "description": "Server-Sent Events: `message` (the line, `id:` its seq) in seq "
+            "order, and `activity` ({agentActorId, state}) while an agent's step runs.",
+            "content": {"text/event-stream": {}},
+        },
+    },
+    summary="A forum's new lines and agents' activity, live",
+)
+async def stream(
+    request: Request,
+    forum: ForumDep,
+    last_event_id: Annotated[
+        str | None,
+        Header(
+            alias="Last-Event-ID",
+            description="The last seq received: the stream resumes right after it.",
+        ),
+    ] = None,
+) -> StreamingResponse:
+    state = gateway(request)
+    cursor: int | None = None
+    if last_event_id is not None:
+        if not last_event_id.strip().isdigit():
+            raise ApiError(400, "invalid_last_event_id", "Last-Event-ID must be a seq (a number)")
+        cursor = int(last_event_id)
+    stack = contextlib.AsyncExitStack()
+    try:
+        # Subscribed before the head is read: every line past it has its event on the way.
+        subscriber = await stack.enter_async_context(state.hub.subscribe(forum.id))
+        if cursor is None:
+            cursor = await state.store.last_seq(forum.id)
+    except BaseException:
+        await stack.aclose()
+        raise
+    forum_stream = ForumStream(state.store, subscriber, cursor)
+
+    async def events() -> AsyncIterator[bytes]:
+        STREAMS.inc()
+        try:
+            async for chunk in forum_stream.events():
+                yield chunk
+        finally:
+            STREAMS.dec()
+
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        background=BackgroundTask(stack.aclose),
+    )
+
+
+async def problems(state: Gateway) -> list[str]:
+    """Why this gateway cannot serve (empty when it can): ``/healthz`` lists them."""
+    found = [*state.hub.problems()]
+    if not state.client.connected:
+        found.append("command connection down")
+    try:
+        async with asyncio.timeout(2):
+            await state.store.ping()
+    except Exception as error:
+        found.append(f"store unreachable: {error!r}"[:300])
+    return found
+
+
+def route_of(request: Request) -> str:
+    """The matched route's path template (metric labels never carry ids)."""
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match == Match.FULL:
+            return str(getattr(route, "path", "other"))
+    return "other"
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = Store(
+            settings.mongodb_url, app_name="gateway", pool_size=settings.mongodb_pool_size
+        )
+        await store.ping()
+        await store.ensure_indexes()
+        await ensure_token_indexes(store)
+        client = Client(settings.amqp_url)
+        await client.__aenter__()
+        hub = Hub(settings.amqp_url)
+        await hub.start()
+        app.state.gateway = Gateway(settings, store, client, hub)
+        log.info("gateway serving on port %d", settings.gateway_port)
+        try:
+            yield
+        finally:
+            await hub.close()
+            await client.__aexit__()
+            await store.close()
+
+    app = FastAPI(
+        title="Yoke mesh HTTP gateway",
+        version="1.0.0",
+        description="Post lines to forums, read them, and follow them live. Every /v1 call "
+        "needs `Authorization: Bearer <token>` (`yoke token create`). Errors are "
+        '`{"error": "...", "code": "..."}`.',
+        lifespan=lifespan,
+        docs_url="/docs",
+        redoc_url=None,
+    )
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        body = ErrorBody(error=error.error, code=error.code)
+        return JSONResponse(body.model_dump(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+        problems = []
+        for item in error.errors()[:5]:
+            where = ".".join(str(part) for part in item["loc"] if part != "body") or "body"
+            problems.append(f"{where}: {item['msg']}")
+        body = ErrorBody(error="; ".join(problems), code="invalid_request")
+        return JSONResponse(body.model_dump(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, error: Exception) -> JSONResponse:
+        if is_transient(error):
+            answer = unavailable("the store or the broker is not answering; try again")
+            body = ErrorBody(error=answer.error, code=answer.code)
+            return JSONResponse(body.model_dump(), status_code=503, headers=answer.headers)
+        log.exception("request failed: %s %s", request.method, request.url.path)
+        body = ErrorBody(error="internal error", code="internal")
+        return JSONResponse(body.model_dump(), status_code=500)
+
+    @app.middleware("http")
+    async def count(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = route_of(request)
+        REQUESTS.labels(route, str(response.status_code)).inc()
+        REQUEST_SECONDS.labels(route).observe(time.perf_counter() - started)
+        return response
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz(request: Request) -> PlainTextResponse:
+        found = await problems(gateway(request))
+        body = "".join(f"{problem}\n" for problem in found) or "ok\n"
+        return PlainTextResponse(body, status_code=503 if found else 200)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(api)
+    # Routers of the console and the webhooks are included here.
+    return app
+
+
+def main() -> None:
+    """``python -m services.gateway``: serve on ``YOKE_GATEWAY_PORT`` until SIGTERM."""
+    settings = Settings()
+    configure_logging("gateway", settings.log_format, settings.log_level)
+    # Bound here, not by uvicorn: a port that is taken is a configuration problem, and exit 78
+    # tells ``yoke up`` not to restart into it again and again.
+    family = socket.AF_INET6 if ":" in settings.gateway_host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((settings.gateway_host, settings.gateway_port))
+    except OSError as error:
+        log.error(
+            "gateway cannot start: port %s:%d: %s",
+            settings.gateway_host,
+            settings.gateway_port,
+            error,
+        )
+        sys.exit(EXIT_MISCONFIGURED)
+    config = uvicorn.Config(
+        create_app(settings),
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        # Open streams end at shutdown; clients reconnect with Last-Event-ID elsewhere.
+        timeout_graceful_shutdown=3,
+    )
+    uvicorn.Server(config).run(sockets=[listener])

@@ -1,0 +1,118 @@
+"""What every gateway route stands on: the process's state, errors as JSON, and the token check.
+
+Routers (the REST API here, the console and webhooks beside it) import from this module, not
+from ``app``, so that ``app`` can import them all without a cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import Depends, Path, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.gateway.stream import Hub
+from yoke.client import Client
+from yoke.models import Conversation, WireModel
+from yoke.settings import Settings
+from yoke.store import Store
+from yoke.tokens import Token, find_token
+
+REQUESTS = Counter(
+    "yoke_gateway_requests", "HTTP requests answered by the gateway", ["route", "status"]
+)
+REQUEST_SECONDS = Histogram(
+    "yoke_gateway_request_seconds", "Time to answer an HTTP request (streams: to open)", ["route"]
+)
+STREAMS = Gauge("yoke_gateway_streams", "Event streams open on this gateway process")
+# Seconds a client is told to wait (Retry-After) when the mesh or the store does not answer.
+RETRY_AFTER_SECONDS = 5
+
+
+@dataclass
+class Gateway:
+    """One gateway process's connections, shared by every request."""
+
+    settings: Settings
+    store: Store
+    client: Client
+    hub: Hub
+    # Anything a router wires in at start-up (say, the webhook worker) keeps its objects here.
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class ErrorBody(WireModel):
+    """Every error the gateway answers: a sentence for people and a code for programs."""
+
+    error: str
+    code: str
+
+
+class ApiError(Exception):
+    """Answered as ``{"error", "code"}`` with ``status`` (see ``app``'s exception handler)."""
+
+    def __init__(
+        self, status: int, code: str, error: str, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(error)
+        self.status = status
+        self.code = code
+        self.error = error
+        self.headers = headers or {}
+
+
+def unavailable(error: str) -> ApiError:
+    return ApiError(503, "unavailable", error, {"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+def gateway(request: Request) -> Gateway:
+    state: Gateway = request.app.state.gateway
+    return state
+
+
+_bearer = HTTPBearer(
+    auto_error=False,
+    description="A token made by `yoke token create`, sent as `Authorization: Bearer <token>`.",
+)
+
+
+async def require_token(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Token:
+    """The caller's token: 401 without one or with one that is unknown or revoked.
+
+    The reusable check for every route that needs a token (the API, the console's data, the
+    monologue view); a route then checks the token's scope (:func:`forum_in_scope`).
+    """
+    challenge = {"WWW-Authenticate": "Bearer"}
+    if credentials is None:
+        raise ApiError(
+            401, "unauthorized", "missing token: send Authorization: Bearer <token>", challenge
+        )
+    token = await find_token(gateway(request).store, credentials.credentials)
+    if token is None:
+        raise ApiError(401, "unauthorized", "unknown or revoked token", challenge)
+    return token
+
+
+TokenDep = Annotated[Token, Depends(require_token)]
+
+
+async def forum_in_scope(
+    forum_id: Annotated[str, Path(alias="forumId")], request: Request, token: TokenDep
+) -> Conversation:
+    """The forum of the path, if the token may use it: scope first (403, also for an unknown
+    id, so a scoped token learns nothing of other forums), then existence (404)."""
+    if not token.allows(forum_id):
+        raise ApiError(403, "forbidden", f"this token may not use forum {forum_id!r}")
+    forum = await gateway(request).store.get_conversation(forum_id)
+    if forum is None or forum.kind != "forum":
+        # A monologue is not a forum: the API never shows one.
+        raise ApiError(404, "unknown_forum", f"unknown forum {forum_id!r}")
+    return forum
+
+
+ForumDep = Annotated[Conversation, Depends(forum_in_scope)]

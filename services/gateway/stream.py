@@ -1,0 +1,220 @@
+"""Live forum streams: one queue per gateway process, bound per forum while someone watches it.
+
+Events are wake-ups (DESIGN invariant 1): they may come late, twice or out of order, and one
+lost to a reconnect is simply absent. So a stream keeps a cursor (the last seq it sent) and
+sends lines strictly in seq order, reading from the store whatever it has not seen an event
+for: a gap before an event, everything after ``Last-Event-ID`` on a reconnect, and the head
+now and then while the forum is quiet. Every read is a bounded range by seq (invariant 11).
+
+Only forum events reach the queue: it is bound by routing key to the forum ids being watched
+(``conversation.message.posted.<forum>``, ``agent.activity.<forum>``), so a monologue's lines
+can never appear on a forum's stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aio_pika
+from aio_pika.abc import (
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustChannel,
+    AbstractRobustConnection,
+)
+from pydantic import ValidationError
+
+from yoke import topology
+from yoke.ids import new_id
+from yoke.models import AgentActivity, Envelope, Message, MessagePosted
+from yoke.store import Store
+
+log = logging.getLogger(__name__)
+
+# Events a slow stream may have waiting; past this it drops them and reads the store instead.
+SUBSCRIBER_BACKLOG = 1000
+# A quiet stream sends a comment this often (proxies keep it open) and checks the forum's head.
+IDLE_SECONDS = 15.0
+# Lines read from the store at once when a stream catches up.
+CATCH_UP_LINES = 500
+
+StreamItem = MessagePosted | AgentActivity
+
+
+@dataclass(eq=False)
+class Subscriber:
+    """One open stream's inbox."""
+
+    forum_id: str
+    inbox: asyncio.Queue[StreamItem] = field(
+        default_factory=lambda: asyncio.Queue(SUBSCRIBER_BACKLOG)
+    )
+    # Set when an event was dropped (the inbox was full): the stream reads the head instead.
+    missed: bool = False
+
+    def offer(self, item: StreamItem) -> None:
+        try:
+            self.inbox.put_nowait(item)
+        except asyncio.QueueFull:
+            self.missed = True
+
+
+class Hub:
+    """The process's one events queue and the streams it feeds."""
+
+    def __init__(self, amqp_url: str) -> None:
+        self.amqp_url = amqp_url
+        self.queue_name = f"yoke.gateway.stream.{new_id()}"
+        self._connection: AbstractRobustConnection | None = None
+        self._channel: AbstractRobustChannel | None = None
+        self._queue: AbstractQueue | None = None
+        self._subscribers: dict[str, set[Subscriber]] = {}
+        self._binding = asyncio.Lock()
+
+    async def start(self) -> None:
+        self._connection = await aio_pika.connect_robust(
+            self.amqp_url, client_properties={"connection_name": "gateway-stream"}, timeout=10
+        )
+        channel = await self._connection.channel()
+        assert isinstance(channel, aio_pika.RobustChannel)
+        self._channel = channel
+        events = await channel.declare_exchange(
+            topology.EVENTS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True
+        )
+        # Exclusive: it lives and dies with this process (and is declared again, with its
+        # bindings, by the robust connection after a reconnect).
+        self._queue = await channel.declare_queue(self.queue_name, exclusive=True, auto_delete=True)
+        self._events = events
+        await self._queue.consume(self._on_event, no_ack=True)
+
+    async def close(self) -> None:
+        if self._connection is not None and not self._connection.is_closed:
+            await self._connection.close()
+
+    def problems(self) -> list[str]:
+        connection = self._connection
+        if connection is None or connection.is_closed or not connection.connected.is_set():
+            return ["stream connection down"]
+        if self._channel is None or self._channel.is_closed:
+            return ["stream channel closed"]
+        return []
+
+    @contextlib.asynccontextmanager
+    async def subscribe(self, forum_id: str) -> AsyncIterator[Subscriber]:
+        """A subscriber for the forum's events, bound before this yields (so a head read after
+        it misses nothing) and unbound when the forum's last stream ends."""
+        subscriber = Subscriber(forum_id)
+        async with self._binding:
+            watchers = self._subscribers.setdefault(forum_id, set())
+            if not watchers:
+                await self._bind(forum_id, bind=True)
+            watchers.add(subscriber)
+        try:
+            yield subscriber
+        finally:
+            async with self._binding:
+                watchers = self._subscribers.get(forum_id, set())
+                watchers.discard(subscriber)
+                if not watchers:
+                    self._subscribers.pop(forum_id, None)
+                    with contextlib.suppress(Exception):  # gone with the connection anyway
+                        await self._bind(forum_id, bind=False)
+
+    async def _bind(self, forum_id: str, *, bind: bool) -> None:
+        assert self._queue is not None
+        for event_type in (MessagePosted.TYPE, AgentActivity.TYPE):
+            key = topology.routing_key(event_type, forum_id)
+            if bind:
+                await self._queue.bind(self._events, routing_key=key)
+            else:
+                await self._queue.unbind(self._events, routing_key=key)
+
+    def watching(self, forum_id: str) -> int:
+        return len(self._subscribers.get(forum_id, ()))
+
+    async def _on_event(self, message: AbstractIncomingMessage) -> None:
+        try:
+            payload = Envelope.model_validate_json(message.body).parse()
+        except (ValidationError, ValueError) as error:
+            log.warning("unreadable event on the stream queue: %s", error)
+            return
+        if isinstance(payload, MessagePosted):
+            forum_id = payload.conversation_id
+        elif isinstance(payload, AgentActivity):
+            forum_id = payload.forum_id
+        else:
+            return
+        for subscriber in self._subscribers.get(forum_id, ()):
+            subscriber.offer(payload)
+
+
+def sse(event: str, data: str, event_id: int | None = None) -> bytes:
+    """One Server-Sent Event (``data`` is one line of JSON)."""
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {event}\ndata: {data}\n\n".encode()
+
+
+def message_event(message: Message) -> bytes:
+    return sse("message", json.dumps(message.to_wire(), separators=(",", ":")), message.seq)
+
+
+def activity_event(activity: AgentActivity) -> bytes:
+    body = {"agentActorId": activity.agent_actor_id, "state": activity.state}
+    return sse("activity", json.dumps(body, separators=(",", ":")))
+
+
+class ForumStream:
+    """The events of one stream, in seq order from ``cursor`` on."""
+
+    def __init__(self, store: Store, subscriber: Subscriber, cursor: int) -> None:
+        self.store = store
+        self.subscriber = subscriber
+        self.forum_id = subscriber.forum_id
+        self.cursor = cursor
+
+    async def lines_up_to(self, seq: int) -> AsyncIterator[bytes]:
+        """Every line after the cursor up to ``seq``, from the store, in bounded reads."""
+        while self.cursor < seq:
+            upper = min(seq, self.cursor + CATCH_UP_LINES)
+            lines = await self.store.history(self.forum_id, after_seq=self.cursor, up_to_seq=upper)
+            for line in lines:
+                if line.seq > self.cursor:
+                    yield message_event(line)
+                    self.cursor = line.seq
+            self.cursor = max(self.cursor, upper)  # a hole (never expected): do not spin on it
+
+    async def catch_up(self) -> AsyncIterator[bytes]:
+        """Whatever the store holds past the cursor (its head found by indexed lookups)."""
+        self.subscriber.missed = False
+        async for chunk in self.lines_up_to(await self.store.last_seq(self.forum_id)):
+            yield chunk
+
+    async def events(self) -> AsyncIterator[bytes]:
+        yield b"retry: 2000\n\n"
+        async for chunk in self.catch_up():
+            yield chunk
+        while True:
+            try:
+                item = await asyncio.wait_for(self.subscriber.inbox.get(), IDLE_SECONDS)
+            except TimeoutError:
+                yield b": keepalive\n\n"
+                async for chunk in self.catch_up():
+                    yield chunk
+                continue
+            if isinstance(item, AgentActivity):
+                yield activity_event(item)
+            elif item.seq == self.cursor + 1:
+                yield message_event(item.message)
+                self.cursor = item.seq
+            elif item.seq > self.cursor:
+                # Earlier lines' events are late or lost: send them from the store first.
+                async for chunk in self.lines_up_to(item.seq):
+                    yield chunk
+            if self.subscriber.missed:
+                async for chunk in self.catch_up():
+                    yield chunk

@@ -1,0 +1,105 @@
+"""The HTTP gateway's bearer tokens (``yoke token create/list/revoke``).
+
+Only a token's SHA-256 is stored: the secret is shown once, when it is made, and a copy of the
+database gives nobody a working token. A token is named (the name is its ``_id``: unique by
+insert) and scoped to the forums it names, or to all. What a token's callers say about
+themselves is namespaced by its name (:func:`namespaced`), so one token cannot speak as the
+people of another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from datetime import datetime
+
+from pydantic import Field
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import CollectionInvalid, OperationFailure
+
+from yoke.models import Document, utcnow
+from yoke.store import NAMESPACE_EXISTS, Doc, Store
+
+COLLECTION = "tokens"
+# Letters, digits, '-' and '_': no ':' (the namespace separator) and short enough that a
+# namespaced external id stays within the command's limits.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+SECRET_PREFIX = "yoke_"
+
+
+class TokenError(Exception):
+    """A token command that cannot be carried out (the message says why)."""
+
+
+class Token(Document):
+    """A stored token: its name (``id``), the secret's hash, and its forums (None: all)."""
+
+    hash: str
+    forums: list[str] | None = None
+    created_at: datetime = Field(default_factory=utcnow)
+
+    def allows(self, forum_id: str) -> bool:
+        return self.forums is None or forum_id in self.forums
+
+    def namespaced(self, value: str) -> str:
+        return namespaced(self.id, value)
+
+
+def namespaced(token_name: str, value: str) -> str:
+    """``http:<token name>:<value>``: an external id or idempotency key as this token's own."""
+    return f"http:{token_name}:{value}"
+
+
+def hash_secret(secret: str) -> str:
+    # The secret is 256 random bits: a plain digest is as good as a slow hash here, and cheap
+    # enough to check on every request.
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def collection(store: Store) -> AsyncCollection[Doc]:
+    return store.db[COLLECTION]
+
+
+async def ensure_token_indexes(store: Store) -> None:
+    """The collection and its unique hash index (created up front: see Store.ensure_indexes)."""
+    if COLLECTION not in await store.db.list_collection_names():
+        try:
+            await store.db.create_collection(COLLECTION)
+        except (CollectionInvalid, OperationFailure) as error:
+            if isinstance(error, OperationFailure) and error.code != NAMESPACE_EXISTS:
+                raise
+    await collection(store).create_index("hash", unique=True, name="hash")
+
+
+async def create_token(
+    store: Store, name: str, forums: list[str] | None = None
+) -> tuple[Token, str]:
+    """A new token and its secret (the only time the secret exists outside the caller)."""
+    if not NAME_PATTERN.match(name):
+        raise TokenError(f"invalid token name {name!r}: use 1-64 letters, digits, '-' or '_'")
+    secret = SECRET_PREFIX + secrets.token_urlsafe(32)
+    token = Token(id=name, hash=hash_secret(secret), forums=sorted(set(forums)) if forums else None)
+    if not await store.insert_if_absent(collection(store), token.to_document()):
+        raise TokenError(f"a token named {name!r} exists; revoke it first")
+    return token, secret
+
+
+async def list_tokens(store: Store) -> list[Token]:
+    """Every token (operators have a handful: this is not a path any request takes)."""
+    found = await collection(store).find({}).to_list()
+    return sorted((Token.from_document(document) for document in found), key=lambda t: t.id)
+
+
+async def revoke_token(store: Store, name: str) -> bool:
+    """Delete the token; False if there was none by that name. Takes effect at once."""
+    result = await collection(store).delete_one({"_id": name})
+    return result.deleted_count > 0
+
+
+async def find_token(store: Store, secret: str) -> Token | None:
+    """The token whose secret this is (one indexed lookup), or None."""
+    if not secret.startswith(SECRET_PREFIX) or len(secret) > 200:
+        return None
+    document = await collection(store).find_one({"hash": hash_secret(secret)})
+    return Token.from_document(document) if document else None
