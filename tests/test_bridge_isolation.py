@@ -20,11 +20,13 @@ import httpx
 import pytest
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 from aiormq.exceptions import AMQPError
+from pamqp.common import FieldTable
 
 from tests.support.fake_openai import FakeOpenAI, completion
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until
-from tests.support.processes import eventually
+from tests.support.processes import eventually, free_port
 from yoke import topology
+from yoke.cli_publishers import Management, management_of
 from yoke.client import Client
 from yoke.joins import create_forum
 from yoke.models import Envelope, MessagePosted, ToolCallPart, ToolResultPart
@@ -124,7 +126,7 @@ class Tap:
         ]
 
 
-def widest_binding(kind: str) -> tuple[str, dict[str, str]]:
+def widest_binding(kind: str) -> tuple[str, FieldTable]:
     """The binding that lets the most through an exchange of this type."""
     if kind == "headers":
         return "", {"x-match": "all"}  # no header to match: everything matches
@@ -237,3 +239,67 @@ async def test_a_publisher_bound_to_everything_it_may_read_sees_forum_lines_and_
         assert tap.bound == [topology.FORUM_EXCHANGE], tap.refused
     finally:
         await connection.close()
+
+
+async def test_publisher_create_grants_exactly_the_bridge_permissions_and_never_overwrites(
+    amqp_url: str, management: httpx.AsyncClient
+) -> None:
+    name = f"bridge-{uuid.uuid4().hex[:8]}"
+    env = {"YOKE_AMQP_URL": amqp_url}
+    try:
+        code, out, err = await run_cli(env, "publisher", "create", "--name", name)
+        assert code == 0, err
+        password = out.splitlines()[-1]
+        assert len(password) >= 24 and password.strip() == password
+        user = (await management.get(f"/api/users/{name}")).json()
+        assert user["tags"] in ([], "")
+        granted = (await management.get(f"/api/users/{name}/permissions")).json()
+        assert [
+            {key: entry[key] for key in ("vhost", "configure", "write", "read")}
+            for entry in granted
+        ] == [{"vhost": vhost_of(amqp_url), **topology.PUBLISHER_PERMISSIONS}]
+        assert (await management.get(f"/api/users/{name}/topic-permissions")).json() == []
+        connection = await aio_pika.connect(with_user(amqp_url, name, password))
+        await connection.close()
+
+        code, out, err = await run_cli(env, "publisher", "create", "--name", name)
+        assert code != 0 and "exists already" in err and out == ""
+        connection = await aio_pika.connect(with_user(amqp_url, name, password))  # unchanged
+        await connection.close()
+    finally:
+        await management.delete(f"/api/users/{name}")
+
+
+async def test_publisher_create_says_why_when_the_management_api_refuses(
+    amqp_url: str, servers: tuple[str, str, str], management: httpx.AsyncClient
+) -> None:
+    name = f"bridge-{uuid.uuid4().hex[:8]}"
+    api = urlsplit(servers[2])
+    wrong = urlunsplit(api._replace(netloc=f"nobody:not-the-password@{api.netloc}"))
+    code, out, err = await run_cli(
+        {"YOKE_AMQP_URL": amqp_url, "YOKE_MANAGEMENT_URL": wrong},
+        "publisher",
+        "create",
+        "--name",
+        name,
+    )
+    assert code != 0 and out == ""
+    assert "management API" in err and "401" in err, err
+    assert "not-the-password" not in err
+    assert (await management.get(f"/api/users/{name}")).status_code == 404
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    env = {"YOKE_AMQP_URL": amqp_url, "YOKE_MANAGEMENT_URL": closed}
+    code, out, err = await run_cli(env, "publisher", "create", "--name", name)
+    assert code != 0 and out == "" and f"cannot reach the management API at {closed}" in err
+
+
+def test_the_management_api_is_found_from_the_amqp_url_unless_given() -> None:
+    found = management_of("amqp://yoke:s%40cret@rabbit.example:5672/prod%2Fa,amqp://other/")
+    assert found == Management("http://rabbit.example:15672", ("yoke", "s@cret"), "prod/a")
+    assert management_of("amqp://h/").vhost == "/" and management_of("amqp://h").vhost == "/"
+    assert management_of("amqp://h/").auth == ("guest", "guest")
+    given = management_of("amqp://yoke:pw@h/v", "https://ops:key@admin.example:8443/rmq/")
+    assert given == Management("https://admin.example:8443/rmq", ("ops", "key"), "v")
+    plain = management_of("amqp://yoke:pw@h/v", "http://admin.example:15672")
+    assert plain.auth == ("yoke", "pw") and plain.url == "http://admin.example:15672"
