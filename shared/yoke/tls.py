@@ -20,6 +20,7 @@ import re
 import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, TypedDict
 
 from aiormq.exceptions import AMQPError
 from pymongo.errors import PyMongoError
@@ -30,6 +31,12 @@ from yoke.settings import Settings
 # OpenSSL's words for "the certificate did not verify", on our side or on the server's.
 _VERIFY_FAILED = re.compile(r"certificate verify failed: (?P<reason>[^()\n]*?)\.? \(_ssl\.c:\d+\)")
 _PEER_REFUSED = re.compile(r"ALERT_(UNKNOWN_CA|BAD_CERTIFICATE|CERTIFICATE_REQUIRED)")
+
+
+class AmqpOptions(TypedDict, total=False):
+    """What :func:`amqp_options` adds to aio-pika's connect call (typed, so mypy checks it)."""
+
+    ssl_context: ssl.SSLContext
 
 
 def is_amqps(url: str) -> bool:
@@ -58,7 +65,7 @@ def amqp_ssl_context(settings: Settings) -> ssl.SSLContext | None:
     return context
 
 
-def amqp_options(url: str, settings: Settings | None = None) -> dict[str, ssl.SSLContext]:
+def amqp_options(url: str, settings: Settings | None = None) -> AmqpOptions:
     """Keyword arguments for ``aio_pika.connect``/``connect_robust`` to ``url``.
 
     Every AMQP connection of the mesh goes through here, so ``amqps://`` works the same for
@@ -67,14 +74,14 @@ def amqp_options(url: str, settings: Settings | None = None) -> dict[str, ssl.SS
     if not is_amqps(url):
         return {}
     context = amqp_ssl_context(settings or Settings())
-    return {} if context is None else {"ssl_context": context}
+    return AmqpOptions() if context is None else AmqpOptions(ssl_context=context)
 
 
-def mongodb_options(settings: Settings | None = None) -> dict[str, str]:
+def mongodb_options(settings: Settings | None = None) -> dict[str, Any]:
     """Keyword arguments for pymongo's client: the settings' CA and client-certificate files
     (each implies ``tls=true``; a URL with ``tls=false`` and one of them is refused by pymongo)."""
     settings = settings or Settings()
-    options: dict[str, str] = {}
+    options: dict[str, Any] = {}
     if settings.mongodb_ca_file:
         options["tlsCAFile"] = settings.mongodb_ca_file
     if settings.mongodb_cert_file:
