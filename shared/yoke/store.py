@@ -75,6 +75,7 @@ class Store:
         "guardian",
         "writers",
         "followups",
+        "replicas",
     )
 
     def __init__(self, url: str, *, app_name: str = "yoke", pool_size: int = 16) -> None:
