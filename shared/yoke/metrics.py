@@ -157,3 +157,41 @@ def model_label(model: str, prices: Container[str] = ()) -> str:
 def tool_label(name: str) -> str:
     """A tool as a label value: the built-in tools; anything a model invents is ``other``."""
     return _TOOLS(name)
+
+
+# --- series that start at zero -----------------------------------------------------------------
+# A counter first exported at 1 never shows in rate() or increase(): Prometheus sees no increase
+# from a value it never saw. So each service exports, from the start, the bounded label sets it
+# may write (a first dead letter, tool call or doom loop then shows on the dashboard).
+
+DEAD_LETTER_REASONS = ("malformed", "failed")
+LLM_OUTCOMES = ("ok", "error", "retryable_error")
+TOOL_OUTCOMES = ("ok", "error")
+# Notice reasons: the processor's (yoke.processor) and the guardian's.
+PROCESSOR_NOTICES = ("budget", "provider", "doom_loop")
+GUARDIAN_NOTICES = ("guardian",)
+MODEL_SERVICES = frozenset({"processor", "guardian"})
+
+
+def initialize(service: str, prices: Iterable[str] = ()) -> None:
+    """Create at zero the series ``service`` may write: fixture and priced models, tools."""
+    for reason in DEAD_LETTER_REASONS:
+        DEAD_LETTERS.labels(service, reason)
+    if service in MODEL_SERVICES:
+        for model in sorted(FIXTURE_MODELS | set(prices)):
+            for outcome in LLM_OUTCOMES:
+                LLM_REQUESTS.labels(model, outcome)
+            LLM_LATENCY.labels(model)
+            for kind in ("input", "output"):
+                LLM_TOKENS.labels(model, kind)
+            LLM_COST.labels(model)
+    if service == "processor":
+        for tool in BUILTIN_TOOLS:
+            DOOM_LOOPS.labels(tool)
+            for outcome in TOOL_OUTCOMES:
+                TOOL_CALLS.labels(tool, outcome)
+        for reason in PROCESSOR_NOTICES:
+            NOTICES.labels(reason)
+    if service == "guardian":
+        for reason in GUARDIAN_NOTICES:
+            NOTICES.labels(reason)

@@ -16,7 +16,7 @@ from typing import TypeVar
 from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
-from yoke import topology
+from yoke import metrics, topology
 from yoke.bus import Bus
 from yoke.consumer import Dispatcher, Malformed, Route, event_type_of, key_from_header
 from yoke.errors import EXIT_MISCONFIGURED, Misconfigured, RetryPolicy
@@ -250,6 +250,7 @@ def run_service(name: str, register: Callable[[Service], None]) -> None:
     """Entry point of ``python -m services.<name>``."""
     settings = Settings()
     configure_logging(name, settings.log_format, settings.log_level)
+    metrics.initialize(name, settings.prices)
 
     async def main() -> None:
         service = Service(name, settings)
