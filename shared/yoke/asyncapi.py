@@ -13,6 +13,7 @@ from pydantic.json_schema import models_json_schema
 
 from yoke import topology
 from yoke.models import (
+    AgentActivity,
     AgentForumJoined,
     Envelope,
     MessagePosted,
@@ -21,7 +22,13 @@ from yoke.models import (
     SubmitReply,
 )
 
-EVENTS = (MessagePosted, AgentForumJoined, MonologueCompacted)
+EVENTS = (MessagePosted, AgentForumJoined, MonologueCompacted, AgentActivity)
+# What yoke.forum carries (published with yoke-kind=forum): all an outside system may read.
+FORUM_EVENTS = (MessagePosted, AgentActivity)
+
+
+def _key(event: type[BaseModel]) -> str:
+    return event.__name__[0].lower() + event.__name__[1:]
 
 
 def _component_schemas() -> dict[str, Any]:
@@ -66,7 +73,7 @@ def asyncapi_document() -> dict[str, Any]:
         "submitReply": _message("submit reply", "SubmitReply", "The door's answer."),
     }
     for event in EVENTS:
-        key = event.__name__[0].lower() + event.__name__[1:]
+        key = _key(event)
         messages[key] = _message(
             event.TYPE, f"{event.__name__}Event", f"Routing key {event.TYPE}.<id>."
         )
@@ -82,7 +89,8 @@ def asyncapi_document() -> dict[str, Any]:
             "version": "1.0.0",
             "description": "LLM agents in conversations, over RabbitMQ. Outside systems publish "
             f"commands to the {topology.COMMANDS_EXCHANGE} exchange and bind their own queues "
-            f"to {topology.EVENTS_EXCHANGE} to receive events.",
+            f"(bridge.*) to {topology.FORUM_EXCHANGE} to receive forum lines and agent activity; "
+            f"{topology.EVENTS_EXCHANGE}, with every agent's monologue, stays inside the mesh.",
         },
         "defaultContentType": "application/json",
         "channels": {
@@ -106,10 +114,35 @@ def asyncapi_document() -> dict[str, Any]:
                 "description": "The reply_to queue of the command.",
                 "messages": {"submitReply": {"$ref": "#/components/messages/submitReply"}},
             },
+            "forum": {
+                "address": "{eventType}.{forumId}",
+                "description": f"Topic exchange {topology.FORUM_EXCHANGE}, what bridges bind "
+                "to: forum lines (conversation.message.posted.<forum id>) and agent activity "
+                "(agent.activity.<forum id>), never a monologue's events. Bind "
+                "conversation.message.posted.# for every forum's lines. The mesh feeds it from "
+                f"{topology.EVENTS_EXCHANGE} (internal exchange: nobody publishes to it).",
+                "parameters": {"eventType": {}, "forumId": {}},
+                "messages": {
+                    _key(event): {"$ref": f"#/components/messages/{_key(event)}"}
+                    for event in FORUM_EVENTS
+                },
+                "bindings": {
+                    "amqp": {
+                        "is": "routingKey",
+                        "exchange": {
+                            "name": topology.FORUM_EXCHANGE,
+                            "type": "topic",
+                            "durable": True,
+                        },
+                    }
+                },
+            },
             "events": {
                 "address": "{eventType}.{id}",
-                "description": f"Topic exchange {topology.EVENTS_EXCHANGE}; the id is the "
-                "conversation for conversation.* events and the forum for agent.* events.",
+                "description": f"Topic exchange {topology.EVENTS_EXCHANGE}, inside the mesh: "
+                "every event, monologues' included; the id is the conversation for "
+                "conversation.* events and the forum for agent.* events. A publisher may not "
+                f"read it ({topology.FORUM_EXCHANGE} carries what it may).",
                 "parameters": {"eventType": {}, "id": {}},
                 "messages": event_refs,
                 "bindings": {
@@ -130,6 +163,7 @@ def asyncapi_document() -> dict[str, Any]:
                 "channel": {"$ref": "#/channels/commands"},
                 "reply": {"channel": {"$ref": "#/channels/replies"}},
             },
+            "publishForum": {"action": "send", "channel": {"$ref": "#/channels/forum"}},
             "publishEvents": {"action": "send", "channel": {"$ref": "#/channels/events"}},
         },
         "components": {"schemas": _component_schemas(), "messages": messages},
