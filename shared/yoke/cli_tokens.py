@@ -1,0 +1,84 @@
+"""``yoke token create/list/revoke``: the HTTP gateway's bearer tokens (see :mod:`yoke.tokens`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from yoke.settings import Settings
+from yoke.store import Store
+from yoke.tokens import TokenError, create_token, ensure_token_indexes, list_tokens, revoke_token
+
+
+async def _with_store(action: Any, args: argparse.Namespace) -> None:
+    store = Store(Settings().mongodb_url, app_name="yoke-cli")
+    try:
+        await ensure_token_indexes(store)
+        await action(store, args)
+    except TokenError as error:
+        print(f"yoke: {error}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        await store.close()
+
+
+async def _create(store: Store, args: argparse.Namespace) -> None:
+    forums: list[str] = args.forum or []
+    for forum_id in forums:
+        forum = await store.get_conversation(forum_id)
+        if forum is None or forum.kind != "forum":
+            raise TokenError(f"unknown forum {forum_id!r}")
+    token, secret = await create_token(store, args.name, forums or None)
+    scope = ", ".join(token.forums) if token.forums else "all forums"
+    print(f"token {token.id} for {scope}; it is shown only now:")
+    print(secret)
+
+
+async def _list(store: Store, args: argparse.Namespace) -> None:
+    for token in await list_tokens(store):
+        entry = {"name": token.id, "forums": token.forums, "createdAt": token.created_at}
+        print(json.dumps(entry, default=str, separators=(",", ":")))
+
+
+async def _revoke(store: Store, args: argparse.Namespace) -> None:
+    if not await revoke_token(store, args.name):
+        raise TokenError(f"no token named {args.name!r}")
+    print(args.name)
+
+
+async def token_create(args: argparse.Namespace) -> None:
+    await _with_store(_create, args)
+
+
+async def token_list(args: argparse.Namespace) -> None:
+    await _with_store(_list, args)
+
+
+async def token_revoke(args: argparse.Namespace) -> None:
+    await _with_store(_revoke, args)
+
+
+def register(commands: Any) -> None:
+    """``yoke token create --name NAME [--forum ID ...]``, ``yoke token list``,
+    ``yoke token revoke NAME``."""
+    token = commands.add_parser("token", help="the HTTP gateway's tokens").add_subparsers(
+        dest="sub", required=True
+    )
+    help = (
+        "make a bearer token for the HTTP gateway, scoped to the forums named (default: all); "
+        "prints it bare on the last line, the only time it is shown (only its hash is stored)"
+    )
+    create = token.add_parser("create", help=help, description=help)
+    create.set_defaults(handler=token_create)
+    create.add_argument("--name", required=True, help="1-64 letters, digits, '-' or '_'")
+    create.add_argument(
+        "--forum", action="append", metavar="ID", help="a forum it may use (repeatable)"
+    )
+    help = "one JSON line per token: name, forums (null: all), createdAt"
+    token.add_parser("list", help=help, description=help).set_defaults(handler=token_list)
+    help = "delete a token: it stops working at once"
+    revoke = token.add_parser("revoke", help=help, description=help)
+    revoke.set_defaults(handler=token_revoke)
+    revoke.add_argument("name")
