@@ -16,7 +16,6 @@ from yoke import supervisor
 from yoke.bus import Bus
 from yoke.cli_publishers import register as register_publishers
 from yoke.cli_tokens import register as register_tokens
-from yoke.cli_tokens import register as register_tokens
 from yoke.cli_webhooks import register as register_webhooks
 from yoke.client import Client
 from yoke.dead_letters import list_dead_letters, replay_dead_letters
@@ -374,7 +373,6 @@ def parser() -> argparse.ArgumentParser:
         "--service", action="append", help="only this service (repeatable; default all)"
     )
     register_publishers(commands)
-    register_tokens(commands)
     register_tokens(commands)
     register_webhooks(commands)
     return root
