@@ -22,7 +22,7 @@ from aio_pika.abc import (
 )
 from aiormq.exceptions import AMQPError
 
-from yoke import tls, topology
+from yoke import amqp_nodes, topology
 from yoke.errors import Transient
 from yoke.models import Envelope
 
@@ -71,12 +71,9 @@ class Bus:
         self.subscriptions: list[Subscription] = []
 
     async def connect(self) -> None:
-        self._connection = await aio_pika.connect_robust(
-            self.url,
-            client_properties={"connection_name": self.name},
-            timeout=10,
-            reconnect_interval=RECONNECT_INTERVAL_SECONDS,
-            **tls.amqp_options(self.url),
+        # ``url`` may list a cluster's nodes: each (re)connect tries them in turn (amqp_nodes).
+        self._connection = await amqp_nodes.connect_robust(
+            self.url, name=self.name, reconnect_interval=RECONNECT_INTERVAL_SECONDS
         )
         self._publisher = await self._connection.channel(publisher_confirms=True)
         await self.declare_core()

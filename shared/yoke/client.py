@@ -25,7 +25,7 @@ class Client:
         self._waiting: dict[str, asyncio.Future[SubmitReply]] = {}
 
     async def __aenter__(self) -> Client:
-        self._connection = await amqp_nodes.connect_robust(self.amqp_url, timeout=10)
+        self._connection = await amqp_nodes.connect_robust(self.amqp_url)
         self._channel = await self._connection.channel(publisher_confirms=True)
         self._replies = await self._channel.declare_queue(
             topology.BRIDGE_QUEUE_PREFIX + new_id(), exclusive=True, auto_delete=True

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import aio_pika
 
-from yoke import tls, topology
+from yoke import amqp_nodes, topology
 
 _OUR_HEADERS = {
     topology.DEAD_SERVICE_HEADER,
@@ -73,7 +73,7 @@ def describe(headers: Mapping[str, object]) -> dict[str, object]:
 
 async def list_dead_letters(amqp_url: str, limit: int = 10_000) -> list[dict[str, object]]:
     """Every dead letter, left in the queue (they are read unacked, then returned)."""
-    connection = await aio_pika.connect(amqp_url, timeout=10, **tls.amqp_options(amqp_url))
+    connection = await amqp_nodes.connect(amqp_url)
     letters: list[dict[str, object]] = []
     try:
         channel = await connection.channel()
@@ -114,7 +114,7 @@ def replay_target(headers: Mapping[str, object], routing_key: str) -> tuple[str,
 
 async def replay_dead_letters(amqp_url: str) -> int:
     """Send each dead letter back to the service that failed it, then drop it."""
-    connection = await aio_pika.connect(amqp_url, timeout=10, **tls.amqp_options(amqp_url))
+    connection = await amqp_nodes.connect(amqp_url)
     replayed = 0
     try:
         channel = await connection.channel(publisher_confirms=True)

@@ -30,7 +30,7 @@ from aio_pika.abc import (
 )
 from aiormq.exceptions import ChannelNotFoundEntity
 
-from yoke import tls, topology
+from yoke import amqp_nodes, topology
 from yoke.bus import Bus
 from yoke.errors import Misconfigured
 from yoke.store import Store
@@ -71,19 +71,11 @@ class Resharded:
 @contextlib.asynccontextmanager
 async def connection_to(amqp_url: str) -> AsyncIterator[AbstractConnection]:
     """A plain (not robust) connection: a failed passive declare closes its channel for good."""
-    error: Exception | None = None
-    for url in (part.strip() for part in amqp_url.split(",") if part.strip()):
-        try:
-            connection = await aio_pika.connect(url, timeout=10, **tls.amqp_options(url))
-        except (ConnectionError, OSError, TimeoutError) as failure:
-            error = failure
-            continue
-        try:
-            yield connection
-        finally:
-            await connection.close()
-        return
-    raise ConnectionError(f"no AMQP node of {amqp_url!r} answers") from error
+    connection = await amqp_nodes.connect(amqp_url)
+    try:
+        yield connection
+    finally:
+        await connection.close()
 
 
 async def shard_queues(connection: AbstractConnection, service: str) -> list[ShardQueue]:
