@@ -12,9 +12,11 @@ by a model call of its own (DESIGN invariant 10).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections import Counter
+from typing import Literal
 
 from yoke import topology
 from yoke.actor import ActorContext, ActorDefinition, ActorRuntime
@@ -38,6 +40,8 @@ from yoke.metrics import (
     tool_label,
 )
 from yoke.models import (
+    AgentActivity,
+    Envelope,
     Message,
     MessageMeta,
     Part,
@@ -58,6 +62,8 @@ LOOP_LIMIT = 4
 LOOP_WINDOW = 10
 # Lines read back for the guard: a call and its results take two, people's lines come between.
 LOOP_LINES = 4 * LOOP_WINDOW
+# An activity event never holds a step up longer than this (it is a courtesy to live views).
+ACTIVITY_PUBLISH_SECONDS = 2.0
 
 
 def call_signature(call: ToolCallPart) -> str:
@@ -292,7 +298,45 @@ def repeated_calls(
     }
 
 
+async def report_activity(context: Context, state: Literal["thinking", "tool", "idle"]) -> None:
+    """Tell live views (the gateway's forum stream) what the agent is doing: an
+    ``agent.activity`` event routed like a forum line (``yoke-kind: forum``, key the forum), so
+    it reaches whoever may see the forum and never carries anything of the monologue.
+
+    Best effort: nothing is stored, and a publish that fails or is slow is logged and dropped.
+    """
+    activity = AgentActivity(
+        agent_actor_id=context.config.agent_actor_id,
+        forum_id=context.config.source_conversation_id,
+        state=state,
+    )
+    try:
+        await asyncio.wait_for(
+            context.poster.bus.publish_event(
+                Envelope.wrap(context.effect_id("activity", state), activity),
+                activity.key,
+                {topology.KIND_HEADER: "forum"},
+            ),
+            ACTIVITY_PUBLISH_SECONDS,
+        )
+    except Exception as error:
+        log.warning(
+            "agent.activity %s not published: %r",
+            state,
+            error,
+            extra={"conversationId": context.trigger.conversation_id},
+        )
+
+
 async def run_tools(context: Context, trigger: Message, calls: list[ToolCallPart]) -> None:
+    await report_activity(context, "tool")
+    try:
+        await run_tool_round(context, trigger, calls)
+    finally:
+        await report_activity(context, "idle")
+
+
+async def run_tool_round(context: Context, trigger: Message, calls: list[ToolCallPart]) -> None:
     tools = resolve_tools(context.config.tools)
     earlier = await context.store.history(  # enough lines to hold the last LOOP_WINDOW calls
         trigger.conversation_id,
@@ -360,6 +404,15 @@ async def infer_once(context: Context, trigger: Message, transcript: list[Messag
     if spent:
         await post_notice(context, trigger, "budget", f"no answer: {spent}")
         return
+    await report_activity(context, "thinking")
+    try:
+        await infer_and_post(context, trigger, transcript)
+    finally:
+        await report_activity(context, "idle")
+
+
+async def infer_and_post(context: Context, trigger: Message, transcript: list[Message]) -> None:
+    config, state = context.config, context.state
     request = InferenceRequest(
         transcript=transcript,
         tools=resolve_tools(config.tools),
