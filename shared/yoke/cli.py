@@ -297,7 +297,7 @@ def parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=handler)
         return sub
 
-    command(commands, "up", up, "run all five services as processes, restarting crashed ones")
+    command(commands, "up", up, "run the six services as processes, restarting crashed ones")
 
     agent = commands.add_parser("agent", help="manage agents").add_subparsers(
         dest="sub", required=True

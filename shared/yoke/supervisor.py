@@ -1,4 +1,4 @@
-"""``yoke up``: the five services as separate processes, restarting any that dies."""
+"""``yoke up``: the six services as separate processes, restarting any that dies."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 
 from yoke.errors import EXIT_MISCONFIGURED
 
+# The services that consume shard queues (resharded, scaled, health-checked on metrics ports).
 SERVICES = ("ingestion", "processor", "egress", "followup", "guardian")
+# The HTTP gateway: a door on YOKE_GATEWAY_PORT, with no queues of its own to shard.
+GATEWAY = "gateway"
 MAX_BACKOFF_SECONDS = 30.0
 
 
@@ -57,7 +60,7 @@ async def watch(child: Child, stopping: asyncio.Event) -> None:
         await start(child)
 
 
-async def run(names: tuple[str, ...] = SERVICES, grace: float = 30.0) -> int:
+async def run(names: tuple[str, ...] = (*SERVICES, GATEWAY), grace: float = 30.0) -> int:
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
