@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -26,6 +27,7 @@ from tests.support.fake_openai import FakeOpenAI, completion
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until
 from tests.support.processes import eventually, free_port
 from yoke import topology
+from yoke.asyncapi import asyncapi_document
 from yoke.cli_publishers import Management, management_of
 from yoke.client import Client
 from yoke.joins import create_forum
@@ -237,8 +239,57 @@ async def test_a_publisher_bound_to_everything_it_may_read_sees_forum_lines_and_
         )
         assert {line.id for line in forum} <= seen_ids()
         assert tap.bound == [topology.FORUM_EXCHANGE], tap.refused
+        assert await readable_queues(connection, management, vhost_of(amqp_url)) == []
     finally:
         await connection.close()
+
+
+async def readable_queues(
+    connection: AbstractRobustConnection, management: httpx.AsyncClient, vhost: str
+) -> list[str]:
+    """The mesh's queues (none of them the bridge's own) that this connection may read from.
+
+    A basic.get that is let through takes a message unacknowledged: it goes back to its queue
+    when the channel closes.
+    """
+    listing = await management.get(f"/api/queues/{quote(vhost, safe='')}")
+    listing.raise_for_status()
+    names = [q["name"] for q in listing.json()]
+    assert topology.DEAD_LETTER_QUEUE in names
+    readable = []
+    for name in names:
+        if name.startswith(topology.BRIDGE_QUEUE_PREFIX):
+            continue
+        channel = await connection.channel()
+        try:
+            queue = await channel.get_queue(name, ensure=False)
+            await queue.get(no_ack=False, fail=False)
+            readable.append(name)
+        except AMQPError:
+            continue
+        await channel.close()
+    return readable
+
+
+def test_the_publisher_may_read_the_forum_exchange_and_its_own_queues_only() -> None:
+    read = re.compile(topology.PUBLISHER_PERMISSIONS["read"])
+    assert read.search(topology.FORUM_EXCHANGE) and read.search("bridge.replies")
+    mesh_names = [
+        topology.EVENTS_EXCHANGE,
+        topology.COMMANDS_EXCHANGE,
+        topology.DEAD_LETTER_EXCHANGE,
+        topology.DEAD_LETTER_QUEUE,
+        topology.FORUM_ROUTE_EXCHANGE,
+        topology.route_exchange("processor"),
+        topology.shard_exchange("processor"),
+        topology.shard_queue("processor", 0),
+        topology.intake_queue("ingestion"),
+        "amq.rabbitmq.trace",
+        "amq.topic",
+    ]
+    assert [name for name in mesh_names if read.search(name)] == []
+    forum = asyncapi_document()["channels"]["forum"]
+    assert forum["bindings"]["amqp"]["exchange"]["name"] == topology.FORUM_EXCHANGE
 
 
 async def test_publisher_create_grants_exactly_the_bridge_permissions_and_never_overwrites(
