@@ -42,6 +42,7 @@ from services.gateway.deps import (
     unavailable,
 )
 from services.gateway.stream import ForumStream, Hub
+from services.gateway.webhooks import WebhookWorker
 from yoke.client import Client
 from yoke.errors import EXIT_MISCONFIGURED, is_transient
 from yoke.ids import new_id
@@ -327,10 +328,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         hub = Hub(settings.amqp_url)
         await hub.start()
         app.state.gateway = Gateway(settings, store, client, hub)
+        webhooks = app.state.gateway.extras["webhooks"] = WebhookWorker(settings, store)
+        await webhooks.start()
         log.info("gateway serving on port %d", settings.gateway_port)
         try:
             yield
         finally:
+            await webhooks.stop()
             await hub.close()
             await client.__aexit__()
             await store.close()

@@ -1,0 +1,487 @@
+"""The webhook delivery worker: each subscription's agent lines POSTed in forum order.
+
+Progress is the subscription's cursor in MongoDB (:class:`yoke.webhooks.Cursor`), not a held
+AMQP delivery: a receiver may fail for an hour, and RabbitMQ would close a channel that held a
+delivery that long. Events are wake-ups only (acked on arrival); the worker reads the forum's
+lines after the cursor from the store by seq (bounded ranges, DESIGN invariant 11), so a lost
+wake-up costs at most one poll interval and a restart resumes where the cursor stands.
+
+- **At least once, in order.** One subscription delivers one line at a time, and the cursor
+  moves past a line only once it is delivered, refused (a 4xx) or dead-lettered. A crash
+  between the POST and the cursor's write sends the line again, with the same
+  ``X-Yoke-Delivery``.
+- **Retries.** 5xx, 408, 429, timeouts and refused connections are retried with capped
+  exponential backoff while the receiver has been failing for less than the retry window
+  (an hour by default; ``YOKE_WEBHOOK_RETRY_WINDOW_SECONDS``); past it, each line it still
+  fails is dead-lettered after one try, until it answers again. Other 4xx (and 3xx: redirects
+  are not followed) are dead-lettered at once and not retried.
+- **Isolation.** Each subscription runs as its own task with its own request timeout: a
+  receiver that hangs holds up only its own subscription.
+- **One replica per subscription** (DESIGN invariant 8). Replicas hold subscriptions by leases
+  made of unique inserts, one document per time bucket of ``YOKE_WEBHOOK_LEASE_SECONDS``: the
+  holder of the current bucket claims the next one ahead of time, so nobody else can; others
+  only ever try the current bucket, which they win once a holder has died and its buckets
+  have run out (within two buckets). The cursor is updated only by the holder: one writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from datetime import timedelta
+
+import aio_pika
+import httpx
+from aio_pika.abc import AbstractIncomingMessage
+from prometheus_client import Counter, Gauge, Histogram
+from pymongo.errors import DuplicateKeyError, PyMongoError
+
+from yoke import topology
+from yoke.bus import Bus
+from yoke.ids import derive_id, new_id
+from yoke.metrics import LATENCY_BUCKETS
+from yoke.models import Envelope, Message, MessagePosted, utcnow
+from yoke.settings import Settings
+from yoke.store import Store
+from yoke.webhooks import (
+    CURSORS,
+    DEAD_LETTERS,
+    DELIVERY_HEADER,
+    LEASES,
+    SIGNATURE_HEADER,
+    Cursor,
+    DeadLetter,
+    Delivery,
+    Subscription,
+    collection,
+    deliverable,
+    delivery_id,
+    ensure_webhook_indexes,
+    list_webhooks,
+    load_cursor,
+    sign,
+)
+
+log = logging.getLogger(__name__)
+
+DELIVERIES = Counter(
+    "yoke_webhook_deliveries",
+    "Webhook POST attempts by outcome: delivered (2xx), retried (5xx, 408, 429, timeout, "
+    "refused: tried again later), refused (another 4xx or a 3xx: dead-lettered, not retried), "
+    "dead_lettered (still failing past the retry window).",
+    ["outcome"],
+)
+ATTEMPT_SECONDS = Histogram(
+    "yoke_webhook_attempt_seconds",
+    "Time one webhook POST took, by outcome.",
+    ["outcome"],
+    buckets=LATENCY_BUCKETS,
+)
+DELIVERY_LAG_SECONDS = Histogram(
+    "yoke_webhook_delivery_lag_seconds",
+    "From an agent line's createdAt to its successful delivery (retries included).",
+    buckets=(*LATENCY_BUCKETS, 300, 900, 3600),
+)
+SUBSCRIPTIONS_HELD = Gauge(
+    "yoke_webhook_subscriptions_held", "Webhook subscriptions this gateway process delivers."
+)
+OUTCOMES = ("delivered", "retried", "refused", "dead_lettered")
+for _outcome in OUTCOMES:
+    DELIVERIES.labels(_outcome)
+
+# Subscriptions and leases are looked at this often (and sooner for short leases).
+REFRESH_SECONDS = 2.0
+# A held subscription reads its forum's head at least this often, wake-up or not (a wake-up
+# lost to a broker reconnect costs at most this long).
+POLL_SECONDS = 15.0
+# Lines read from the store at once.
+CHUNK_LINES = 100
+# The route exchange that picks agent lines in forums out of yoke.events for the worker.
+ROUTE_EXCHANGE = "yoke.webhooks.route"
+ERROR_CHARS = 300
+
+
+class Leases:
+    """Which subscriptions this process delivers: time-bucket leases claimed by unique inserts."""
+
+    def __init__(self, store: Store, seconds: float, holder: str) -> None:
+        self.store = store
+        self.seconds = seconds
+        self.holder = holder
+        self._claimed: dict[str, set[int]] = {}
+        # When to try again for a subscription another process holds.
+        self._not_before: dict[str, float] = {}
+
+    def bucket(self, now: float) -> int:
+        return int(now // self.seconds)
+
+    def holds(self, subscription_id: str) -> bool:
+        """Held now, with a margin: the run of claimed buckets from the current one lasts."""
+        now = time.time()
+        claimed = self._claimed.get(subscription_id, set())
+        bucket = self.bucket(now)
+        end = bucket
+        while end in claimed:
+            end += 1
+        margin = min(1.0, self.seconds / 10)
+        return end > bucket and now < end * self.seconds - margin
+
+    async def keep(self, subscription_id: str) -> bool:
+        """Claim the current bucket if not held, and the next one ahead; True if held now."""
+        now = time.time()
+        bucket = self.bucket(now)
+        claimed = self._claimed.setdefault(subscription_id, set())
+        if bucket not in claimed:
+            if now < self._not_before.get(subscription_id, 0.0):
+                return False
+            if not await self._claim(subscription_id, bucket):
+                self._not_before[subscription_id] = now + min(REFRESH_SECONDS, self.seconds / 4)
+                return False
+            claimed.add(bucket)
+        if bucket + 1 not in claimed and await self._claim(subscription_id, bucket + 1):
+            claimed.add(bucket + 1)
+        for old in sorted(b for b in claimed if b < bucket):
+            claimed.discard(old)
+            await collection(self.store, LEASES).delete_one(
+                {"_id": self._lease_id(subscription_id, old), "holder": self.holder}
+            )
+        return self.holds(subscription_id)
+
+    async def release(self, subscription_id: str) -> None:
+        """Give the subscription up at once (a stopping process): another may claim it now."""
+        claimed = self._claimed.pop(subscription_id, set())
+        for bucket in claimed:
+            await collection(self.store, LEASES).delete_one(
+                {"_id": self._lease_id(subscription_id, bucket), "holder": self.holder}
+            )
+
+    def held(self) -> int:
+        return sum(1 for subscription_id in self._claimed if self.holds(subscription_id))
+
+    def _lease_id(self, subscription_id: str, bucket: int) -> str:
+        return derive_id("webhook-lease", subscription_id, str(bucket))
+
+    async def _claim(self, subscription_id: str, bucket: int) -> bool:
+        lease_id = self._lease_id(subscription_id, bucket)
+        try:
+            await collection(self.store, LEASES).insert_one(
+                {
+                    "_id": lease_id,
+                    "subscriptionId": subscription_id,
+                    "bucket": bucket,
+                    "holder": self.holder,
+                    "at": utcnow(),
+                }
+            )
+            return True
+        except DuplicateKeyError:
+            # Ours if an earlier try of this insert went through but its answer was lost.
+            found = await collection(self.store, LEASES).find_one({"_id": lease_id})
+            return found is not None and found.get("holder") == self.holder
+
+
+class SubscriptionRunner:
+    """Delivers one subscription while this process holds it."""
+
+    def __init__(self, worker: WebhookWorker, subscription: Subscription) -> None:
+        self.worker = worker
+        self.subscription = subscription
+        self.woken = asyncio.Event()
+        self.cursor: Cursor | None = None
+
+    def wake(self) -> None:
+        self.woken.set()
+
+    async def run(self) -> None:
+        while not self.worker.stopping.is_set():
+            try:
+                await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # the store away, say: try again shortly
+                log.warning(
+                    "webhook %s: %r; trying again", self.subscription.id, error, exc_info=True
+                )
+                self.cursor = None
+                await self._pause(REFRESH_SECONDS)
+
+    async def _step(self) -> None:
+        worker = self.worker
+        subscription = self.subscription
+        if not worker.leases.holds(subscription.id):
+            # Another process may move the cursor meanwhile: read it afresh when held again.
+            self.cursor = None
+            await self._pause(REFRESH_SECONDS)
+            return
+        if self.cursor is None:
+            self.cursor = await load_cursor(worker.store, subscription.id)
+            if self.cursor is None:  # removed: the worker stops this runner
+                await self._pause(REFRESH_SECONDS)
+                return
+        cursor = self.cursor
+        if cursor.retry_at is not None:
+            wait = (cursor.retry_at - utcnow()).total_seconds()
+            if wait > 0:
+                await self._pause(min(wait, REFRESH_SECONDS))
+                return
+        # Cleared before the head is read: a wake-up from now on is not missed.
+        self.woken.clear()
+        head = await worker.store.last_seq(subscription.forum_id)
+        if cursor.seq >= head:
+            await self._pause(POLL_SECONDS, wakeable=True)
+            return
+        lines = await worker.store.history(
+            subscription.forum_id,
+            after_seq=cursor.seq,
+            up_to_seq=min(head, cursor.seq + CHUNK_LINES),
+        )
+        passed_over = False
+        for line in lines:
+            if not deliverable(line):
+                cursor.seq = line.seq
+                passed_over = True
+                continue
+            if passed_over:
+                await self._save(cursor)
+                passed_over = False
+            if worker.stopping.is_set() or not worker.leases.holds(subscription.id):
+                return
+            if not await self._deliver(cursor, line):
+                return  # to be retried at cursor.retry_at
+        if passed_over:
+            await self._save(cursor)
+
+    async def _pause(self, seconds: float, *, wakeable: bool = False) -> None:
+        waits = [asyncio.ensure_future(self.worker.stopping.wait())]
+        if wakeable:
+            waits.append(asyncio.ensure_future(self.woken.wait()))
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+
+    async def _deliver(self, cursor: Cursor, line: Message) -> bool:
+        """POST one line; True when the cursor moved past it (delivered, refused, dead)."""
+        worker = self.worker
+        subscription = self.subscription
+        settings = worker.settings
+        delivery = delivery_id(subscription.id, line.id)
+        body = (
+            Delivery(
+                delivery_id=delivery,
+                subscription_id=subscription.id,
+                forum_id=subscription.forum_id,
+                message=line,
+            )
+            .model_dump_json(exclude_none=True)
+            .encode()
+        )
+        headers = {
+            "Content-Type": "application/json",
+            "User-Agent": "yoke-webhooks/1",
+            SIGNATURE_HEADER: sign(subscription.secret, body),
+            DELIVERY_HEADER: delivery,
+        }
+        started = time.perf_counter()
+        status: int | None = None
+        try:
+            response = await worker.http.post(
+                subscription.url,
+                content=body,
+                headers=headers,
+                timeout=settings.webhook_timeout_seconds,
+            )
+            status = response.status_code
+            error = f"HTTP {status} {response.reason_phrase}".strip()
+        except httpx.TimeoutException:
+            error = f"no answer within {settings.webhook_timeout_seconds:g} s"
+        except httpx.HTTPError as failure:
+            error = f"{type(failure).__name__}: {failure}"[:ERROR_CHARS]
+        elapsed = time.perf_counter() - started
+        now = utcnow()
+        if status is not None and 200 <= status < 300:
+            ATTEMPT_SECONDS.labels("delivered").observe(elapsed)
+            DELIVERIES.labels("delivered").inc()
+            DELIVERY_LAG_SECONDS.observe(max((now - line.created_at).total_seconds(), 0.0))
+            self._move_past(cursor, line, failing=False)
+            await self._save(cursor)
+            return True
+        retryable = status is None or status >= 500 or status in (408, 429)
+        if not retryable:
+            ATTEMPT_SECONDS.labels("refused").observe(elapsed)
+            DELIVERIES.labels("refused").inc()
+            await self._dead_letter(cursor, line, f"refused: {error}", status, 1)
+            self._move_past(cursor, line, failing=False)
+            await self._save(cursor)
+            return True
+        failing_since = cursor.failing_since or now
+        attempts = cursor.attempts + 1
+        window = timedelta(seconds=settings.webhook_retry_window_seconds)
+        if now - failing_since >= window:
+            ATTEMPT_SECONDS.labels("dead_lettered").observe(elapsed)
+            DELIVERIES.labels("dead_lettered").inc()
+            reason = f"failing for over {settings.webhook_retry_window_seconds:g} s: {error}"
+            await self._dead_letter(cursor, line, reason, status, attempts)
+            # The streak goes on: the next line gets one try, not another window.
+            self._move_past(cursor, line, failing=True)
+            cursor.failing_since, cursor.last_error = failing_since, error
+            await self._save(cursor)
+            return True
+        ATTEMPT_SECONDS.labels("retried").observe(elapsed)
+        DELIVERIES.labels("retried").inc()
+        backoff = min(
+            settings.webhook_backoff_seconds * 2 ** (attempts - 1),
+            settings.webhook_backoff_cap_seconds,
+        )
+        # The last try falls at the end of the window, not a whole backoff past it.
+        retry_at = min(now + timedelta(seconds=backoff), failing_since + window)
+        cursor.failing_since, cursor.attempts, cursor.retry_at = failing_since, attempts, retry_at
+        cursor.last_error = error
+        await self._save(cursor)
+        log.info(
+            "webhook %s: %s for line %s (attempt %d); again in %.1f s",
+            subscription.id,
+            error,
+            line.id,
+            attempts,
+            (retry_at - now).total_seconds(),
+        )
+        return False
+
+    def _move_past(self, cursor: Cursor, line: Message, *, failing: bool) -> None:
+        cursor.seq = line.seq
+        cursor.attempts = 0
+        cursor.retry_at = None
+        if not failing:
+            cursor.failing_since = None
+            cursor.last_error = None
+
+    async def _dead_letter(
+        self, cursor: Cursor, line: Message, reason: str, status: int | None, attempts: int
+    ) -> None:
+        subscription = self.subscription
+        letter = DeadLetter(
+            id=delivery_id(subscription.id, line.id),
+            subscription_id=subscription.id,
+            forum_id=subscription.forum_id,
+            message_id=line.id,
+            seq=line.seq,
+            url=subscription.url,
+            reason=reason[:ERROR_CHARS],
+            status=status,
+            attempts=attempts,
+        )
+        await self.worker.store.insert_if_absent(
+            collection(self.worker.store, DEAD_LETTERS), letter.to_document()
+        )
+        log.warning("webhook %s: line %s dead-lettered: %s", subscription.id, line.id, reason)
+
+    async def _save(self, cursor: Cursor) -> None:
+        """The cursor, written by its one writer (this lease's holder) as a whole."""
+        fields = cursor.model_dump(mode="python", by_alias=True, exclude={"id"})
+        await collection(self.worker.store, CURSORS).update_one(
+            {"_id": cursor.id}, {"$set": fields}
+        )
+
+
+class WebhookWorker:
+    """Every subscription of the mesh, delivered by whichever gateway process holds it."""
+
+    def __init__(self, settings: Settings, store: Store) -> None:
+        self.settings = settings
+        self.store = store
+        self.holder = new_id()
+        self.leases = Leases(store, settings.webhook_lease_seconds, self.holder)
+        self.stopping = asyncio.Event()
+        self.http = httpx.AsyncClient(
+            follow_redirects=False,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+        )
+        self.bus = Bus(settings.amqp_url, name="gateway-webhooks")
+        self.runners: dict[str, tuple[SubscriptionRunner, asyncio.Task[None]]] = {}
+        self._by_forum: dict[str, list[SubscriptionRunner]] = {}
+        self._keeper: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await ensure_webhook_indexes(self.store)
+        await self.bus.connect()
+        channel = await self.bus.connection.channel()
+        route = await channel.declare_exchange(
+            ROUTE_EXCHANGE, aio_pika.ExchangeType.HEADERS, durable=True
+        )
+        await route.bind(topology.EVENTS_EXCHANGE, routing_key="#")
+        # One queue per process: every replica hears every wake-up; holders act on them.
+        queue = await channel.declare_queue(
+            f"yoke.gateway.webhooks.{self.holder}", exclusive=True, auto_delete=True
+        )
+        wanted = topology.interest(MessagePosted.TYPE, kind="forum", role="agent")
+        await queue.bind(route, routing_key="", arguments={"x-match": "all", **wanted})
+        await queue.consume(self._on_event, no_ack=True)
+        await self.refresh()
+        self._keeper = asyncio.create_task(self._keep())
+
+    def problems(self) -> list[str]:
+        return [] if self.bus.is_connected else ["webhook connection down"]
+
+    async def stop(self) -> None:
+        """Stop delivering, then hand every held subscription over at once."""
+        self.stopping.set()
+        tasks = [task for _, task in self.runners.values()]
+        if self._keeper is not None:
+            tasks.append(self._keeper)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for subscription_id in list(self.runners):
+            with contextlib.suppress(PyMongoError):
+                await self.leases.release(subscription_id)
+        self.runners.clear()
+        SUBSCRIPTIONS_HELD.set(0)
+        await self.http.aclose()
+        await self.bus.close()
+
+    async def _on_event(self, message: AbstractIncomingMessage) -> None:
+        try:
+            payload = Envelope.model_validate_json(message.body).parse()
+        except ValueError:
+            return  # not ours to judge: the services dead-letter malformed events
+        if isinstance(payload, MessagePosted):
+            self.store.observe_seq(payload.conversation_id, payload.seq)
+            for runner in self._by_forum.get(payload.conversation_id, []):
+                runner.wake()
+
+    async def _keep(self) -> None:
+        interval = min(REFRESH_SECONDS, self.settings.webhook_lease_seconds / 4)
+        while not self.stopping.is_set():
+            await asyncio.sleep(interval)
+            try:
+                await self.refresh()
+            except Exception as error:
+                log.warning("webhook subscriptions not refreshed: %r", error)
+
+    async def refresh(self) -> None:
+        """Follow added and removed subscriptions, and keep (or try for) their leases."""
+        subscriptions = {s.id: s for s in await list_webhooks(self.store)}
+        for gone in set(self.runners) - set(subscriptions):
+            _, task = self.runners.pop(gone)
+            task.cancel()
+            await self.leases.release(gone)
+        for subscription in subscriptions.values():
+            if subscription.id not in self.runners:
+                runner = SubscriptionRunner(self, subscription)
+                self.runners[subscription.id] = (runner, asyncio.create_task(runner.run()))
+            if await self.leases.keep(subscription.id):
+                self.runners[subscription.id][0].wake()
+        self._by_forum = by_forum(runner for runner, _ in self.runners.values())
+        SUBSCRIPTIONS_HELD.set(self.leases.held())
+
+
+def by_forum(runners: Iterable[SubscriptionRunner]) -> dict[str, list[SubscriptionRunner]]:
+    found: dict[str, list[SubscriptionRunner]] = {}
+    for runner in runners:
+        found.setdefault(runner.subscription.forum_id, []).append(runner)
+    return found
