@@ -9,16 +9,17 @@
 #                           deploy/prometheus/alerts.yml, data in .local/prometheus; prints its URL
 #   monitoring.sh stop      stops the Prometheus `start` started (pid file in .local/)
 #
+# YOKE_PROMETHEUS_DIR moves its configuration, data, log and pid file (default .local/prometheus).
 # YOKE_REPLICAS=N also scrapes replicas 1..N-1 of every service (metrics port + 10 k).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
 local_dir="$root/.local"
-dir="$local_dir/prometheus"
+dir="${YOKE_PROMETHEUS_DIR:-$local_dir/prometheus}"
 python="$root/.venv/bin/python"
 port="${YOKE_PROMETHEUS_PORT:-9090}"
 deadline_seconds="${YOKE_SERVICES_DEADLINE:-60}"
-mkdir -p "$dir"
+mkdir -p "$local_dir" "$dir"
 
 say() { printf '[monitoring] %s\n' "$*"; }
 die() { printf '[monitoring] error: %s\n' "$*" >&2; exit 1; }
