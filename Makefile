@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install services services-stop run test lint bench chaos clean
+.PHONY: install services services-stop run test lint bench chaos clean monitoring monitoring-stop
 
 install: $(STAMP)
 
@@ -26,7 +26,15 @@ run: services
 	@$(PY) -m yoke.demo
 
 test: services
+	@deploy/local/monitoring.sh install
 	@$(PY) -m pytest $(PYTEST_ARGS)
+
+# Prometheus (Debian's package) on 127.0.0.1:9090 scraping the mesh `make run` / `yoke up` runs.
+monitoring: install
+	@deploy/local/monitoring.sh start
+
+monitoring-stop:
+	@deploy/local/monitoring.sh stop
 
 lint: install
 	$(VENV)/bin/ruff check shared services tests deploy bench
