@@ -51,7 +51,8 @@ def main() -> int:
         print(f"{PORTS_VARIABLE} names no port for {', '.join(missing)}", file=sys.stderr)
         return 2
     install(ports)
-    return asyncio.run(supervisor.run())
+    # The shard-consuming services only: the gateway would take the shared default HTTP port.
+    return asyncio.run(supervisor.run(supervisor.SERVICES))
 
 
 if __name__ == "__main__":
