@@ -70,7 +70,11 @@ def _why(response: httpx.Response) -> str:
     except ValueError:
         body = None
     reason = body.get("reason") if isinstance(body, dict) else None
-    return f"{response.status_code} {reason or response.reason_phrase}"
+    why = f"{response.status_code} {reason or response.reason_phrase}"
+    if response.status_code in (401, 403):
+        why += " (set YOKE_MANAGEMENT_URL to http://USER:PASSWORD@HOST:15672 of a user "
+        why += "tagged administrator)"
+    return why
 
 
 async def create_publisher(management: Management, name: str, password: str | None = None) -> str:
