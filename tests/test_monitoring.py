@@ -371,19 +371,22 @@ async def test_every_dashboard_panel_shows_data(
     )
     queries = panel_queries()
     assert {title for title, _, _ in queries} == set(FILLED_BY)  # every panel is accounted for
-    found: dict[str, float] = {}
+    # Per query: its highest value and the labels of the series that reached it.
+    found: dict[str, tuple[float, dict[str, str]]] = {}
 
     async def every_panel_has_data() -> bool:
         for title, ref, expr in queries:
             result = await prometheus.query_range(shortened(expr), started - 5, time.time(), "1s")
             values = [
-                float(value)
+                (float(value), series["metric"])
                 for series in result
                 for _, value in series["values"]
                 if not math.isnan(float(value))
             ]
-            if values and (title in ZERO_IS_DATA or max(values) > 0):
-                found[f"{title} [{ref}]"] = max(values)
+            if values:
+                highest = max(values, key=lambda pair: pair[0])
+                if title in ZERO_IS_DATA or highest[0] > 0:
+                    found[f"{title} [{ref}]"] = highest
         return len(found) == len(queries)
 
     try:
@@ -392,7 +395,8 @@ async def test_every_dashboard_panel_shows_data(
         empty = [f"{t} [{r}]: {e}" for t, r, e in queries if f"{t} [{r}]" not in found]
         raise AssertionError("panels without data:\n" + "\n".join(empty)) from None
     for title, ref, expr in queries:
-        print(f"{title} [{ref}] max {found[f'{title} [{ref}]']:.4g}: {FILLED_BY[title]}")
+        value, labels = found[f"{title} [{ref}]"]
+        print(f"{title} [{ref}] max {value:.4g} {labels}: {FILLED_BY[title]}")
         assert expr  # (printed with -s: the closing note's table)
 
 
