@@ -15,7 +15,7 @@ from prometheus_client import REGISTRY
 import yoke.metrics  # noqa: F401  (registers every yoke_ series)
 from yoke import topology
 from yoke.settings import DEFAULT_METRICS_PORTS, Settings
-from yoke.supervisor import SERVICES
+from yoke.supervisor import GATEWAY, SERVICES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,8 @@ def test_prometheus_scrapes_every_service_and_rabbitmq() -> None:
         for target in static["targets"]
     }
     expected = {f"{name}:{DEFAULT_METRICS_PORTS[name]}" for name in SERVICES}
-    assert expected | {"rabbitmq:15692"} == targets
+    gateway = f"{GATEWAY}:{Settings().gateway_port}"
+    assert expected | {gateway, "rabbitmq:15692"} == targets
 
 
 def test_dashboards_and_alerts_use_only_series_that_exist() -> None:

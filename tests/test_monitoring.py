@@ -161,11 +161,14 @@ def test_make_monitoring_starts_prometheus_with_the_rules_and_prints_its_url(
             assert alerts == loaded
             scraped: set[tuple[str, str]] = set()
             deadline = time.monotonic() + 30
-            while len(scraped) < 7 and time.monotonic() < deadline:  # 5 services, RabbitMQ twice
+            jobs = load(tmp_path / "prometheus.yml")["scrape_configs"]
+            expected = sum(len(s["targets"]) for job in jobs for s in job["static_configs"])
+            while len(scraped) < expected and time.monotonic() < deadline:
                 time.sleep(0.2)
                 targets = http.get("/api/v1/targets").json()["data"]["activeTargets"]
                 scraped = {(t["labels"]["job"], t["scrapeUrl"]) for t in targets}
         assert ("yoke", "http://127.0.0.1:9102/metrics") in scraped
+        assert ("yoke", "http://127.0.0.1:8080/metrics") in scraped  # the gateway
         assert (
             "rabbitmq-queues",
             f"http://127.0.0.1:{RABBITMQ_PROMETHEUS_PORT}/metrics/detailed"
