@@ -26,7 +26,9 @@ from tests.support.processes import ROOT, eventually, free_port
 from tests.support.rabbit_node import RabbitNode
 from tests.support.tls_servers import Certificates, TLSFerretDB, ferretdb_binary, tls_ferretdb
 from yoke.errors import EXIT_MISCONFIGURED, is_transient
+from yoke.joins import create_forum
 from yoke.models import Message
+from yoke.store import Store
 from yoke.tls import verification_failure
 
 pytestmark = pytest.mark.skipif(
@@ -240,3 +242,42 @@ async def test_an_unreachable_server_is_not_taken_for_a_certificate_refusal() ->
         await client.close()
     assert verification_failure(caught.value) is None
     assert is_transient(caught.value)
+
+
+async def test_mongodb_client_certificate_from_the_settings(
+    certificates: Certificates, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """YOKE_MONGODB_CERT_FILE is presented to a server that requires client certificates.
+
+    (A refusal of a missing client certificate is not asserted: under TLS 1.3 it arrives after
+    the handshake and often only as a closed connection, which looks like any other outage.)
+    """
+    with tls_ferretdb(certificates, client_ca=True) as mongo:
+        url = mongo.url(f"yoke_tls_{uuid.uuid4().hex[:12]}")
+        anonymous: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
+            url, tlsCAFile=str(certificates.ca), serverSelectionTimeoutMS=2000
+        )
+        monkeypatch.setenv("YOKE_MONGODB_CA_FILE", str(certificates.ca))
+        monkeypatch.setenv("YOKE_MONGODB_CERT_FILE", str(certificates.client_bundle))
+        store = Store(url)
+
+        async def answers() -> bool:
+            if mongo.popen.poll() is not None:
+                raise AssertionError(f"FerretDB exited:\n{mongo.output()[-3000:]}")
+            try:
+                async with asyncio.timeout(3):
+                    await store.ping()
+                return True
+            except (TimeoutError, ServerSelectionTimeoutError):
+                return False
+
+        try:
+            await eventually(answers, timeout=60, what="FerretDB's TLS listener")
+            forum = await create_forum(store, "mutual tls")
+            assert (await store.get_conversation(forum.id)) is not None
+            with pytest.raises(ServerSelectionTimeoutError):  # the server does require one
+                await anonymous.admin.command("ping")
+            await store.client.drop_database(store.db.name)
+        finally:
+            await store.close()
+            await anonymous.close()

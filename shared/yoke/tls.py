@@ -100,7 +100,7 @@ class Refusal:
     def __str__(self) -> str:
         if self.ours_refused:
             return (
-                f"{self.server} refused this client's TLS certificate ({self.detail}): "
+                f"{self.server} did not accept this client's TLS certificate ({self.detail}): "
                 f"{_CLIENT_HINTS.get(self.server, 'check the client certificate settings')}"
             )
         return (
@@ -116,8 +116,9 @@ _CA_HINTS = {
     "it, for the host in the URL",
 }
 _CLIENT_HINTS = {
-    "RabbitMQ": "YOKE_AMQP_CERT_FILE / YOKE_AMQP_KEY_FILE must hold a certificate it trusts",
-    "MongoDB": "YOKE_MONGODB_CERT_FILE must hold a certificate it trusts, with its key",
+    "RabbitMQ": "YOKE_AMQP_CERT_FILE / YOKE_AMQP_KEY_FILE must name a certificate its CA "
+    "signed and that certificate's key",
+    "MongoDB": "YOKE_MONGODB_CERT_FILE must name a certificate its CA signed, with its key",
 }
 
 
