@@ -136,6 +136,7 @@ def test_the_local_configuration_passes_promtool(tmp_path: Path) -> None:
     [yoke] = [job for job in config["scrape_configs"] if job["job_name"] == "yoke"]
     targets = yoke["static_configs"][0]["targets"]
     assert "127.0.0.1:9102" in targets and "127.0.0.1:9112" in targets  # replica 1: port + 10
+    assert "127.0.0.1:8080" in targets and "127.0.0.1:8090" not in targets  # one gateway
     check = subprocess.run(
         [binary("promtool"), "check", "config", str(out)], capture_output=True, text=True
     )

@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from yoke.settings import DEFAULT_METRICS_PORTS
+
 # Replica k (k >= 1) of a service serves its metrics on the service's port + REPLICA_PORT_STEP*k.
 REPLICA_PORT_STEP = 10
 YOKE_JOB = "yoke"
@@ -32,8 +34,13 @@ def local_target(target: str, host: str) -> str:
 
 
 def replica_targets(target: str, replicas: int) -> list[str]:
-    """The target and its replicas 1..replicas-1 (metrics port + 10 k)."""
+    """The target and, for a shard service's metrics port, replicas 1..replicas-1 (+ 10 k).
+
+    (The gateway serves /metrics on its API port: ``yoke up --replicas`` runs it once.)
+    """
     host, _, port = target.rpartition(":")
+    if int(port) not in DEFAULT_METRICS_PORTS.values():
+        return [target]
     return [f"{host}:{int(port) + REPLICA_PORT_STEP * k}" for k in range(replicas)]
 
 
