@@ -1,0 +1,39 @@
+"""The HTTP gateway as a real process on a free port (its /healthz is on the API's port)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+
+from tests.support.processes import ServiceProcess, free_port
+
+
+def start_gateway(
+    amqp_url: str, mongodb_url: str, log_dir: Path, **env: str
+) -> tuple[ServiceProcess, str]:
+    port = free_port()
+    process = ServiceProcess(
+        ["-m", "services.gateway"],
+        {
+            "YOKE_AMQP_URL": amqp_url,
+            "YOKE_MONGODB_URL": mongodb_url,
+            "YOKE_GATEWAY_PORT": str(port),
+            "YOKE_GATEWAY_HOST": "127.0.0.1",
+            **env,
+        },
+        log_dir / f"gateway-{port}.log",
+    )
+    process.port = port
+    return process, f"http://127.0.0.1:{port}"
+
+
+async def metric(url: str, name: str, **labels: str) -> float:
+    """One sample of a gateway's /metrics (0 when absent)."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(f"{url}/metrics")).text
+    wanted = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
+    pattern = re.escape(name) + (r"\{" + re.escape(wanted) + r"\}" if labels else "")
+    found = re.search(rf"^{pattern} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0

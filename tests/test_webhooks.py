@@ -1,0 +1,357 @@
+"""Outgoing webhooks end to end: the mesh and the gateway as real processes, a real receiver.
+
+The receiver is an HTTP server in this test process; echo agents answer each line, and the
+gateway POSTs their answers. Retry timings are shortened through the environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.support.gateway_process import metric, start_gateway
+from tests.support.mesh import JoinFactory, Mesh, say
+from tests.support.processes import ROOT, ServiceProcess, eventually
+from tests.support.webhook_receiver import Receiver
+from yoke.client import Client
+from yoke.store import Store
+from yoke.webhooks import (
+    DEAD_LETTERS,
+    Subscription,
+    add_webhook,
+    collection,
+    ensure_webhook_indexes,
+    remove_webhook,
+)
+
+pytestmark = pytest.mark.slow
+
+RETRY_WINDOW_SECONDS = 6.0
+GATEWAY_ENV = {
+    "YOKE_WEBHOOK_BACKOFF_SECONDS": "0.2",
+    "YOKE_WEBHOOK_BACKOFF_CAP_SECONDS": "1",
+    "YOKE_WEBHOOK_RETRY_WINDOW_SECONDS": str(RETRY_WINDOW_SECONDS),
+    "YOKE_WEBHOOK_TIMEOUT_SECONDS": "60",
+    "YOKE_WEBHOOK_LEASE_SECONDS": "2",
+}
+
+
+@dataclass
+class Gateways:
+    """The gateway processes of this module (a test may add replicas, or kill one)."""
+
+    amqp_url: str
+    mongodb_url: str
+    log_dir: Path
+    running: list[tuple[ServiceProcess, str]] = field(default_factory=list)
+    killed: list[ServiceProcess] = field(default_factory=list)
+
+    async def start(self) -> str:
+        process, url = start_gateway(self.amqp_url, self.mongodb_url, self.log_dir, **GATEWAY_ENV)
+        self.running.append((process, url))
+        await process.wait_healthy()
+        return url
+
+    def kill(self, url: str) -> None:
+        for process, each in self.running:
+            if each == url:
+                process.kill()
+                self.running.remove((process, each))
+                self.killed.append(process)
+                return
+
+
+@pytest.fixture(scope="module")
+async def gateways(
+    amqp_url: str, module_mongodb_url: str, mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Gateways]:
+    found = Gateways(amqp_url, module_mongodb_url, Path(tmp_path_factory.mktemp("gateway")))
+    try:
+        await found.start()
+        yield found
+    finally:
+        codes = [(process.stop(), process) for process, _ in found.running]
+    for code, process in codes:
+        # A clean SIGTERM shutdown (uvicorn may re-raise the signal once it has shut down).
+        log = process.log_path.read_text(errors="replace")
+        assert code in (0, -signal.SIGTERM) and "Application shutdown complete" in log, log[-3000:]
+
+
+@pytest.fixture(scope="module")
+async def receiver() -> AsyncIterator[Receiver]:
+    server = Receiver()
+    await server.start()
+    yield server
+    await server.close()
+
+
+@pytest.fixture
+async def subscriptions(store: Store, gateways: Gateways) -> AsyncIterator[list[Subscription]]:
+    """Subscriptions a test adds; removed after it, so each test sees only its own."""
+    await ensure_webhook_indexes(store)
+    made: list[Subscription] = []
+    yield made
+    for subscription in made:
+        await remove_webhook(store, subscription.id)
+
+
+async def subscribe(
+    store: Store, made: list[Subscription], forum_id: str, url: str
+) -> Subscription:
+    subscription = await add_webhook(store, forum_id, url)
+    made.append(subscription)
+    return subscription
+
+
+async def received(receiver: Receiver, path: str, count: int, timeout: float = 60) -> None:
+    async def enough() -> bool:
+        return len(receiver.delivered(path)) >= count
+
+    await eventually(enough, timeout=timeout, what=f"{count} deliveries to {path}")
+
+
+def yoke(*args: str, mongodb_url: str) -> list[str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "yoke.cli", *args],
+        env={**os.environ, "YOKE_MONGODB_URL": mongodb_url},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout.splitlines()
+
+
+async def test_a_delivery_is_signed_and_names_its_line(
+    client: Client,
+    new_join: JoinFactory,
+    receiver: Receiver,
+    gateways: Gateways,
+    module_mongodb_url: str,
+    store: Store,
+) -> None:
+    forum_id, join = await new_join()
+    # Through the CLI: the id, then the secret bare on the last line.
+    lines = await asyncio.to_thread(
+        yoke,
+        "webhook",
+        "add",
+        "--forum",
+        forum_id,
+        "--url",
+        receiver.url("/signed"),
+        mongodb_url=module_mongodb_url,
+    )
+    subscription_id, secret = lines[0], lines[-1]
+    line_id = await say(client, forum_id, "is this signed?")
+    await received(receiver, "/signed", 1)
+
+    request = receiver.delivered("/signed")[0]
+    expected = "sha256=" + hmac.new(secret.encode(), request.body, hashlib.sha256).hexdigest()
+    assert request.headers["x-yoke-signature"] == expected
+    assert request.headers["content-type"] == "application/json"
+    tampered = request.body.replace(b"signed", b"forged")
+    assert hmac.new(secret.encode(), tampered, hashlib.sha256).hexdigest() not in expected
+    body = request.json
+    assert body["deliveryId"] == request.headers["x-yoke-delivery"]
+    assert body["subscriptionId"] == subscription_id
+    assert body["forumId"] == forum_id
+    message = body["message"]
+    assert message["role"] == "agent" and message["authorActorId"] == join.agent_actor_id
+    assert message["conversationId"] == forum_id
+    assert message["meta"]["inReplyTo"] == line_id
+    assert request.text == "is this signed?"
+
+    listed = [json.loads(line) for line in yoke("webhook", "list", mongodb_url=module_mongodb_url)]
+    mine = next(item for item in listed if item["id"] == subscription_id)
+    assert "secret" not in mine and mine["url"] == receiver.url("/signed")
+    assert mine["cursor"] >= message["seq"] and mine["deadLetters"] == 0
+
+    # Removed: the forum's next line goes to a later subscription only.
+    yoke("webhook", "remove", subscription_id, mongodb_url=module_mongodb_url)
+    after = await add_webhook(store, forum_id, receiver.url("/after-removal"))
+    try:
+        await say(client, forum_id, "only for the new one")
+        await received(receiver, "/after-removal", 1)
+        assert len(receiver.at("/signed")) == 1
+    finally:
+        await remove_webhook(store, after.id)
+
+
+async def test_a_receiver_failing_with_503_gets_every_line_in_order_once_it_recovers(
+    client: Client,
+    new_join: JoinFactory,
+    receiver: Receiver,
+    store: Store,
+    subscriptions: list[Subscription],
+    gateways: Gateways,
+) -> None:
+    forum_id, _ = await new_join()
+    receiver.answer("/flaky", 503, 503, 503, 503)
+    await subscribe(store, subscriptions, forum_id, receiver.url("/flaky"))
+    gateway_url = gateways.running[0][1]
+    retried_before = await metric(gateway_url, "yoke_webhook_deliveries_total", outcome="retried")
+    texts = [f"line {n}" for n in range(1, 4)]
+    for text in texts:
+        await say(client, forum_id, text)
+    await received(receiver, "/flaky", 3)
+
+    requests = receiver.at("/flaky")
+    delivered = receiver.delivered("/flaky")
+    assert [r.text for r in delivered] == texts  # in forum order, each once
+    assert [r.json["message"]["seq"] for r in delivered] == sorted(
+        r.json["message"]["seq"] for r in delivered
+    )
+    assert len({r.delivery_id for r in delivered}) == 3
+    # The failures were the first line's, each with the id its delivery kept.
+    failed = [r for r in requests if r.status == 503]
+    assert len(failed) == 4
+    assert {r.delivery_id for r in failed} == {delivered[0].delivery_id}
+    assert {r.body for r in failed} == {delivered[0].body}
+    assert len(requests) == 7
+    retried = await metric(gateway_url, "yoke_webhook_deliveries_total", outcome="retried")
+    assert retried == retried_before + 4
+
+
+async def test_a_4xx_is_not_retried(
+    client: Client,
+    new_join: JoinFactory,
+    receiver: Receiver,
+    store: Store,
+    subscriptions: list[Subscription],
+) -> None:
+    forum_id, _ = await new_join()
+    receiver.answer("/refusing", 400, 410)
+    subscription = await subscribe(store, subscriptions, forum_id, receiver.url("/refusing"))
+    for text in ("first", "second", "third"):
+        await say(client, forum_id, text)
+    await received(receiver, "/refusing", 1)
+
+    # In order: a retry of a refused line would have come before the third line's delivery.
+    requests = receiver.at("/refusing")
+    assert [(r.text, r.status) for r in requests] == [
+        ("first", 400),
+        ("second", 410),
+        ("third", 200),
+    ]
+    letters = (
+        await collection(store, DEAD_LETTERS).find({"subscriptionId": subscription.id}).to_list()
+    )
+    assert sorted((letter["status"], letter["attempts"]) for letter in letters) == [
+        (400, 1),
+        (410, 1),
+    ]
+    assert all(letter["reason"].startswith("refused") for letter in letters)
+
+
+async def test_a_hanging_receiver_does_not_delay_another_forum(
+    client: Client,
+    new_join: JoinFactory,
+    receiver: Receiver,
+    store: Store,
+    subscriptions: list[Subscription],
+) -> None:
+    stuck_forum, _ = await new_join()
+    other_forum, _ = await new_join()
+    receiver.hang("/hangs")
+    await subscribe(store, subscriptions, stuck_forum, receiver.url("/hangs"))
+    await subscribe(store, subscriptions, other_forum, receiver.url("/answers"))
+    await say(client, stuck_forum, "into the void")
+
+    async def hanging() -> bool:
+        return receiver.hanging > 0
+
+    await eventually(hanging, timeout=60, what="the hanging receiver to be called")
+    for n in range(3):
+        await say(client, other_forum, f"meanwhile {n}")
+    await received(receiver, "/answers", 3, timeout=30)
+    # ... while the stuck forum's request (60 s timeout) is still held open.
+    assert receiver.hanging > 0
+    assert len(receiver.at("/hangs")) == 1
+
+
+async def test_a_receiver_failing_past_the_retry_window_has_its_lines_dead_lettered(
+    client: Client,
+    new_join: JoinFactory,
+    receiver: Receiver,
+    store: Store,
+    subscriptions: list[Subscription],
+    gateways: Gateways,
+) -> None:
+    forum_id, _ = await new_join()
+    receiver.answer("/down", then=503)
+    subscription = await subscribe(store, subscriptions, forum_id, receiver.url("/down"))
+    dead_before = await metric(
+        gateways.running[0][1], "yoke_webhook_deliveries_total", outcome="dead_lettered"
+    )
+    await say(client, forum_id, "nobody home")
+    letters = collection(store, DEAD_LETTERS)
+
+    async def dead_lettered() -> bool:
+        return await letters.count_documents({"subscriptionId": subscription.id}) >= 1
+
+    await eventually(dead_lettered, timeout=RETRY_WINDOW_SECONDS + 40, what="a dead letter")
+    attempts = receiver.at("/down")
+    assert len(attempts) >= 4  # 0.2, 0.4, 0.8, 1, 1, ... s apart
+    assert attempts[-1].at - attempts[0].at >= RETRY_WINDOW_SECONDS - 0.5
+    assert {r.delivery_id for r in attempts} == {attempts[0].delivery_id}
+    letter = await letters.find_one({"subscriptionId": subscription.id})
+    assert letter is not None
+    assert letter["_id"] == attempts[0].delivery_id and letter["status"] == 503
+    assert letter["reason"].startswith("failing for over")
+    dead_after = await metric(
+        gateways.running[0][1], "yoke_webhook_deliveries_total", outcome="dead_lettered"
+    )
+    assert dead_after >= dead_before + 1
+
+    # The receiver is back: the next line is delivered, the dead one is not sent again.
+    receiver.answer("/down", then=200)
+    await say(client, forum_id, "anyone now?")
+    await received(receiver, "/down", 1)
+    assert [r.text for r in receiver.delivered("/down")] == ["anyone now?"]
+
+
+async def test_two_gateway_replicas_deliver_a_subscription_once_and_take_over_from_a_dead_one(
+    client: Client,
+    new_join: JoinFactory,
+    receiver: Receiver,
+    store: Store,
+    subscriptions: list[Subscription],
+    gateways: Gateways,
+) -> None:
+    await gateways.start()
+    urls = [url for _, url in gateways.running]
+    assert len(urls) == 2
+    forum_id, _ = await new_join()
+    await subscribe(store, subscriptions, forum_id, receiver.url("/replicas"))
+    for n in range(4):
+        await say(client, forum_id, f"replicated {n}")
+    await received(receiver, "/replicas", 4)
+    requests = receiver.at("/replicas")
+    assert [r.text for r in requests] == [f"replicated {n}" for n in range(4)]  # once each
+
+    held = {url: await metric(url, "yoke_webhook_subscriptions_held") for url in urls}
+    assert sorted(held.values()) == [0.0, 1.0], held
+    holder = next(url for url, count in held.items() if count == 1.0)
+    gateways.kill(holder)  # SIGKILL: its leases are left to run out
+    await say(client, forum_id, "after the crash")
+    await received(receiver, "/replicas", 5, timeout=60)
+    assert receiver.at("/replicas")[-1].text == "after the crash"
+    survivor = gateways.running[0][1]
+
+    async def survivor_holds() -> bool:
+        return await metric(survivor, "yoke_webhook_subscriptions_held") == 1.0
+
+    await eventually(survivor_holds, timeout=10, what="the survivor to hold the subscription")
