@@ -14,10 +14,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Annotated, Any
 
 import uvicorn
@@ -27,7 +28,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BeforeValidator, Field, ValidationError
 from starlette.background import BackgroundTask
-from starlette.routing import Match
 
 from services.gateway.deps import (
     REQUEST_SECONDS,
@@ -305,11 +305,8 @@ async def problems(state: Gateway) -> list[str]:
 
 def route_of(request: Request) -> str:
     """The matched route's path template (metric labels never carry ids)."""
-    for route in request.app.router.routes:
-        match, _ = route.matches(request.scope)
-        if match == Match.FULL:
-            return str(getattr(route, "path", "other"))
-    return "other"
+    route = request.scope.get("route")
+    return str(getattr(route, "path", "other"))
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -400,6 +397,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
+class _Server(uvicorn.Server):
+    """uvicorn, but a SIGTERM ends it with exit code 0 like every other service (uvicorn raises
+    the signal again after its graceful shutdown, so the process would die of it)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.handle_exit, signum, None)
+        yield
+
+
 def main() -> None:
     """``python -m services.gateway``: serve on ``YOKE_GATEWAY_PORT`` until SIGTERM."""
     settings = Settings()
@@ -427,4 +436,4 @@ def main() -> None:
         # Open streams end at shutdown; clients reconnect with Last-Event-ID elsewhere.
         timeout_graceful_shutdown=3,
     )
-    uvicorn.Server(config).run(sockets=[listener])
+    asyncio.run(_Server(config).serve(sockets=[listener]))
