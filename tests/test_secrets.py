@@ -1,0 +1,335 @@
+"""Secrets stay secret and the services run with least privilege (issue 14).
+
+The services' RabbitMQ user is made by the code compose's ``rabbitmq-init`` runs
+(``yoke.provisioning`` importing ``deploy/rabbitmq/definitions.json`` with passwords from the
+environment), renamed into a vhost of this module: no tag, only ``yoke.*``. The five services
+run as that user through a turn with a tool call; then every service's output, every ``/healthz``
+body and the CLI's output (answers and errors) are searched for its password, for a MongoDB
+password and for an OpenAI key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import aio_pika
+import httpx
+import pytest
+from aiormq.exceptions import ChannelAccessRefused
+
+from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
+from tests.support.processes import ServiceProcess, free_port
+from yoke import topology
+from yoke.client import Client
+from yoke.health import HealthServer
+from yoke.joins import ScriptedCall, ScriptedOutput, create_forum
+from yoke.models import ToolResultPart
+from yoke.provisioning import (
+    ProvisioningError,
+    import_definitions,
+    passwords_from_environment,
+    with_passwords,
+)
+from yoke.redact import redact
+from yoke.store import Store
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+TAG = uuid.uuid4().hex[:10]
+SERVICES_PASSWORD = f"svc{TAG}MustNeverBeShown"
+PUBLISHER_PASSWORD = f"pub{TAG}MustNeverBeShown"
+MONGODB_PASSWORD = f"mongo{TAG}MustNeverBeShown"
+OPENAI_KEY = f"sk-{TAG}-must-never-be-shown"
+SECRETS = (SERVICES_PASSWORD, PUBLISHER_PASSWORD, MONGODB_PASSWORD, OPENAI_KEY)
+
+
+def assert_no_secret(text: str, where: str) -> None:
+    for secret in SECRETS:
+        assert secret not in text, f"a secret appears in {where}:\n{text[-3000:]}"
+
+
+@dataclass
+class Users:
+    """The module's vhost and the two users the definitions file declares, renamed into it."""
+
+    vhost: str
+    services: str
+    publisher: str
+    services_url: str
+    publisher_url: str
+    management: str  # the management API's base URL
+    admin: tuple[str, str]
+
+
+def into_vhost(definitions: dict[str, Any], names: dict[str, str], vhost: str) -> dict[str, Any]:
+    """The definitions file as it would apply to ``vhost``, with its users renamed."""
+
+    def moved(entry: dict[str, Any]) -> dict[str, Any]:
+        entry = {**entry}
+        if "vhost" in entry:
+            entry["vhost"] = vhost
+        for key in ("user", "name"):
+            if key in entry and entry[key] in names and "type" not in entry:
+                entry[key] = names[entry[key]]
+        return entry
+
+    result: dict[str, Any] = {
+        key: [moved(item) for item in value] if isinstance(value, list) else value
+        for key, value in definitions.items()
+    }
+    result["vhosts"] = [{"name": vhost}]
+    return result
+
+
+def url_for(base: str, user: str, password: str, vhost: str) -> str:
+    parts = urlsplit(base)
+    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{parts.hostname}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc, path="/" + quote(vhost, safe="")))
+
+
+@pytest.fixture(scope="module")
+async def users(servers: tuple[str, str, str]) -> AsyncIterator[Users]:
+    base, _, management = servers
+    parts = urlsplit(base)
+    admin = (parts.username or "guest", parts.password or "guest")
+    vhost = f"yoke-test-{TAG}"
+    names = {"yoke": f"yoke-test-services-{TAG}", "publisher": f"yoke-test-publisher-{TAG}"}
+    definitions = json.loads((ROOT / "deploy/rabbitmq/definitions.json").read_text())
+    assert {user["name"] for user in definitions["users"]} == set(names)
+    filled = with_passwords(
+        into_vhost(definitions, names, vhost),
+        {names["yoke"]: SERVICES_PASSWORD, names["publisher"]: PUBLISHER_PASSWORD},
+    )
+    mparts = urlsplit(management)
+    with_admin = urlunsplit(mparts._replace(netloc=f"{admin[0]}:{admin[1]}@{mparts.netloc}"))
+    await import_definitions(with_admin, filled)
+    try:
+        yield Users(
+            vhost,
+            names["yoke"],
+            names["publisher"],
+            url_for(base, names["yoke"], SERVICES_PASSWORD, vhost),
+            url_for(base, names["publisher"], PUBLISHER_PASSWORD, vhost),
+            management,
+            admin,
+        )
+    finally:
+        async with httpx.AsyncClient(base_url=management, auth=admin, timeout=30) as api:
+            for name in names.values():
+                await api.delete(f"/api/users/{quote(name, safe='')}")
+            await api.delete(f"/api/vhosts/{quote(vhost, safe='')}")
+
+
+@pytest.fixture(scope="module")
+def amqp_url(users: Users) -> str:
+    """The mesh, the test's poster and the joins connect as the services' user."""
+    return users.services_url
+
+
+@pytest.fixture(scope="module")
+def mesh_env() -> dict[str, str]:
+    return {"OPENAI_API_KEY": OPENAI_KEY, "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
+
+
+@pytest.fixture(scope="module")
+async def client(users: Users, mesh: Mesh) -> AsyncIterator[Client]:
+    """Lines come in as a bridge would send them: as the publisher user."""
+    async with Client(users.publisher_url) as client:
+        yield client
+
+
+async def run_cli(env: dict[str, str], *args: str) -> tuple[int, str]:
+    """``yoke ARGS`` as a process; its exit code and stdout + stderr."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "yoke.cli",
+        *args,
+        env={**os.environ, **env},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(process.communicate(), timeout=90)
+    assert process.returncode is not None
+    return process.returncode, out.decode(errors="replace")
+
+
+# --- least privilege -------------------------------------------------------------------------
+
+
+async def test_the_services_user_has_no_tag_and_reaches_only_yoke_resources(users: Users) -> None:
+    async with httpx.AsyncClient(base_url=users.management, auth=users.admin, timeout=30) as api:
+        user = (await api.get(f"/api/users/{users.services}")).json()
+        assert user["tags"] in ([], "")  # not an administrator, not even management
+        vhost = quote(users.vhost, safe="")
+        granted = (await api.get(f"/api/permissions/{vhost}/{users.services}")).json()
+        assert {k: granted[k] for k in ("configure", "write", "read")} == (
+            topology.SERVICE_PERMISSIONS
+        )
+    async with httpx.AsyncClient(
+        base_url=users.management, auth=(users.services, SERVICES_PASSWORD), timeout=30
+    ) as api:
+        assert (await api.get("/api/overview")).status_code == 401  # no management access
+    connection = await aio_pika.connect(users.services_url, timeout=10)
+    try:
+        for declare in (
+            lambda channel: channel.declare_queue("bridge.not-ours", exclusive=True),
+            lambda channel: channel.declare_exchange("other.exchange", "topic"),
+        ):
+            channel = await connection.channel()
+            with pytest.raises(ChannelAccessRefused):
+                await declare(channel)
+    finally:
+        await connection.close()
+
+
+async def test_a_turn_with_a_tool_call_runs_through_the_mesh_as_that_user(
+    users: Users, store: Store, client: Client, new_join: JoinFactory, mesh: Mesh
+) -> None:
+    forum_id, _ = await new_join()
+    await say(client, forum_id, "hello there")
+    forum = await lines_until(store, forum_id, lambda lines: len(agent_lines(lines)) == 1)
+    assert agent_lines(forum)[0].text.endswith("hello there")
+
+    script = [
+        ScriptedOutput(tool_calls=[ScriptedCall(name="clock")]),
+        ScriptedOutput(text="it is late"),
+    ]
+    forum_id, join = await new_join(model="fixture-script", tools=["clock"], script=script)
+    await say(client, forum_id, "what time is it?")
+    forum = await lines_until(store, forum_id, lambda lines: len(agent_lines(lines)) == 1)
+    assert agent_lines(forum)[0].text == "it is late"
+    monologue = await store.history(join.monologue_id)
+    assert any(isinstance(part, ToolResultPart) for line in monologue for part in line.parts)
+
+    # The mesh really ran as the restricted user: every connection on the vhost is one of ours.
+    async with httpx.AsyncClient(base_url=users.management, auth=users.admin, timeout=30) as api:
+        vhost = quote(users.vhost, safe="")
+        connections = (await api.get(f"/api/vhosts/{vhost}/connections")).json()
+    assert {c["user"] for c in connections} <= {users.services, users.publisher}
+    assert users.services in {c["user"] for c in connections}
+
+
+# --- secrets never printed -------------------------------------------------------------------
+
+
+async def test_no_secret_in_any_service_output_or_health_body(mesh: Mesh) -> None:
+    async with httpx.AsyncClient(timeout=5) as http:
+        for name, process in mesh.processes.items():
+            body = (await http.get(f"http://127.0.0.1:{process.port}/healthz")).text
+            assert body == "ok\n", (name, body)
+            assert_no_secret(process.output(), f"{name}'s output")
+
+
+async def test_no_secret_in_cli_answers_or_errors(
+    users: Users, store: Store, mesh: Mesh, module_mongodb_url: str
+) -> None:
+    forum = await create_forum(store, "cli")
+    env = {"YOKE_AMQP_URL": users.publisher_url, "YOKE_MONGODB_URL": module_mongodb_url}
+    code, out = await run_cli(env, "post", "--forum", forum.id, "--author", "ada", "hi")
+    assert code == 0, out
+    assert_no_secret(out, "yoke post")
+    # A node list whose first node is down: the CLI warns about it and goes on to the next.
+    dead = users.publisher_url.replace(f":{urlsplit(users.publisher_url).port}", f":{free_port()}")
+    listed = {**env, "YOKE_AMQP_URL": f"{dead},{users.publisher_url}"}
+    code, out = await run_cli(listed, "post", "--forum", forum.id, "--author", "ada", "hi")
+    assert code == 0, out
+    assert_no_secret(out, "yoke post through a node list")
+    code, out = await run_cli(env, "history", forum.id)
+    assert code == 0 and "ada: hi" in out, out
+    assert_no_secret(out, "yoke history")
+
+    # The services' user may not declare a bridge's reply queue: refused, with a traceback.
+    refused = {**env, "YOKE_AMQP_URL": users.services_url}
+    code, out = await run_cli(refused, "post", "--forum", forum.id, "--author", "ada", "hi")
+    assert code != 0 and "ACCESS_REFUSED" in out, out
+    assert_no_secret(out, "yoke post refused")
+
+    # No broker there: a connection error and a traceback.
+    nowhere = url_for(users.services_url, users.services, SERVICES_PASSWORD, users.vhost)
+    nowhere = nowhere.replace(f":{urlsplit(nowhere).port}", f":{free_port()}")
+    code, out = await run_cli({**env, "YOKE_AMQP_URL": nowhere}, "reshard", "2")
+    assert code != 0 and "ConnectionError" in out, out
+    assert_no_secret(out, "yoke reshard without a broker")
+
+    # A MongoDB-wire server that refuses the credentials (FerretDB takes no SCRAM users).
+    parts = urlsplit(module_mongodb_url)
+    refused_store = urlunsplit(
+        parts._replace(netloc=f"yoke:{MONGODB_PASSWORD}@{parts.hostname}:{parts.port}")
+    )
+    code, out = await run_cli({**env, "YOKE_MONGODB_URL": refused_store}, "history", forum.id)
+    assert code != 0, out
+    assert_no_secret(out, "yoke history refused by the store")
+
+
+async def test_a_service_that_cannot_start_shows_no_secret(users: Users, tmp_path: Path) -> None:
+    parts = urlsplit("mongodb://127.0.0.1:27017/yoke")
+    store_url = urlunsplit(
+        parts._replace(netloc=f"yoke:{MONGODB_PASSWORD}@127.0.0.1:{free_port()}")
+    )
+    env = {
+        "YOKE_AMQP_URL": users.services_url,
+        "YOKE_MONGODB_URL": store_url + "?serverSelectionTimeoutMS=500",
+        "OPENAI_API_KEY": OPENAI_KEY,
+    }
+    process = ServiceProcess(["-m", "services.ingestion"], env, tmp_path / "ingestion.log")
+    try:
+        async with httpx.AsyncClient(timeout=2) as http:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            bodies = []
+            while process.popen.poll() is None and loop.time() < deadline:
+                with contextlib.suppress(httpx.HTTPError):
+                    bodies.append((await http.get(f"http://127.0.0.1:{process.port}/healthz")).text)
+                await asyncio.sleep(0.3)
+        output = process.output()
+    finally:
+        process.stop()
+    assert "127.0.0.1" in output, output  # it did say what it could not reach
+    assert_no_secret(output + "".join(bodies), "a failing service's output")
+
+
+async def test_health_reasons_quoting_a_url_are_masked() -> None:
+    reason = f"store unreachable: OperationFailure('mongodb://yoke:{MONGODB_PASSWORD}@db:27017')"
+
+    async def problems() -> list[str]:
+        return [reason]
+
+    server = HealthServer(free_port(), problems, host="127.0.0.1")
+    await server.start()
+    try:
+        async with httpx.AsyncClient(timeout=5) as http:
+            response = await http.get(f"http://127.0.0.1:{server.port}/healthz")
+    finally:
+        await server.close()
+    assert response.status_code == 503
+    assert response.text == "store unreachable: OperationFailure('mongodb://yoke:***@db:27017')\n"
+
+
+@pytest.mark.parametrize(
+    ("shown", "expected"),
+    [
+        ("amqp://yoke:s3cret@rabbitmq:5672/", "amqp://yoke:***@rabbitmq:5672/"),
+        ("amqps://a:p%40ss@h1/v,amqp://a:two@h2/v", "amqps://a:***@h1/v,amqp://a:***@h2/v"),
+        ("mongodb://u:pw@h1,h2/yoke?tls=true", "mongodb://u:***@h1,h2/yoke?tls=true"),
+        ("no node of 'http://op:pw@x:15672' answers", "no node of 'http://op:***@x:15672' answers"),
+        ("amqp://guest@h/ and amqp://h:5672/v", "amqp://guest@h/ and amqp://h:5672/v"),
+    ],
+)
+def test_redact_masks_every_url_password_and_nothing_else(shown: str, expected: str) -> None:
+    assert redact(shown) == expected
+
+
+def test_provisioning_names_the_variable_a_password_is_missing_from() -> None:
+    with pytest.raises(ProvisioningError, match="YOKE_RABBITMQ_SERVICES_PASSWORD"):
+        passwords_from_environment({"YOKE_RABBITMQ_PUBLISHER_PASSWORD": "x"})
