@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install services services-stop run test lint bench chaos clean monitoring monitoring-stop
+.PHONY: install env services services-stop run test lint bench chaos clean monitoring monitoring-stop
 
 install: $(STAMP)
 
@@ -22,7 +22,11 @@ services: install
 services-stop:
 	@deploy/local/services.sh stop
 
-run: services
+# Random passwords for docker compose in a git-ignored .env; never changes one already there.
+env:
+	@python3 deploy/make_env.py .env
+
+run: env services
 	@$(PY) -m yoke.demo
 
 test: services
