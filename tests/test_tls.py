@@ -281,3 +281,20 @@ async def test_mongodb_client_certificate_from_the_settings(
         finally:
             await store.close()
             await anonymous.close()
+
+
+@pytest.mark.parametrize(
+    ("setting", "command"),
+    [
+        ("YOKE_AMQP_CA_FILE", ("post", "--forum", "f-any", "--author", "ada", "hello")),
+        ("YOKE_MONGODB_CA_FILE", ("forum", "create", "--title", "never")),
+    ],
+)
+async def test_an_unreadable_ca_file_is_refused_naming_the_setting(
+    servers: TLSServers, tmp_path: Path, setting: str, command: tuple[str, ...]
+) -> None:
+    missing = tmp_path / "no-such-ca.pem"
+    code, _, err = await yoke(*command, env={**servers.env(), setting: str(missing)})
+    assert code == EXIT_MISCONFIGURED, err
+    last = err.strip().splitlines()[-1]
+    assert last == f"yoke: {setting} {missing}: No such file or directory", err

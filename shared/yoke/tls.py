@@ -46,21 +46,27 @@ def is_amqps(url: str) -> bool:
 
 def amqp_ssl_context(settings: Settings) -> ssl.SSLContext | None:
     """A verifying client context from the settings' files, or None when none is set."""
-    if not (settings.amqp_ca_file or settings.amqp_cert_file or settings.amqp_key_file):
+    ca, cert, key = settings.amqp_ca_file, settings.amqp_cert_file, settings.amqp_key_file
+    if not (ca or cert or key):
         return None
+    if key and not cert:
+        raise Misconfigured("YOKE_AMQP_KEY_FILE is set without YOKE_AMQP_CERT_FILE")
+    for path, setting in ((ca, "YOKE_AMQP_CA_FILE"), (cert, "YOKE_AMQP_CERT_FILE"),
+                          (key, "YOKE_AMQP_KEY_FILE")):  # fmt: skip
+        if path:
+            readable(path, setting)
     try:
-        context = ssl.create_default_context(cafile=settings.amqp_ca_file)
-    except (OSError, ssl.SSLError) as error:
-        raise Misconfigured(f"YOKE_AMQP_CA_FILE {settings.amqp_ca_file}: {error}") from error
-    if settings.amqp_cert_file or settings.amqp_key_file:
-        if not settings.amqp_cert_file:
-            raise Misconfigured("YOKE_AMQP_KEY_FILE is set without YOKE_AMQP_CERT_FILE")
+        context = ssl.create_default_context(cafile=ca)
+    except ssl.SSLError as error:
+        problem = f"YOKE_AMQP_CA_FILE {ca}: not a PEM CA certificate ({error})"
+        raise Misconfigured(problem) from error
+    if cert:
         try:
-            context.load_cert_chain(settings.amqp_cert_file, settings.amqp_key_file)
-        except (OSError, ssl.SSLError) as error:
+            context.load_cert_chain(cert, key)
+        except ssl.SSLError as error:
             raise Misconfigured(
-                f"YOKE_AMQP_CERT_FILE {settings.amqp_cert_file} / YOKE_AMQP_KEY_FILE "
-                f"{settings.amqp_key_file}: {error}"
+                f"YOKE_AMQP_CERT_FILE {cert} / YOKE_AMQP_KEY_FILE {key}: not a certificate "
+                f"and its key ({error})"
             ) from error
     return context
 
@@ -83,10 +89,21 @@ def mongodb_options(settings: Settings | None = None) -> dict[str, Any]:
     settings = settings or Settings()
     options: dict[str, Any] = {}
     if settings.mongodb_ca_file:
-        options["tlsCAFile"] = settings.mongodb_ca_file
+        options["tlsCAFile"] = readable(settings.mongodb_ca_file, "YOKE_MONGODB_CA_FILE")
     if settings.mongodb_cert_file:
-        options["tlsCertificateKeyFile"] = settings.mongodb_cert_file
+        options["tlsCertificateKeyFile"] = readable(
+            settings.mongodb_cert_file, "YOKE_MONGODB_CERT_FILE"
+        )
     return options
+
+
+def readable(path: str, setting: str) -> str:
+    """``path``, or :class:`Misconfigured` naming ``setting`` when it cannot be read."""
+    try:
+        with open(path, "rb"):
+            return path
+    except OSError as error:
+        raise Misconfigured(f"{setting} {path}: {error.strerror or error}") from error
 
 
 @dataclass(frozen=True)
