@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BeforeValidator, Field, ValidationError
 from starlette.background import BackgroundTask
 
+from services.gateway import console
 from services.gateway.deps import (
     REQUEST_SECONDS,
     REQUESTS,
@@ -393,7 +394,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(api)
-    # Routers of the console and the webhooks are included here.
+    app.include_router(console.router)
     return app
 
 

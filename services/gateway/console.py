@@ -1,0 +1,231 @@
+"""The web console: forums, a live forum view, agents' monologues, and dead letters.
+
+Pages are plain HTML rendered here with nothing but the ids of their path in them; the data
+comes from the token-guarded JSON below and from the public API (``/v1``), fetched by a little
+JavaScript (``static/console.js``, no build step) with the token in an ``Authorization`` header.
+The token is asked once and kept in the tab's session storage; it is never put in a URL (a
+stream is read with ``fetch``, since ``EventSource`` cannot send a header).
+
+A token's forum scope covers the monologues of the agents joined to those forums: a monologue
+is shown if some forum in scope has an agent whose active monologue, or one of its compaction
+chain, it is. Mesh-wide dead letters (the broker's queue) are shown to all-forums tokens only;
+webhook dead letters to the tokens whose scope holds their forum.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import logging
+from pathlib import Path
+from string import Template
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from services.gateway.deps import ApiError, ForumDep, TokenDep, gateway
+from yoke.compaction import chain_of
+from yoke.dead_letters import list_dead_letters
+from yoke.models import Conversation, Participant
+from yoke.store import Store
+from yoke.tokens import Token
+from yoke.webhooks import dead_letters, list_webhooks
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent
+TEMPLATES = {
+    path.stem: Template(path.read_text(encoding="utf-8"))
+    for path in (HERE / "templates").glob("*.html")
+}
+STATIC_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
+STATIC = {
+    path.name: (path.read_bytes(), STATIC_TYPES[path.suffix])
+    for path in (HERE / "static").iterdir()
+    if path.suffix in STATIC_TYPES
+}
+# Pages load only their own script and style and talk only to this origin.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+    "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'self'; "
+    "frame-ancestors 'none'",
+    "Referrer-Policy": "no-referrer",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-store",
+}
+MAX_FORUMS = 500
+MAX_NAMES = 200
+MAX_LINES = 500
+DEAD_LETTERS_SHOWN = 200
+DEAD_LETTER_READ_SECONDS = 10.0
+
+router = APIRouter(include_in_schema=False)
+
+
+def page(name: str, **values: str) -> HTMLResponse:
+    body = TEMPLATES[name].substitute({key: html.escape(v) for key, v in values.items()})
+    return HTMLResponse(body, headers=PAGE_HEADERS)
+
+
+# --- pages ---------------------------------------------------------------------------------
+
+
+@router.get("/")
+async def index_page() -> HTMLResponse:
+    return page("index")
+
+
+@router.get("/forums/{forum_id}")
+async def forum_page(forum_id: str) -> HTMLResponse:
+    return page("forum", forum_id=forum_id)
+
+
+@router.get("/dead-letters")
+async def dead_letters_page() -> HTMLResponse:
+    return page("dead_letters")
+
+
+@router.get("/console/static/{name}")
+async def static_file(name: str) -> Response:
+    found = STATIC.get(name)
+    if found is None:
+        raise ApiError(404, "not_found", f"no file {name!r}")
+    content, media_type = found
+    return Response(content, media_type=media_type, headers={"Cache-Control": "no-cache"})
+
+
+# --- data ----------------------------------------------------------------------------------
+
+
+@router.get("/console/api/forums")
+async def forums(request: Request, token: TokenDep) -> JSONResponse:
+    """The forums the token may use (an all-forums token: every forum, newest first)."""
+    store = gateway(request).store
+    if token.forums is not None:
+        found = [await store.get_conversation(forum_id) for forum_id in token.forums]
+        shown = [f for f in found if f is not None and f.kind == "forum"]
+    else:
+        documents = await store.conversations.find({"kind": "forum"}).to_list(MAX_FORUMS)
+        shown = [Conversation.from_document(document) for document in documents]
+        shown.sort(key=lambda forum: forum.created_at, reverse=True)
+    return JSONResponse({"forums": [forum.to_wire() for forum in shown]})
+
+
+async def agents_of(store: Store, forum_id: str) -> list[dict[str, Any]]:
+    """The forum's agents with their active monologue and the monologues before it."""
+    agents = []
+    for participant in await store.participants_of(forum_id):
+        monologue_id = participant.metadata.get("monologueId")
+        if not isinstance(monologue_id, str):
+            continue
+        actor = await store.get_actor(participant.actor_id)
+        chain = [link.from_monologue_id for link in chain_of(participant)]
+        agents.append(
+            {
+                "agentActorId": participant.actor_id,
+                "name": actor.name if actor is not None else participant.actor_id,
+                "monologueId": monologue_id,
+                "monologues": [*chain, monologue_id] if monologue_id not in chain else chain,
+                "left": participant.left_at is not None,
+            }
+        )
+    return agents
+
+
+@router.get("/console/api/forums/{forumId}")
+async def forum_info(request: Request, forum: ForumDep) -> JSONResponse:
+    """A forum, its head seq and its agents (for the forum view and its monologue panel)."""
+    store = gateway(request).store
+    return JSONResponse(
+        {
+            "forum": forum.to_wire(),
+            "head": await store.last_seq(forum.id),
+            "agents": await agents_of(store, forum.id),
+        }
+    )
+
+
+@router.get("/console/api/names")
+async def names(
+    request: Request,
+    token: TokenDep,
+    ids: Annotated[str, Query(max_length=MAX_NAMES * 40, description="comma-separated")],
+) -> JSONResponse:
+    """Display names of actors (authors of the lines shown); ids are opaque, unguessable."""
+    store = gateway(request).store
+    found: dict[str, str] = {}
+    for actor_id in [i for i in ids.split(",") if i][:MAX_NAMES]:
+        actor = await store.get_actor(actor_id)
+        if actor is not None:
+            found[actor_id] = actor.name
+    return JSONResponse({"names": found})
+
+
+async def forum_of_monologue(store: Store, monologue_id: str) -> str | None:
+    """The forum whose join owns the monologue (active or compacted away), or None."""
+    monologue = await store.get_conversation(monologue_id)
+    if monologue is None or monologue.kind != "monologue":
+        return None
+    for participant in await store.participants_of(monologue_id):
+        # The agent's forum participants: one per join (indexed by actor).
+        cursor = store.participants.find({"actorId": participant.actor_id})
+        async for document in cursor:
+            joined = Participant.from_document(document)
+            monologues = {link.from_monologue_id for link in chain_of(joined)}
+            monologues.add(str(joined.metadata.get("monologueId") or ""))
+            if monologue_id in monologues:
+                return joined.conversation_id
+    return None
+
+
+@router.get("/console/api/monologues/{monologueId}/messages")
+async def monologue_messages(
+    request: Request,
+    token: TokenDep,
+    monologueId: str,
+    after: Annotated[int | None, Query(ge=0)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LINES)] = 200,
+) -> JSONResponse:
+    """A monologue's lines after ``after`` (default: its last ``limit`` lines), in seq order.
+
+    Scope: a monologue belongs to its join's forum; a token that may not use that forum gets
+    403, as does one asking for an id that is not a monologue (nothing is told about it).
+    """
+    store = gateway(request).store
+    forum_id = await forum_of_monologue(store, monologueId)
+    if forum_id is None or not token.allows(forum_id):
+        raise ApiError(403, "forbidden", f"this token may not read monologue {monologueId!r}")
+    head = await store.last_seq(monologueId)
+    start = max(0, head - limit) if after is None else after
+    lines = await store.history(monologueId, after_seq=start, up_to_seq=min(start + limit, head))
+    return JSONResponse(
+        {"forumId": forum_id, "head": head, "messages": [line.to_wire() for line in lines]}
+    )
+
+
+@router.get("/console/api/dead-letters")
+async def dead_letter_list(request: Request, token: TokenDep) -> JSONResponse:
+    """Webhook dead letters of the forums in scope; the mesh's for all-forums tokens."""
+    state = gateway(request)
+    subscriptions = [s for s in await list_webhooks(state.store) if token.allows(s.forum_id)]
+    letters = await dead_letters(
+        state.store, [s.id for s in subscriptions], limit=DEAD_LETTERS_SHOWN
+    )
+    body: dict[str, Any] = {"webhooks": [letter.to_wire() for letter in letters]}
+    body["mesh"] = await mesh_dead_letters(state.settings.amqp_url) if everything(token) else None
+    return JSONResponse(body)
+
+
+def everything(token: Token) -> bool:
+    return token.forums is None
+
+
+async def mesh_dead_letters(amqp_url: str) -> list[dict[str, object]] | str:
+    """The broker's dead-letter queue, read and put back (or why it could not be read)."""
+    try:
+        async with asyncio.timeout(DEAD_LETTER_READ_SECONDS):
+            return await list_dead_letters(amqp_url, limit=DEAD_LETTERS_SHOWN)
+    except Exception as error:
+        log.warning("dead letters not read: %r", error)
+        return f"the dead-letter queue could not be read: {type(error).__name__}"

@@ -1,0 +1,355 @@
+// The Yoke mesh console: a little JavaScript over the gateway's JSON, no build step.
+// The token lives in this tab's sessionStorage and travels only in an Authorization header:
+// the forum stream is read with fetch (EventSource cannot send headers), never via a URL.
+"use strict";
+
+const TOKEN_KEY = "yoke.token";
+const NAME_KEY = "yoke.name";
+const MONOLOGUE_POLL_MS = 1000;
+const RECONNECT_MS = 1000;
+
+const $ = (id) => document.getElementById(id);
+const names = new Map();
+
+function token() {
+  return sessionStorage.getItem(TOKEN_KEY);
+}
+
+function status(text) {
+  $("status").textContent = text || "";
+}
+
+class Unauthorized extends Error {}
+
+async function api(path, options = {}) {
+  const headers = Object.assign({}, options.headers || {}, {
+    Authorization: "Bearer " + token(),
+  });
+  const response = await fetch(path, Object.assign({}, options, { headers }));
+  if (response.status === 401) {
+    sessionStorage.removeItem(TOKEN_KEY);
+    throw new Unauthorized("the token was refused");
+  }
+  const body = await response.json().catch(() => ({}));
+  if (!response.ok) {
+    throw new Error(body.error || response.status + " " + response.statusText);
+  }
+  return body;
+}
+
+function element(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text; // never innerHTML: lines are untrusted
+  return node;
+}
+
+async function resolveNames(ids) {
+  const missing = [...new Set(ids)].filter((id) => id && !names.has(id));
+  for (let i = 0; i < missing.length; i += 100) {
+    const batch = missing.slice(i, i + 100);
+    const body = await api("/console/api/names?ids=" + encodeURIComponent(batch.join(",")));
+    for (const id of batch) names.set(id, body.names[id] || id.slice(0, 8));
+  }
+}
+
+function nameOf(id) {
+  return names.get(id) || id.slice(0, 8);
+}
+
+// --- rendering a line --------------------------------------------------------------------
+
+function describe(message) {
+  const meta = message.meta || {};
+  if (message.type === "notice") return ["notice", "notice"];
+  if (meta.instruction === "summary") return ["compaction", "compaction summary"];
+  if (meta.instruction) return ["instruction", meta.instruction + " instruction"];
+  if (meta.carriedFrom) return ["carried", "carried over"];
+  if (message.role === "agent") return ["agent", ""];
+  return ["person", ""];
+}
+
+function renderLine(message) {
+  const [kind, label] = describe(message);
+  const item = element("li", "line " + kind);
+  item.dataset.seq = String(message.seq);
+  item.dataset.role = message.role;
+  const head = element("div", "head");
+  head.append(element("span", "seq", "#" + message.seq));
+  head.append(element("span", "author", nameOf(message.authorActorId)));
+  if (label) head.append(element("span", "tag", label));
+  item.append(head);
+  for (const part of message.parts || []) {
+    if (part.type === "text") {
+      item.append(element("div", "text", part.text));
+    } else if (part.type === "tool_call") {
+      const call = element("div", "tool-call");
+      call.append(element("span", "tag", "tool call"));
+      call.append(element("code", "", part.name + " " + JSON.stringify(part.input || {})));
+      item.append(call);
+    } else if (part.type === "tool_result") {
+      const result = element("div", "tool-result" + (part.isError ? " error" : ""));
+      result.append(element("span", "tag", part.isError ? "tool error" : "tool result"));
+      result.append(element("code", "", part.name + " → " + part.output));
+      item.append(result);
+    }
+  }
+  return item;
+}
+
+async function appendLines(list, messages, lastSeq) {
+  await resolveNames(messages.map((m) => m.authorActorId));
+  let seq = lastSeq;
+  for (const message of messages) {
+    if (message.seq <= seq) continue; // seen already (events may repeat)
+    list.append(renderLine(message));
+    seq = message.seq;
+  }
+  if (messages.length) list.lastElementChild?.scrollIntoView({ block: "nearest" });
+  return seq;
+}
+
+// --- the token ---------------------------------------------------------------------------
+
+function askForToken(reason) {
+  status(reason || "");
+  const form = $("token-form");
+  form.hidden = false;
+  form.onsubmit = (event) => {
+    event.preventDefault();
+    sessionStorage.setItem(TOKEN_KEY, $("token-input").value.trim());
+    form.hidden = true;
+    start();
+  };
+}
+
+async function guarded(run) {
+  if (!token()) return askForToken();
+  try {
+    await run();
+  } catch (error) {
+    if (error instanceof Unauthorized) return askForToken("That token was refused.");
+    status(error.message);
+  }
+}
+
+// --- pages -------------------------------------------------------------------------------
+
+async function indexPage() {
+  const body = await api("/console/api/forums");
+  const list = $("forums");
+  list.replaceChildren();
+  for (const forum of body.forums) {
+    const item = element("li");
+    const link = element("a", "forum-link", forum.title || forum.id);
+    link.href = "/forums/" + encodeURIComponent(forum.id);
+    item.append(link, element("code", "meta", " " + forum.id));
+    list.append(item);
+  }
+  if (!body.forums.length) status("No forums yet (yoke forum create --title T).");
+  $("forums-section").hidden = false;
+}
+
+async function forumPage() {
+  const forumId = document.body.dataset.forumId;
+  const base = "/v1/forums/" + encodeURIComponent(forumId);
+  const info = await api("/console/api/forums/" + encodeURIComponent(forumId));
+  $("forum-title").textContent = info.forum.title || forumId;
+  document.title = (info.forum.title || forumId) + " — Yoke mesh console";
+  $("forum-view").hidden = false;
+  status("");
+  const agentNames = new Map(info.agents.map((a) => [a.agentActorId, a.name]));
+  for (const agent of info.agents) names.set(agent.agentActorId, agent.name);
+  showAgents(info.agents);
+
+  const lines = $("lines");
+  const first = Math.max(0, info.head - 100);
+  const page = await api(base + "/messages?after=" + first + "&limit=100");
+  let lastSeq = await appendLines(lines, page.messages, first);
+
+  $("post-name").value = sessionStorage.getItem(NAME_KEY) || "";
+  $("post-form").onsubmit = async (event) => {
+    event.preventDefault();
+    const who = $("post-name").value.trim();
+    const text = $("post-text").value;
+    if (!who || !text) return;
+    sessionStorage.setItem(NAME_KEY, who);
+    $("post-send").disabled = true;
+    try {
+      await api(base + "/messages", {
+        method: "POST",
+        headers: { "Content-Type": "application/json", "Idempotency-Key": crypto.randomUUID() },
+        body: JSON.stringify({ author: { externalId: who, displayName: who }, text }),
+      });
+      $("post-text").value = "";
+      status("");
+    } catch (error) {
+      status("Not posted: " + error.message);
+    } finally {
+      $("post-send").disabled = false;
+    }
+  };
+
+  const activity = new Map();
+  const showActivity = () => {
+    const busy = [...activity.entries()].filter(([, state]) => state !== "idle");
+    $("activity").textContent = busy
+      .map(([id, state]) => (agentNames.get(id) || nameOf(id)) + (state === "tool" ? " is using a tool…" : " is thinking…"))
+      .join(" ");
+  };
+
+  // The stream, with the token in a header; on any end, again from the last seq seen.
+  for (;;) {
+    try {
+      $("stream-state").textContent = "live";
+      await readStream(base + "/stream", lastSeq, async (event, data) => {
+        if (event === "message") {
+          const message = JSON.parse(data);
+          lastSeq = await appendLines(lines, [message], lastSeq);
+          if (message.role === "agent") activity.delete(message.authorActorId);
+          showActivity();
+        } else if (event === "activity") {
+          const update = JSON.parse(data);
+          activity.set(update.agentActorId, update.state);
+          showActivity();
+        }
+      });
+    } catch (error) {
+      if (error instanceof Unauthorized) return askForToken("That token was refused.");
+    }
+    $("stream-state").textContent = "reconnecting…";
+    await new Promise((resolve) => setTimeout(resolve, RECONNECT_MS));
+  }
+}
+
+async function readStream(url, lastSeq, onEvent) {
+  const response = await fetch(url, {
+    headers: { Authorization: "Bearer " + token(), "Last-Event-ID": String(lastSeq) },
+  });
+  if (response.status === 401) {
+    sessionStorage.removeItem(TOKEN_KEY);
+    throw new Unauthorized("the token was refused");
+  }
+  if (!response.ok || !response.body) throw new Error("stream: " + response.status);
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value.replace(/\r\n?/g, "\n");
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      let event = "message";
+      const data = [];
+      for (const line of block.split("\n")) {
+        if (line.startsWith(":")) continue;
+        const colon = line.indexOf(":");
+        const field = colon < 0 ? line : line.slice(0, colon);
+        const value = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+        if (field === "event") event = value;
+        else if (field === "data") data.push(value);
+      }
+      if (data.length) await onEvent(event, data.join("\n"));
+    }
+  }
+}
+
+// --- the monologue panel -------------------------------------------------------------------
+
+let monologueTimer = null;
+
+function showAgents(agents) {
+  const list = $("agents");
+  list.replaceChildren();
+  if (!agents.length) list.append(element("li", "meta", "No agent has joined this forum."));
+  for (const agent of agents) {
+    const item = element("li");
+    const button = element("button", "agent-link", agent.name + (agent.left ? " (left)" : ""));
+    button.type = "button";
+    button.dataset.agent = agent.agentActorId;
+    button.onclick = () => openMonologue(agent, agent.monologueId);
+    item.append(button);
+    list.append(item);
+  }
+}
+
+function openMonologue(agent, monologueId) {
+  $("monologue").hidden = false;
+  $("monologue-title").textContent = agent.name + "'s monologue";
+  const select = $("monologue-select");
+  select.replaceChildren();
+  agent.monologues.forEach((id, index) => {
+    const last = index === agent.monologues.length - 1;
+    const option = element("option", "", (last ? "active " : "before compaction " + (index + 1) + " ") + id.slice(0, 8));
+    option.value = id;
+    option.selected = id === monologueId;
+    select.append(option);
+  });
+  select.onchange = () => openMonologue(agent, select.value);
+  const list = $("monologue-lines");
+  list.replaceChildren();
+  list.dataset.monologueId = monologueId;
+  if (monologueTimer) clearTimeout(monologueTimer);
+  let lastSeq = -1;
+  const poll = async () => {
+    if (list.dataset.monologueId !== monologueId) return;
+    try {
+      const after = lastSeq < 0 ? "" : "?after=" + lastSeq;
+      const body = await api("/console/api/monologues/" + encodeURIComponent(monologueId) + "/messages" + after);
+      if (list.dataset.monologueId !== monologueId) return;
+      lastSeq = await appendLines(list, body.messages, Math.max(lastSeq, 0));
+      if (lastSeq < 0) lastSeq = 0;
+    } catch (error) {
+      if (error instanceof Unauthorized) return askForToken("That token was refused.");
+      status(error.message);
+    }
+    monologueTimer = setTimeout(poll, MONOLOGUE_POLL_MS);
+  };
+  poll();
+}
+
+// --- dead letters ------------------------------------------------------------------------
+
+function row(cells) {
+  const tr = element("tr");
+  for (const cell of cells) tr.append(element("td", "", cell === null || cell === undefined ? "" : String(cell)));
+  return tr;
+}
+
+async function deadLettersPage() {
+  const body = await api("/console/api/dead-letters");
+  const mesh = $("mesh-letters").tBodies[0];
+  mesh.replaceChildren();
+  if (body.mesh === null) {
+    $("mesh-note").textContent = "Shown to all-forums tokens only.";
+  } else if (typeof body.mesh === "string") {
+    $("mesh-note").textContent = body.mesh;
+  } else {
+    $("mesh-note").textContent = body.mesh.length ? "" : "None.";
+    for (const letter of body.mesh) mesh.append(row([letter.messageId, letter.service, letter.attempts, letter.error]));
+  }
+  const hooks = $("webhook-letters").tBodies[0];
+  hooks.replaceChildren();
+  for (const letter of body.webhooks) {
+    hooks.append(row([letter.createdAt, letter.forumId, "#" + letter.seq + " " + letter.messageId, letter.url, letter.attempts, letter.reason]));
+  }
+  $("letters-section").hidden = false;
+}
+
+// --- start -------------------------------------------------------------------------------
+
+function start() {
+  const page = document.body.dataset.page;
+  const run = { index: indexPage, forum: forumPage, "dead-letters": deadLettersPage }[page];
+  if (run) guarded(run);
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("forget-token").onclick = () => {
+    sessionStorage.removeItem(TOKEN_KEY);
+    location.reload();
+  };
+  start();
+});
