@@ -29,7 +29,7 @@ from tests.chaos.load import Line, Load, named
 from tests.chaos.mesh import SupervisedMesh
 from tests.chaos.verdict import Accounting, FaultKind, FaultRecord, Report, account
 from tests.support.processes import eventually, free_port
-from yoke import topology
+from yoke import amqp_nodes, topology
 from yoke.bus import Bus
 from yoke.dead_letters import list_dead_letters
 from yoke.ids import new_id
@@ -48,6 +48,7 @@ class Plan:
     kills_per_service: int = 3
     broker_restarts: int = 1
     store_outage_seconds: float = 30.0
+    store_outages: bool = True  # freeze the store once and stop it once
     recovery_timeout: float = 120.0  # per fault; past it the run stops injecting and reports
     drain_timeout: float = 180.0
     settle_seconds: float = 10.0  # quiet time after draining, for late duplicates to show
@@ -76,12 +77,16 @@ class Servers:
 
     @property
     def auth(self) -> tuple[str, str]:
-        parts = urlsplit(self.amqp_url)
+        parts = urlsplit(amqp_nodes.node_urls(self.amqp_url)[0])
         return parts.username or "guest", parts.password or "guest"
 
 
 def with_path(url: str, path: str) -> str:
-    return urlunsplit(urlsplit(url)._replace(path="/" + quote(path, safe="")))
+    """``url`` (or each node URL of a comma-separated list) with ``path`` as its path."""
+    return ",".join(
+        urlunsplit(urlsplit(node)._replace(path="/" + quote(path, safe="")))
+        for node in url.split(",")
+    )
 
 
 Step = tuple[FaultKind, str, Callable[[], Awaitable[None]]]
@@ -99,10 +104,12 @@ def schedule(plan: Plan, mesh: SupervisedMesh, faults: Faults) -> list[Step]:
     ]
     seconds = plan.store_outage_seconds
     extras: list[Step] = [("broker", faults.broker_label, faults.broker)] * plan.broker_restarts
-    extras += [
-        ("store", f"store frozen {seconds:.0f} s (SIGSTOP)", partial(faults.freeze_store, seconds)),
-        ("store", f"store stopped {seconds:.0f} s", partial(faults.stop_store, seconds)),
-    ]
+    if plan.store_outages:
+        frozen = f"store frozen {seconds:.0f} s (SIGSTOP)"
+        extras += [
+            ("store", frozen, partial(faults.freeze_store, seconds)),
+            ("store", f"store stopped {seconds:.0f} s", partial(faults.stop_store, seconds)),
+        ]
     steps: list[Step] = []
     for index in range(max(len(rounds), len(extras))):
         steps += rounds[index] if index < len(rounds) else []
@@ -243,7 +250,7 @@ class Run:
 
     async def _inject_poison(self) -> None:
         """One malformed submit without ``reply_to``: the only dead letter chaos may cause."""
-        connection = await aio_pika.connect(named(self.vhost_url, "chaos-poison"), timeout=10)
+        connection = await amqp_nodes.connect(named(self.vhost_url, "chaos-poison"))
         try:
             channel = await connection.channel(publisher_confirms=True)
             exchange = await channel.get_exchange(topology.COMMANDS_EXCHANGE)

@@ -31,10 +31,14 @@ def parse_text(text: str) -> tuple[int, int] | None:
 
 
 def named(amqp_url: str, name: str) -> str:
-    """The URL with a connection name, so the harness can tell its own connections apart."""
-    parts = urlsplit(amqp_url)
-    query = f"{parts.query}&name={name}" if parts.query else f"name={name}"
-    return urlunsplit(parts._replace(query=query))
+    """The URL (each node's of a list) with a connection name, so the harness can tell its own
+    connections apart."""
+    named_nodes = []
+    for node in amqp_url.split(","):
+        parts = urlsplit(node)
+        query = f"{parts.query}&name={name}" if parts.query else f"name={name}"
+        named_nodes.append(urlunsplit(parts._replace(query=query)))
+    return ",".join(named_nodes)
 
 
 @dataclass
