@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install env services services-stop run test lint bench chaos clean monitoring monitoring-stop
+.PHONY: install browser env services services-stop run test lint bench chaos clean monitoring monitoring-stop
 
 install: $(STAMP)
 
@@ -22,6 +22,10 @@ services: install
 services-stop:
 	@deploy/local/services.sh stop
 
+# Debian's chromium and chromium-driver for the console's browser test (tests/test_console.py).
+browser:
+	@deploy/local/browser.sh
+
 # Random passwords for docker compose in a git-ignored .env; never changes one already there.
 env:
 	@python3 deploy/make_env.py .env
@@ -29,7 +33,7 @@ env:
 run: env services
 	@$(PY) -m yoke.demo
 
-test: services
+test: services browser
 	-@deploy/local/monitoring.sh install  # (without it only tests/test_monitoring.py fails)
 	@$(PY) -m pytest $(PYTEST_ARGS)
 
