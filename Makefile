@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser env services services-stop run test lint bench chaos clean monitoring monitoring-stop
+.PHONY: install browser env services services-stop run test lint bench chaos cluster clean monitoring monitoring-stop
 
 install: $(STAMP)
 
@@ -51,6 +51,11 @@ lint: install
 
 bench: services
 	@$(PY) -m bench
+
+# The mesh on a 3-node RabbitMQ cluster of its own (extra nodes beside the shared broker, about
+# 2-3 minutes); `make test` runs it too.
+cluster: services
+	@$(PY) -m pytest tests/test_cluster.py -s $(PYTEST_ARGS)
 
 # Kills services and restarts the RabbitMQ and FerretDB that `make services` started: run alone.
 chaos: services
