@@ -46,10 +46,20 @@ apt_install() {
 # Handlers hold a delivery while they wait out a store outage; RabbitMQ's default 30 min
 # consumer timeout would close the channel under them (see deploy/rabbitmq/rabbitmq.conf).
 consumer_timeout_ms=86400000
+# Nothing exposed by accident: AMQP, management and Prometheus listen on loopback only (read
+# when RabbitMQ starts; a broker already running keeps its listeners until it restarts).
+rabbitmq_loopback=(
+    "listeners.tcp.default = 127.0.0.1:5672"
+    "management.tcp.ip = 127.0.0.1"
+    "prometheus.tcp.ip = 127.0.0.1"
+)
 configure_rabbitmq() {
-    local conf=/etc/rabbitmq/rabbitmq.conf
+    local conf=/etc/rabbitmq/rabbitmq.conf line
     grep -qs "^consumer_timeout = $consumer_timeout_ms" "$conf" \
         || echo "consumer_timeout = $consumer_timeout_ms" >>"$conf"
+    for line in "${rabbitmq_loopback[@]}"; do
+        grep -qsxF "$line" "$conf" || echo "$line" >>"$conf"
+    done
 }
 
 start_rabbitmq() {
@@ -95,6 +105,10 @@ start_ferretdb() {
         echo "max_connections = $pg_max_connections" >"$conf_dir/yoke.conf"
         changed=1
     fi
+    # Loopback only (Debian's default too, pinned here; read when PostgreSQL starts).
+    if [ -d "$conf_dir" ] && ! grep -qs "^listen_addresses = 'localhost'" "$conf_dir/yoke-listen.conf"; then
+        echo "listen_addresses = 'localhost'" >"$conf_dir/yoke-listen.conf"
+    fi
     # shellcheck disable=SC2086
     if ! pg_ctlcluster $cluster status >/dev/null 2>&1; then
         say "starting PostgreSQL $cluster"
@@ -106,8 +120,7 @@ start_ferretdb() {
         # shellcheck disable=SC2086
         pg_ctlcluster $cluster restart || die "could not restart PostgreSQL $cluster"
     fi
-    su postgres -c "psql -qtAc \"SELECT 1 FROM pg_roles WHERE rolname='ferretdb'\"" | grep -q 1 \
-        || su postgres -c "psql -qc \"CREATE ROLE ferretdb LOGIN PASSWORD 'ferretdb'\""
+    ferretdb_role_password >/dev/null
     su postgres -c "psql -qtAc \"SELECT 1 FROM pg_database WHERE datname='ferretdb'\"" | grep -q 1 \
         || su postgres -c "psql -qc \"CREATE DATABASE ferretdb OWNER ferretdb\""
     install_gin_twins
@@ -123,10 +136,30 @@ install_gin_twins() {
         >"$local_dir/ferretdb-indexes.log" 2>&1 || die "installing FerretDB's GIN index twins failed; see $local_dir/ferretdb-indexes.log"
 }
 
+# FerretDB's PostgreSQL role has a random password, kept in .local/ (git-ignored) and set on the
+# role whenever that file is new (so only while FerretDB is down); the repository holds none.
+pg_password_file="$local_dir/postgresql-ferretdb.password"
+ferretdb_role_password() {
+    if [ ! -s "$pg_password_file" ]; then
+        (umask 077 && head -c 24 /dev/urandom | base64 | tr -d '\n' | tr '+/' '-_' >"$pg_password_file")
+        local verb=CREATE
+        if su postgres -c "psql -qtAc \"SELECT 1 FROM pg_roles WHERE rolname='ferretdb'\"" | grep -q 1; then
+            verb=ALTER
+        fi
+        # Through stdin, not the command line: the password never shows in the process list.
+        printf "\\set pw '%s'\n%s ROLE ferretdb LOGIN PASSWORD :'pw';\n" "$(cat "$pg_password_file")" "$verb" \
+            | su postgres -c "psql -q -v ON_ERROR_STOP=1" >/dev/null \
+            || { rm -f "$pg_password_file"; die "could not set the password of PostgreSQL's ferretdb role"; }
+    fi
+    cat "$pg_password_file"
+}
+
 launch_ferretdb() { # binary
+    local password
+    password=$(ferretdb_role_password)
     say "starting FerretDB on PostgreSQL (log: $local_dir/ferretdb.log)"
     nohup "$1" --handler=postgresql \
-        --postgresql-url="postgres://ferretdb:ferretdb@127.0.0.1:5432/ferretdb?pool_max_conns=$ferretdb_pool" \
+        --postgresql-url="postgres://ferretdb:$password@127.0.0.1:5432/ferretdb?pool_max_conns=$ferretdb_pool" \
         --listen-addr=127.0.0.1:27017 --telemetry=disable --log-level=warn \
         --state-dir="$local_dir" --debug-addr=- >"$local_dir/ferretdb.log" 2>&1 &
     echo $! >"$local_dir/ferretdb.pid"
