@@ -332,7 +332,7 @@ def test_provisioning_refuses_to_run_without_the_passwords() -> None:
         [sys.executable, "-m", "yoke.provisioning", str(ROOT / "deploy/rabbitmq/definitions.json")],
         capture_output=True,
         text=True,
-        env={"PATH": "/usr/bin:/bin", "YOKE_RABBITMQ_MANAGEMENT_URL": "http://op:pw@127.0.0.1:1"},
+        env={"PATH": "/usr/bin:/bin", "YOKE_MANAGEMENT_URL": "http://op:pw@127.0.0.1:1"},
         cwd=ROOT,
     )
     assert result.returncode == 1

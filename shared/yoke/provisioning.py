@@ -123,14 +123,14 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m yoke.provisioning",
         description="Create RabbitMQ's users (passwords from YOKE_RABBITMQ_*_PASSWORD), "
         "permissions and exchanges from a definitions file, through the management API at "
-        "YOKE_RABBITMQ_MANAGEMENT_URL (http://operator:PASSWORD@host:15672).",
+        "YOKE_MANAGEMENT_URL (http://operator:PASSWORD@host:15672).",
     )
     parser.add_argument("definitions", type=Path)
     args = parser.parse_args(argv)
-    url = os.environ.get("YOKE_RABBITMQ_MANAGEMENT_URL", "")
+    url = os.environ.get("YOKE_MANAGEMENT_URL", "")
     try:
         if not url:
-            raise ProvisioningError("YOKE_RABBITMQ_MANAGEMENT_URL is not set")
+            raise ProvisioningError("YOKE_MANAGEMENT_URL is not set")
         definitions = json.loads(args.definitions.read_text())
         count = asyncio.run(provision(url, definitions, os.environ))
     except ProvisioningError as error:
