@@ -68,6 +68,8 @@ FILLED_BY = {
     "Doom loops refused": "the doom loop (a fixture-script agent repeating one clock call)",
     "Outbox: oldest unpublished message (s)": "every writer (0 while publishes are confirmed)",
 }
+# Panels a demo's echo agent must fill too: fixture models are recorded like any model.
+ECHO_PANELS = {"LLM latency p95 (s)", "LLM requests by outcome", "Tokens per second"}
 POISON = "POISON"
 # Services the tests kill (their exit code is not a clean shutdown's).
 KILLED: set[str] = set()
@@ -377,6 +379,7 @@ async def test_every_dashboard_panel_shows_data(
     assert {title for title, _, _ in queries} == set(FILLED_BY)  # every panel is accounted for
     # Per query: its highest value and the labels of the series that reached it.
     found: dict[str, tuple[float, dict[str, str]]] = {}
+    echoed: set[str] = set()  # panels with a fixture-echo series above 0
 
     async def every_panel_has_data() -> bool:
         for title, ref, expr in queries:
@@ -391,12 +394,15 @@ async def test_every_dashboard_panel_shows_data(
                 highest = max(values, key=lambda pair: pair[0])
                 if title in ZERO_IS_DATA or highest[0] > 0:
                     found[f"{title} [{ref}]"] = highest
-        return len(found) == len(queries)
+            if any(v > 0 and labels.get("model") == "fixture-echo" for v, labels in values):
+                echoed.add(title)
+        return len(found) == len(queries) and echoed >= ECHO_PANELS
 
     try:
         await eventually(every_panel_has_data, timeout=30, what="every panel", interval=1)
     except AssertionError:
         empty = [f"{t} [{r}]: {e}" for t, r, e in queries if f"{t} [{r}]" not in found]
+        empty += [f"{title}: nothing for model fixture-echo" for title in ECHO_PANELS - echoed]
         raise AssertionError("panels without data:\n" + "\n".join(empty)) from None
     for title, ref, expr in queries:
         value, labels = found[f"{title} [{ref}]"]
