@@ -11,12 +11,14 @@ import logging
 import sys
 import time
 
-import aio_pika
 from pymongo import AsyncMongoClient
+
+from yoke import amqp_nodes
 
 
 async def amqp_answers(url: str) -> None:
-    connection = await aio_pika.connect(url, timeout=3)
+    """Any node of ``url`` (one URL or a comma-separated list of a cluster's nodes) answers."""
+    connection = await amqp_nodes.connect(url, connect_timeout=3)
     await connection.close()
 
 

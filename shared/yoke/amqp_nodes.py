@@ -109,4 +109,5 @@ async def connect(url: str, *, connect_timeout: float = 10) -> AbstractConnectio
             return connection
         except (AMQPError, ConnectionError, OSError, TimeoutError) as failure:
             error = failure
-    raise ConnectionError(f"no AMQP node of the {len(node_urls(url))} given answers") from error
+    count = len(node_urls(url))
+    raise ConnectionError(f"no AMQP node of the {count} given answers (last: {error!r})") from error
