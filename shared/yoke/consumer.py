@@ -35,13 +35,39 @@ class Malformed(Permanent):
     """The delivery can never be handled (bad JSON, wrong schema, no key): dead-letter it."""
 
 
+class Gate:
+    """One owned shard's door into the lanes, and a count of what it let in and is unfinished."""
+
+    def __init__(self) -> None:
+        self.open = True
+        # Set when the shard is handed over or the process stops: retries give up, unacked.
+        self.stopping = asyncio.Event()
+        self.held = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.held += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.held -= 1
+        if self.held <= 0:
+            self.held = 0
+            self._idle.set()
+
+    async def idle(self) -> None:
+        await self._idle.wait()
+
+
 @dataclass(frozen=True)
 class Route:
-    """How to key, label and handle the deliveries of one queue."""
+    """How to key, label and handle the deliveries of one queue (a shard's: behind its gate)."""
 
     queue: str
     key_of: Callable[[AbstractIncomingMessage], str]
     handle: Callable[[AbstractIncomingMessage], Awaitable[None]]
+    gate: Gate | None = None
 
 
 def key_from_header(message: AbstractIncomingMessage) -> str:
@@ -75,20 +101,46 @@ class Dispatcher:
         self.lanes = Lanes()
 
     def on_message(self, route: Route) -> Callable[[AbstractIncomingMessage], Awaitable[None]]:
+        gate = route.gate
+
         async def deliver(message: AbstractIncomingMessage) -> None:
+            if gate is not None and not gate.open:
+                return  # its shard is being handed over: left unacked, returned in order
             try:
                 key = route.key_of(message)
             except Malformed as error:
                 await self._dead_letter(message, "malformed", str(error), attempts=1)
                 return
-            # While draining, a delivery is left unacked: the broker returns it, in order,
-            # to whoever consumes the shard next.
-            self.lanes.submit(key, lambda: self._process(route, key, message))
+            if gate is None:
+                # While draining, a delivery is left unacked: the broker returns it, in order,
+                # to whoever consumes the shard next.
+                self.lanes.submit(key, lambda: self._process(route, key, message))
+            else:
+                gate.enter()
+                if not self.lanes.submit(key, lambda: self._gated(route, gate, key, message)):
+                    gate.leave()
             LANES_ACTIVE.labels(self.service).set(self.lanes.active)
 
         return deliver
 
-    async def _process(self, route: Route, key: str, message: AbstractIncomingMessage) -> None:
+    async def _gated(
+        self, route: Route, gate: Gate, key: str, message: AbstractIncomingMessage
+    ) -> None:
+        """A shard's delivery: not started once its shard is handed over (left unacked, so
+        what is acked of each conversation stays a prefix of its lines)."""
+        try:
+            if gate.open:
+                await self._process(route, key, message, gate.stopping)
+        finally:
+            gate.leave()
+
+    async def _process(
+        self,
+        route: Route,
+        key: str,
+        message: AbstractIncomingMessage,
+        stopping: asyncio.Event | None = None,
+    ) -> None:
         IN_DELIVERY.set(True)
         event_type = event_type_of(message)
         previous = _broker_attempts(message)
@@ -112,7 +164,7 @@ class Dispatcher:
         try:
             await self.policy.run(
                 attempt,
-                stopping=self.stopping,
+                stopping=stopping or self.stopping,
                 describe="handler",
                 extra=extra,
                 on_retry=retried,

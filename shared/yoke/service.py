@@ -17,13 +17,14 @@ from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
 from yoke import metrics, topology
-from yoke.bus import Bus
-from yoke.consumer import Dispatcher, Malformed, Route, event_type_of, key_from_header
+from yoke.bus import Bus, OnMessage
+from yoke.consumer import Dispatcher, Gate, Malformed, Route, event_type_of, key_from_header
 from yoke.errors import EXIT_MISCONFIGURED, Misconfigured, RetryPolicy
 from yoke.health import HealthServer
 from yoke.logs import configure_logging
 from yoke.metrics import EVENT_LAG_SECONDS
 from yoke.models import Envelope, EventPayload, MessagePosted, utcnow
+from yoke.ownership import REPLICAS, Ownership
 from yoke.posting import Poster
 from yoke.reshard import check_shard_count
 from yoke.settings import Settings
@@ -38,6 +39,16 @@ CONSUMER_CHECK_SECONDS = 2.0
 # How long a stopping service lets the outbox keeper finish its round.
 SWEEPER_STOP_SECONDS = 10.0
 EventHandler = Callable[[EventPayload], Awaitable[None]]
+# Added by RabbitMQ on redelivery and dead-lettering: not carried over by the command router.
+_BROKER_HEADERS = frozenset(
+    {
+        "x-delivery-count",
+        "x-death",
+        "x-first-death-exchange",
+        "x-first-death-queue",
+        "x-first-death-reason",
+    }
+)
 
 
 def parse_envelope(message: AbstractIncomingMessage) -> Envelope:
@@ -84,6 +95,11 @@ class Service:
         # Which lane a shard delivery runs in: its conversation, unless a service says otherwise.
         self.lane_key: Callable[[AbstractIncomingMessage], str] = key_from_header
         self._intakes: list[tuple[str, str, Route]] = []
+        self._commands: dict[str, Callable[[AbstractIncomingMessage], Awaitable[None]]] = {}
+        # Which shards this replica consumes (None until started, or with no shards at all).
+        self.ownership: Ownership | None = None
+        # Taken by whoever changes the subscriptions: ownership rounds and the watchdog.
+        self._consumption = asyncio.Lock()
         self._consuming = False
         self._health: HealthServer | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -121,8 +137,39 @@ class Service:
         key_of: Callable[[AbstractIncomingMessage], str],
         handle: Callable[[AbstractIncomingMessage], Awaitable[None]],
     ) -> None:
-        """Consume a single-active-consumer queue whose deliveries carry their key inside."""
-        self._intakes.append((exchange, binding, Route("", key_of, handle)))
+        """Outside commands that carry their key inside (``binding`` on ``exchange``).
+
+        They arrive on one single-active-consumer intake queue; a light router there moves
+        each, in order per key, to this service's shards with the key as its
+        ``x-yoke-conversation`` header (``reply_to`` and ``correlation_id`` kept), then acks.
+        ``handle`` runs on the shards, so the commands' work is shared by the replicas that
+        own them, in order per conversation.
+        """
+        self._intakes.append((exchange, binding, Route("", key_of, self._router(binding, key_of))))
+        self._commands[binding] = handle
+
+    def _router(
+        self, command: str, key_of: Callable[[AbstractIncomingMessage], str]
+    ) -> Callable[[AbstractIncomingMessage], Awaitable[None]]:
+        async def forward(message: AbstractIncomingMessage) -> None:
+            headers: dict[str, str | int] = {
+                name: value
+                for name, value in (message.headers or {}).items()
+                if isinstance(value, str | int) and name not in _BROKER_HEADERS
+            }
+            headers[topology.CONVERSATION_HEADER] = key_of(message)
+            headers[topology.COMMAND_HEADER] = command
+            await self.bus.publish(
+                topology.shard_exchange(self.name),
+                command,
+                message.body,
+                message_id=message.message_id or "",
+                headers=headers,
+                reply_to=message.reply_to,
+                correlation_id=message.correlation_id,
+            )
+
+        return forward
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -138,20 +185,39 @@ class Service:
             self.poster.run_sweeper(self.settings.outbox_grace_seconds, self.stopping)
         )
         prefetch = self.settings.prefetch
-        if self._event_handlers:
+        if self._event_handlers or self._commands:
             await check_shard_count(self.bus, self.store, self.name, self.settings.shards)
             queues = await self.bus.declare_shards(self.name, self._interests, self.settings.shards)
-            for queue in queues:
-                route = Route(queue, self.lane_key, self._handle_event)
-                on_message = self.dispatcher.on_message(route)
-                await self.bus.consume(queue, on_message, prefetch=prefetch)
+            self.ownership = Ownership(
+                self.name,
+                queues,
+                bus=self.bus,
+                replicas=self.store.db[REPLICAS],
+                consumer=self._shard_consumer,
+                prefetch=prefetch,
+                lock=self._consumption,
+                replica=self.settings.replica,
+                metrics_port=self._health.port if self._health is not None else None,
+            )
         for exchange, binding, route in self._intakes:
             queue = await self.bus.declare_intake(self.name, exchange, binding)
             on_message = self.dispatcher.on_message(Route(queue, route.key_of, route.handle))
             await self.bus.consume(queue, on_message, prefetch=prefetch)
+        if self.ownership is not None:
+            await self.ownership.start()
         self._consuming = True
         self._watchdog = asyncio.create_task(self._watch_consumers())
-        log.info("%s consuming (%d shards)", self.name, self.settings.shards)
+        owned = self.ownership.shards() if self.ownership is not None else []
+        log.info(
+            "%s consuming %d of its %d shards %s",
+            self.name,
+            len(owned),
+            self.settings.shards,
+            owned,
+        )
+
+    def _shard_consumer(self, queue: str, gate: Gate) -> OnMessage:
+        return self.dispatcher.on_message(Route(queue, self.lane_key, self._handle_event, gate))
 
     async def stop(self) -> None:
         """Stop taking deliveries, finish the in-flight ones, then close channels (not cancel)."""
@@ -161,6 +227,10 @@ class Service:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watchdog
+        if self.ownership is not None:
+            # Out of the live set first: the others subscribe to our shards while we drain,
+            # and become their active consumers as our channels close.
+            await self.ownership.withdraw()
         await self.dispatcher.drain()
         if self._sweeper is not None:
             # Its round may be publishing (another writer's leftovers): let it end while the
@@ -215,16 +285,28 @@ class Service:
                 elif subscription.queue_name not in suspects:
                     suspects.add(subscription.queue_name)
                 else:
-                    log.warning("consuming %s again (%s)", subscription.queue_name, problem)
-                    try:
-                        await self.bus.resubscribe(subscription)
-                        suspects.discard(subscription.queue_name)
-                    except Exception as error:
-                        log.warning("could not consume %s yet: %r", subscription.queue_name, error)
+                    async with self._consumption:
+                        if subscription not in self.bus.subscriptions:
+                            continue  # handed over meanwhile
+                        log.warning("consuming %s again (%s)", subscription.queue_name, problem)
+                        try:
+                            await self.bus.resubscribe(subscription)
+                            suspects.discard(subscription.queue_name)
+                        except Exception as error:
+                            log.warning(
+                                "could not consume %s yet: %r", subscription.queue_name, error
+                            )
 
     # --- delivery ----------------------------------------------------------------------
 
     async def _handle_event(self, message: AbstractIncomingMessage) -> None:
+        command = (message.headers or {}).get(topology.COMMAND_HEADER)
+        if command is not None:
+            handle = self._commands.get(str(command))
+            if handle is None:
+                raise Malformed(f"this service handles no command {command!r}")
+            await handle(message)
+            return
         envelope = parse_envelope(message)
         handler = self._event_handlers.get(envelope.type)
         if handler is None:
