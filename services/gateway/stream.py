@@ -220,6 +220,9 @@ class ForumStream:
                 # Earlier lines' events are late or lost: send them from the store first.
                 async for chunk in self.lines_up_to(item.seq):
                     yield chunk
+            if isinstance(item, MessagePosted):
+                # The head it shows saves the store lookups of the next head read.
+                self.store.observe_seq(self.forum_id, item.seq)
             if self.subscriber.missed:
                 async for chunk in self.catch_up():
                     yield chunk
