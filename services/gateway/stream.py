@@ -29,7 +29,7 @@ from aio_pika.abc import (
 )
 from pydantic import ValidationError
 
-from yoke import topology
+from yoke import amqp_nodes, topology
 from yoke.ids import new_id
 from yoke.models import AgentActivity, Envelope, Message, MessagePosted
 from yoke.store import Store
@@ -77,9 +77,8 @@ class Hub:
         self._binding = asyncio.Lock()
 
     async def start(self) -> None:
-        self._connection = await aio_pika.connect_robust(
-            self.amqp_url, client_properties={"connection_name": "gateway-stream"}, timeout=10
-        )
+        # A node list and amqps:// as every connection of the mesh takes them (yoke.amqp_nodes).
+        self._connection = await amqp_nodes.connect_robust(self.amqp_url, name="gateway-stream")
         channel = await self._connection.channel()
         assert isinstance(channel, aio_pika.RobustChannel)
         self._channel = channel
