@@ -321,7 +321,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await store.ping()
         await store.ensure_indexes()
         await ensure_token_indexes(store)
-        client = Client(settings.amqp_url)
+        client = Client(settings.amqp_url, queue_prefix="yoke.gateway.replies.")
         await client.__aenter__()
         hub = Hub(settings.amqp_url)
         await hub.start()

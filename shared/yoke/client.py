@@ -17,8 +17,11 @@ from yoke.models import CommandAuthor, Envelope, Message, MessagePosted, SubmitM
 
 
 class Client:
-    def __init__(self, amqp_url: str) -> None:
+    def __init__(self, amqp_url: str, *, queue_prefix: str = topology.BRIDGE_QUEUE_PREFIX) -> None:
         self.amqp_url = amqp_url
+        # Its reply (and watch) queues are named by this: a bridge's user may declare only
+        # ``bridge.*``, the mesh's services' user (the HTTP gateway's) only ``yoke.*``.
+        self.queue_prefix = queue_prefix
         self._connection: AbstractRobustConnection | None = None
         self._channel: AbstractChannel | None = None
         self._replies: AbstractQueue | None = None
@@ -28,7 +31,7 @@ class Client:
         self._connection = await amqp_nodes.connect_robust(self.amqp_url)
         self._channel = await self._connection.channel(publisher_confirms=True)
         self._replies = await self._channel.declare_queue(
-            topology.BRIDGE_QUEUE_PREFIX + new_id(), exclusive=True, auto_delete=True
+            self.queue_prefix + new_id(), exclusive=True, auto_delete=True
         )
         await self._replies.consume(self._on_reply, no_ack=True)
         return self
@@ -102,7 +105,7 @@ class Client:
         bridge may read)."""
         assert self._channel is not None
         queue = await self._channel.declare_queue(
-            topology.BRIDGE_QUEUE_PREFIX + new_id(), exclusive=True, auto_delete=True
+            self.queue_prefix + new_id(), exclusive=True, auto_delete=True
         )
         await queue.bind(
             topology.FORUM_EXCHANGE,
