@@ -113,15 +113,20 @@ def ferretdb_binary() -> Path | None:
 
 
 def postgresql_url() -> str:
-    """The PostgreSQL URL the shared FerretDB runs on, read from its command line."""
+    """The PostgreSQL URL (no query) the shared FerretDB runs on: from its command line, else
+    from what ``make services`` gives it (deploy/local/services.sh)."""
     if url := os.environ.get("YOKE_TEST_FERRETDB_POSTGRESQL_URL"):
-        return url
+        return url.split("?")[0]
     with contextlib.suppress(OSError, ValueError):
         pid = int((ROOT / ".local" / "ferretdb.pid").read_text().strip())
         arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         for argument in arguments:
             if argument.startswith(b"--postgresql-url="):
-                return argument.split(b"=", 1)[1].decode()
+                return argument.split(b"=", 1)[1].decode().split("?")[0]
+    password_file = ROOT / ".local" / "postgresql-ferretdb.password"  # make services keeps it
+    if password_file.is_file():
+        password = password_file.read_text().strip()
+        return DEFAULT_POSTGRESQL_URL.replace(":ferretdb@", f":{password}@")
     return DEFAULT_POSTGRESQL_URL
 
 
@@ -151,9 +156,7 @@ def tls_ferretdb(certificates: Certificates, *, client_ca: bool = False) -> Iter
     state = Path(tempfile.mkdtemp(prefix="yoke-ferretdb-tls-"))
     port = free_port()
     log_path = state / "ferretdb.log"
-    pool = "pool_max_conns=20"
-    pg_url = postgresql_url()
-    pg_url = f"{pg_url}&{pool}" if "?" in pg_url else f"{pg_url}?{pool}"
+    pg_url = postgresql_url() + "?pool_max_conns=20"
     arguments = [
         str(binary),
         "--handler=postgresql",
