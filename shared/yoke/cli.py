@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from yoke import supervisor
 from yoke.bus import Bus
 from yoke.cli_publishers import register as register_publishers
+from yoke.cli_status import register as register_status
 from yoke.cli_tokens import register as register_tokens
 from yoke.cli_webhooks import register as register_webhooks
 from yoke.client import Client
@@ -244,7 +245,11 @@ async def tail(args: argparse.Namespace) -> None:
 
 
 async def up(args: argparse.Namespace) -> None:
-    await supervisor.run()
+    try:
+        replicas = supervisor.parse_replicas(args.replicas or "")
+    except supervisor.ReplicasError as error:
+        raise UsageError(f"--replicas: {error}") from error
+    await supervisor.run(replicas=replicas)
 
 
 async def asyncapi(args: argparse.Namespace) -> None:
@@ -297,7 +302,13 @@ def parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=handler)
         return sub
 
-    command(commands, "up", up, "run the six services as processes, restarting crashed ones")
+    command(
+        commands, "up", up, "run the six services as processes, restarting crashed ones"
+    ).add_argument(
+        "--replicas",
+        metavar="SERVICE=N,...",
+        help="replicas per service, sharing its shards (e.g. processor=3,ingestion=2)",
+    )
 
     agent = commands.add_parser("agent", help="manage agents").add_subparsers(
         dest="sub", required=True
@@ -375,6 +386,7 @@ def parser() -> argparse.ArgumentParser:
     register_publishers(commands)
     register_tokens(commands)
     register_webhooks(commands)
+    register_status(commands)
     return root
 
 

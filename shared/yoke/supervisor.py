@@ -1,8 +1,14 @@
-"""``yoke up``: the six services as separate processes, restarting any that dies."""
+"""``yoke up``: the six services as separate processes, restarting any that dies.
+
+``--replicas processor=3,ingestion=2`` runs several replicas of a service; replica k gets
+``YOKE_REPLICA=k`` (so its metrics port is the service's + 10·k) and they share the
+service's shards (:mod:`yoke.ownership`).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -17,12 +23,40 @@ GATEWAY = "gateway"
 MAX_BACKOFF_SECONDS = 30.0
 
 
+class ReplicasError(ValueError):
+    """``--replicas`` names an unknown service or a count that is not a positive number."""
+
+
+def parse_replicas(text: str, services: tuple[str, ...] = SERVICES) -> dict[str, int]:
+    """``processor=3,ingestion=2`` -> ``{"processor": 3, "ingestion": 2}``."""
+    counts: dict[str, int] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, _, count = item.partition("=")
+        name = name.strip()
+        if name not in services:
+            raise ReplicasError(f"unknown service {name!r} (one of {', '.join(services)})")
+        try:
+            counts[name] = int(count)
+        except ValueError:
+            raise ReplicasError(f"{item!r}: expected SERVICE=COUNT") from None
+        if not 1 <= counts[name] <= 99:
+            raise ReplicasError(f"{item!r}: a service runs 1 to 99 replicas")
+    return counts
+
+
 @dataclass
 class Child:
     name: str
+    replica: int = 0
     process: asyncio.subprocess.Process | None = None
     restarts: int = 0
     started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}#{self.replica}" if self.replica else self.name
 
 
 def say(text: str) -> None:
@@ -31,10 +65,13 @@ def say(text: str) -> None:
 
 async def start(child: Child) -> None:
     child.process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", f"services.{child.name}"
+        sys.executable,
+        "-m",
+        f"services.{child.name}",
+        env={**os.environ, "YOKE_REPLICA": str(child.replica)},
     )
     child.started_at = time.monotonic()
-    say(f"started {child.name} (pid {child.process.pid})")
+    say(f"started {child.label} (pid {child.process.pid})")
 
 
 async def watch(child: Child, stopping: asyncio.Event) -> None:
@@ -46,11 +83,11 @@ async def watch(child: Child, stopping: asyncio.Event) -> None:
         if stopping.is_set():
             return
         if code == EXIT_MISCONFIGURED:
-            say(f"{child.name} cannot run as configured (see its log); not restarting it")
+            say(f"{child.label} cannot run as configured (see its log); not restarting it")
             return
         lived = time.monotonic() - child.started_at
         backoff = 1.0 if lived > 60 else min(backoff * 2, MAX_BACKOFF_SECONDS)
-        say(f"{child.name} exited with {code}; restarting in {backoff:.0f}s")
+        say(f"{child.label} exited with {code}; restarting in {backoff:.0f}s")
         try:
             await asyncio.wait_for(stopping.wait(), timeout=backoff)
             return
@@ -60,12 +97,18 @@ async def watch(child: Child, stopping: asyncio.Event) -> None:
         await start(child)
 
 
-async def run(names: tuple[str, ...] = (*SERVICES, GATEWAY), grace: float = 30.0) -> int:
+async def run(
+    names: tuple[str, ...] = (*SERVICES, GATEWAY),
+    grace: float = 30.0,
+    replicas: dict[str, int] | None = None,
+) -> int:
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
-    children = [Child(name) for name in names]
+    children = [
+        Child(name, replica) for name in names for replica in range((replicas or {}).get(name, 1))
+    ]
     for child in children:
         await start(child)
     watchers = [asyncio.create_task(watch(child, stopping)) for child in children]
