@@ -13,7 +13,7 @@ import time
 
 from pymongo import AsyncMongoClient
 
-from yoke import amqp_nodes
+from yoke import amqp_nodes, tls
 
 
 async def amqp_answers(url: str) -> None:
@@ -24,7 +24,7 @@ async def amqp_answers(url: str) -> None:
 
 async def mongodb_answers(url: str) -> None:
     client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
-        url, serverSelectionTimeoutMS=3000
+        url, serverSelectionTimeoutMS=3000, **tls.mongodb_options()
     )
     try:
         await client.admin.command("ping")
