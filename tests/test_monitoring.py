@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -25,14 +26,18 @@ from urllib.parse import unquote, urlsplit
 import httpx
 import pytest
 import yaml
+from prometheus_client import REGISTRY
 
 from tests.support.fake_openai import FakeOpenAI, completion, failure
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually, free_port
 from tests.support.prometheus import Prometheus, binary
 from yoke.client import Client
+from yoke.ids import new_id
 from yoke.joins import ScriptedCall, ScriptedOutput
+from yoke.models import Message, TextPart
 from yoke.monitoring import local_config
+from yoke.outbox import Outbox
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow
@@ -121,6 +126,31 @@ def test_alert_rules_pass_promtool_and_every_alert_has_unit_tests() -> None:
         "YokeOutboxUnpublished",
         "YokeModelFailing",
     } <= alerts
+
+
+def test_the_outbox_gauges_show_what_waits_for_a_confirm_and_how_long() -> None:
+    outbox = Outbox("monitoring-test")
+    message = Message(
+        id=new_id(),
+        conversation_id="c",
+        author_actor_id="a",
+        parts=[TextPart(text="x")],
+        created_at=datetime.now(UTC) - timedelta(seconds=90),
+    )
+
+    def gauge(name: str) -> float:
+        value = REGISTRY.get_sample_value(name, {"service": "monitoring-test"})
+        assert value is not None, name
+        return value
+
+    assert gauge("yoke_outbox_unpublished") == 0
+    assert gauge("yoke_outbox_oldest_unpublished_seconds") == 0
+    outbox.written(message)
+    assert gauge("yoke_outbox_unpublished") == 1
+    assert 90 <= gauge("yoke_outbox_oldest_unpublished_seconds") < 120  # past the alert's 60 s
+    outbox.confirmed(message.id)
+    assert gauge("yoke_outbox_unpublished") == 0
+    assert gauge("yoke_outbox_oldest_unpublished_seconds") == 0
 
 
 def test_the_local_configuration_passes_promtool(tmp_path: Path) -> None:
