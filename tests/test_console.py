@@ -15,6 +15,7 @@ import signal
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from selenium import webdriver
 from selenium.common.exceptions import StaleElementReferenceException
@@ -29,6 +30,14 @@ from tests.support.mesh import JoinFactory, Mesh
 from yoke.joins import ScriptedCall, ScriptedOutput
 from yoke.store import Store
 from yoke.tokens import create_token, ensure_token_indexes
+from yoke.webhooks import (
+    DEAD_LETTERS,
+    DeadLetter,
+    add_webhook,
+    collection,
+    ensure_webhook_indexes,
+    remove_webhook,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -177,3 +186,66 @@ async def test_the_console_shows_a_forum_live_and_the_agents_monologue(
     await asyncio.to_thread(
         use_the_console, browser, gateway_url, secret, forum_id, title, tmp_path
     )
+
+
+async def test_the_consoles_data_keeps_to_the_tokens_scope(
+    gateway_url: str, store: Store, new_join: JoinFactory
+) -> None:
+    """Monologues through their join's forum, webhook dead letters through their forum, the
+    mesh's dead letters to all-forums tokens only; pages need no token but carry a CSP."""
+    mine, my_join = await new_join()
+    theirs, their_join = await new_join()
+    await ensure_token_indexes(store)
+    _, scoped = await create_token(store, "scoped-console", [mine])
+    _, everything = await create_token(store, "all-console")
+    await ensure_webhook_indexes(store)
+    for forum_id in (mine, theirs):
+        subscription = await add_webhook(store, forum_id, "http://127.0.0.1:9/unused")
+        letter = DeadLetter(
+            id=f"letter-{forum_id}",
+            subscription_id=subscription.id,
+            forum_id=forum_id,
+            message_id="m",
+            seq=1,
+            url=subscription.url,
+            reason="refused: HTTP 400",
+            status=400,
+            attempts=1,
+        )
+        await collection(store, DEAD_LETTERS).insert_one(letter.to_document())
+        await remove_webhook(store, subscription.id)  # the letters stay
+
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=30) as http:
+
+        async def get(path: str, secret: str | None) -> httpx.Response:
+            headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+            return await http.get(path, headers=headers)
+
+        page = await get(f"/forums/{mine}", None)
+        assert page.status_code == 200 and f'data-forum-id="{mine}"' in page.text
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+        assert (await get("/console/static/console.js", None)).status_code == 200
+        assert (await get("/console/static/../app.py", None)).status_code == 404
+        assert (await get("/console/api/forums", None)).status_code == 401
+
+        listed = (await get("/console/api/forums", scoped)).json()["forums"]
+        assert [forum["id"] for forum in listed] == [mine]
+        info = (await get(f"/console/api/forums/{mine}", scoped)).json()
+        assert [a["monologueId"] for a in info["agents"]] == [my_join.monologue_id]
+        assert (await get(f"/console/api/forums/{theirs}", scoped)).status_code == 403
+
+        own = await get(f"/console/api/monologues/{my_join.monologue_id}/messages", scoped)
+        assert own.status_code == 200 and own.json()["forumId"] == mine
+        other = f"/console/api/monologues/{their_join.monologue_id}/messages"
+        assert (await get(other, scoped)).status_code == 403
+        assert (await get(other, everything)).status_code == 200
+        # A forum is not a monologue: nothing is shown, whatever the scope.
+        not_a_monologue = await get(f"/console/api/monologues/{mine}/messages", everything)
+        assert not_a_monologue.status_code == 403
+
+        letters = (await get("/console/api/dead-letters", scoped)).json()
+        assert [letter["forumId"] for letter in letters["webhooks"]] == [mine]
+        assert letters["mesh"] is None
+        letters = (await get("/console/api/dead-letters", everything)).json()
+        assert {letter["forumId"] for letter in letters["webhooks"]} >= {mine, theirs}
+        assert isinstance(letters["mesh"], list)

@@ -30,7 +30,7 @@ from yoke.dead_letters import list_dead_letters
 from yoke.models import Conversation, Participant
 from yoke.store import Store
 from yoke.tokens import Token
-from yoke.webhooks import dead_letters, list_webhooks
+from yoke.webhooks import dead_letters
 
 log = logging.getLogger(__name__)
 
@@ -208,10 +208,7 @@ async def monologue_messages(
 async def dead_letter_list(request: Request, token: TokenDep) -> JSONResponse:
     """Webhook dead letters of the forums in scope; the mesh's for all-forums tokens."""
     state = gateway(request)
-    subscriptions = [s for s in await list_webhooks(state.store) if token.allows(s.forum_id)]
-    letters = await dead_letters(
-        state.store, [s.id for s in subscriptions], limit=DEAD_LETTERS_SHOWN
-    )
+    letters = await dead_letters(state.store, token.forums, limit=DEAD_LETTERS_SHOWN)
     body: dict[str, Any] = {"webhooks": [letter.to_wire() for letter in letters]}
     body["mesh"] = await mesh_dead_letters(state.settings.amqp_url) if everything(token) else None
     return JSONResponse(body)

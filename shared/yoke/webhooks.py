@@ -128,9 +128,9 @@ async def ensure_webhook_indexes(store: Store) -> None:
                 if isinstance(error, OperationFailure) and error.code != NAMESPACE_EXISTS:
                     raise
     await collection(store, SUBSCRIPTIONS).create_index([("forumId", ASCENDING)], name="forum")
-    await collection(store, DEAD_LETTERS).create_index(
-        [("subscriptionId", ASCENDING)], name="subscription"
-    )
+    letters = collection(store, DEAD_LETTERS)
+    await letters.create_index([("subscriptionId", ASCENDING)], name="subscription")
+    await letters.create_index([("forumId", ASCENDING)], name="forum")
 
 
 def check_url(url: str) -> str:
@@ -175,10 +175,11 @@ async def load_cursor(store: Store, subscription_id: str) -> Cursor | None:
 
 
 async def dead_letters(
-    store: Store, subscription_ids: list[str] | None = None, limit: int = 200
+    store: Store, forum_ids: list[str] | None = None, limit: int = 200
 ) -> list[DeadLetter]:
-    """Dead letters, newest first (of the given subscriptions, or all)."""
-    query: Doc = {} if subscription_ids is None else {"subscriptionId": {"$in": subscription_ids}}
+    """Dead letters, newest first, of the given forums (or all); removing a subscription
+    keeps its letters."""
+    query: Doc = {} if forum_ids is None else {"forumId": {"$in": forum_ids}}
     found = await collection(store, DEAD_LETTERS).find(query).limit(10_000).to_list()
     letters = [DeadLetter.from_document(document) for document in found]
     return sorted(letters, key=lambda letter: letter.created_at, reverse=True)[:limit]
