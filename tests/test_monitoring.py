@@ -466,6 +466,7 @@ async def test_a_killed_service_fires_service_down_once_its_for_has_passed(
     await eventually(
         firing, timeout=SERVICE_DOWN_FOR + 20, what="YokeServiceDown firing", interval=0.2
     )
+    print(f"YokeServiceDown after the kill: {seen}")
     # Pending first, firing once `for` has passed: one scrape and an evaluation or two later.
     assert "pending" in seen, seen
     assert SERVICE_DOWN_FOR <= seen["firing"] <= SERVICE_DOWN_FOR + 5, seen
