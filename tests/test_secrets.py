@@ -333,3 +333,14 @@ def test_redact_masks_every_url_password_and_nothing_else(shown: str, expected: 
 def test_provisioning_names_the_variable_a_password_is_missing_from() -> None:
     with pytest.raises(ProvisioningError, match="YOKE_RABBITMQ_SERVICES_PASSWORD"):
         passwords_from_environment({"YOKE_RABBITMQ_PUBLISHER_PASSWORD": "x"})
+
+
+async def test_provisioning_says_when_the_operator_is_refused(
+    servers: tuple[str, str, str],
+) -> None:
+    parts = urlsplit(servers[2])
+    wrong = urlunsplit(parts._replace(netloc=f"operator-{TAG}:{SERVICES_PASSWORD}@{parts.netloc}"))
+    with pytest.raises(ProvisioningError) as refused:
+        await import_definitions(wrong, {"users": [], "permissions": []}, deadline=5)
+    assert "refused (401)" in str(refused.value)
+    assert_no_secret(str(refused.value), "the provisioning error")

@@ -92,16 +92,19 @@ async def import_definitions(
     give_up = loop.time() + deadline
     async with httpx.AsyncClient(base_url=base, auth=auth, timeout=30) as api:
         while True:
+            # A node still booting refuses connections or answers 503 for a moment.
             try:
                 response = await api.post("/api/definitions", json=definitions)
-                break
+                if response.status_code < 500:
+                    break
+                problem = f"{response.status_code} {response.text[:200]}"
             except httpx.TransportError as error:
-                if loop.time() > give_up:
-                    raise ProvisioningError(
-                        f"the management API at {base} did not answer within {deadline:g} s: "
-                        f"{error!r}"
-                    ) from error
-                await asyncio.sleep(1.0)
+                problem = repr(error)
+            if loop.time() > give_up:
+                raise ProvisioningError(
+                    f"the management API at {base} did not answer within {deadline:g} s: {problem}"
+                )
+            await asyncio.sleep(1.0)
         if response.status_code >= 300:
             raise ProvisioningError(
                 f"importing the definitions was refused ({response.status_code}): "
