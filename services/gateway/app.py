@@ -293,7 +293,7 @@ async def stream(
 
 async def problems(state: Gateway) -> list[str]:
     """Why this gateway cannot serve (empty when it can): ``/healthz`` lists them."""
-    found = [*state.hub.problems()]
+    found = [*state.hub.problems(), *state.extras["webhooks"].problems()]
     if not state.client.connected:
         found.append("command connection down")
     try:

@@ -21,7 +21,8 @@ wake-up costs at most one poll interval and a restart resumes where the cursor s
   made of unique inserts, one document per time bucket of ``YOKE_WEBHOOK_LEASE_SECONDS``: the
   holder of the current bucket claims the next one ahead of time, so nobody else can; others
   only ever try the current bucket, which they win once a holder has died and its buckets
-  have run out (within two buckets). The cursor is updated only by the holder: one writer.
+  have run out (within two buckets; within one when it stops and lets go). The cursor is
+  updated only by the holder: one writer.
 """
 
 from __future__ import annotations
@@ -138,7 +139,9 @@ class Leases:
             if now < self._not_before.get(subscription_id, 0.0):
                 return False
             if not await self._claim(subscription_id, bucket):
-                self._not_before[subscription_id] = now + min(REFRESH_SECONDS, self.seconds / 4)
+                # Its holder has claimed the next bucket too, unless it dies or lets go: try
+                # that one when it begins (one insert per bucket, not per refresh).
+                self._not_before[subscription_id] = (bucket + 1) * self.seconds
                 return False
             claimed.add(bucket)
         if bucket + 1 not in claimed and await self._claim(subscription_id, bucket + 1):
@@ -288,17 +291,19 @@ class SubscriptionRunner:
         }
         started = time.perf_counter()
         status: int | None = None
+        timeout = settings.webhook_timeout_seconds
         try:
-            response = await worker.http.post(
-                subscription.url,
-                content=body,
-                headers=headers,
-                timeout=settings.webhook_timeout_seconds,
-            )
-            status = response.status_code
-            error = f"HTTP {status} {response.reason_phrase}".strip()
-        except httpx.TimeoutException:
-            error = f"no answer within {settings.webhook_timeout_seconds:g} s"
+            # The whole exchange is bounded (not each read), and the answer's body is not read.
+            async with (
+                asyncio.timeout(timeout),
+                worker.http.stream(
+                    "POST", subscription.url, content=body, headers=headers, timeout=timeout
+                ) as response,
+            ):
+                status = response.status_code
+                error = f"HTTP {status} {response.reason_phrase}".strip()
+        except (TimeoutError, httpx.TimeoutException):
+            error = f"no answer within {timeout:g} s"
         except httpx.HTTPError as failure:
             error = f"{type(failure).__name__}: {failure}"[:ERROR_CHARS]
         elapsed = time.perf_counter() - started
