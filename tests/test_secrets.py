@@ -198,7 +198,9 @@ async def test_a_turn_with_a_tool_call_runs_through_the_mesh_as_that_user(
 ) -> None:
     forum_id, _ = await new_join()
     await say(client, forum_id, "hello there")
-    forum = await lines_until(store, forum_id, lambda lines: len(agent_lines(lines)) == 1)
+    forum = await lines_until(
+        store, forum_id, lambda lines: len(agent_lines(lines)) == 1, timeout=90
+    )
     assert agent_lines(forum)[0].text.endswith("hello there")
 
     script = [
@@ -207,7 +209,9 @@ async def test_a_turn_with_a_tool_call_runs_through_the_mesh_as_that_user(
     ]
     forum_id, join = await new_join(model="fixture-script", tools=["clock"], script=script)
     await say(client, forum_id, "what time is it?")
-    forum = await lines_until(store, forum_id, lambda lines: len(agent_lines(lines)) == 1)
+    forum = await lines_until(
+        store, forum_id, lambda lines: len(agent_lines(lines)) == 1, timeout=90
+    )
     assert agent_lines(forum)[0].text == "it is late"
     monologue = await store.history(join.monologue_id)
     assert any(isinstance(part, ToolResultPart) for line in monologue for part in line.parts)
