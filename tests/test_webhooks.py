@@ -14,12 +14,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from services.gateway.webhooks import Leases
 from tests.support.gateway_process import metric, start_gateway
 from tests.support.mesh import JoinFactory, Mesh, say
 from tests.support.processes import ROOT, ServiceProcess, eventually
@@ -28,6 +30,7 @@ from yoke.client import Client
 from yoke.store import Store
 from yoke.webhooks import (
     DEAD_LETTERS,
+    LEASES,
     Subscription,
     add_webhook,
     collection,
@@ -355,3 +358,34 @@ async def test_two_gateway_replicas_deliver_a_subscription_once_and_take_over_fr
         return await metric(survivor, "yoke_webhook_subscriptions_held") == 1.0
 
     await eventually(survivor_holds, timeout=10, what="the survivor to hold the subscription")
+
+
+async def test_a_subscription_lease_has_one_holder_and_passes_on_when_it_is_let_go(
+    store: Store,
+) -> None:
+    """Invariant 8 on the real store: two processes' leases, decided by unique inserts."""
+    await ensure_webhook_indexes(store)
+    first, second = Leases(store, 1.0, "first"), Leases(store, 1.0, "second")
+    subscription_id = "lease-test"
+    assert await first.keep(subscription_id)
+    assert not await second.keep(subscription_id)
+    assert first.holds(subscription_id) and not second.holds(subscription_id)
+
+    async def first_keeps_it() -> bool:  # over several buckets, renewed ahead each time
+        assert await first.keep(subscription_id)
+        assert not await second.keep(subscription_id)
+        return time.time() > started + 3.5
+
+    started = time.time()
+    await eventually(first_keeps_it, timeout=10, what="three buckets to pass", interval=0.2)
+
+    await first.release(subscription_id)
+    assert not first.holds(subscription_id)
+
+    async def second_takes_it() -> bool:
+        return await second.keep(subscription_id)
+
+    await eventually(second_takes_it, timeout=3, what="the second to take the lease")
+    assert not await first.keep(subscription_id)
+    leases = await collection(store, LEASES).find({"subscriptionId": subscription_id}).to_list()
+    assert {lease["holder"] for lease in leases} == {"second"}

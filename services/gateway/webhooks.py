@@ -144,6 +144,10 @@ class Leases:
                 self._not_before[subscription_id] = (bucket + 1) * self.seconds
                 return False
             claimed.add(bucket)
+            # Taken over: what earlier holders left is past (nobody claims a past bucket).
+            await collection(self.store, LEASES).delete_many(
+                {"subscriptionId": subscription_id, "bucket": {"$lt": bucket}}
+            )
         if bucket + 1 not in claimed and await self._claim(subscription_id, bucket + 1):
             claimed.add(bucket + 1)
         for old in sorted(b for b in claimed if b < bucket):

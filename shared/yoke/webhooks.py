@@ -128,6 +128,9 @@ async def ensure_webhook_indexes(store: Store) -> None:
                 if isinstance(error, OperationFailure) and error.code != NAMESPACE_EXISTS:
                     raise
     await collection(store, SUBSCRIPTIONS).create_index([("forumId", ASCENDING)], name="forum")
+    await collection(store, LEASES).create_index(
+        [("subscriptionId", ASCENDING)], name="subscription"
+    )
     letters = collection(store, DEAD_LETTERS)
     await letters.create_index([("subscriptionId", ASCENDING)], name="subscription")
     await letters.create_index([("forumId", ASCENDING)], name="forum")
@@ -189,4 +192,5 @@ async def remove_webhook(store: Store, subscription_id: str) -> bool:
     """Delete the subscription (its worker stops within seconds); False if there was none."""
     result = await collection(store, SUBSCRIPTIONS).delete_one({"_id": subscription_id})
     await collection(store, CURSORS).delete_one({"_id": subscription_id})
+    await collection(store, LEASES).delete_many({"subscriptionId": subscription_id})
     return result.deleted_count > 0
