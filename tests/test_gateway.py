@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from tests.support.mesh import JoinFactory, Mesh, lines_until
-from tests.support.processes import ROOT, ServiceProcess, free_port
+from tests.support.processes import ROOT, ServiceProcess, eventually, free_port
 from yoke.client import Client
 from yoke.ids import new_id
 from yoke.joins import ScriptedCall, ScriptedOutput, create_forum
@@ -598,6 +598,12 @@ async def test_a_client_reconnecting_with_last_event_id_misses_nothing(
         assert (await http.post(path, json=post_body("five"), headers=headers)).status_code == 202
         fresh, _ = await stream.messages(1)
     assert fresh[0].id == "9"
+
+    async def all_streams_closed() -> bool:  # a client that goes leaves nothing behind
+        metrics = (await http.get("/metrics")).text
+        return "\nyoke_gateway_streams 0.0\n" in metrics
+
+    await eventually(all_streams_closed, timeout=10, what="the gateway's streams to end")
     response = await http.get(
         f"/v1/forums/{forum_id}/stream", headers={**headers, "Last-Event-ID": "seven"}
     )
