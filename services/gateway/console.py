@@ -22,6 +22,7 @@ from string import Template
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
+from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from services.gateway.deps import ApiError, ForumDep, TokenDep, gateway
@@ -183,7 +184,7 @@ async def forum_of_monologue(store: Store, monologue_id: str) -> str | None:
 async def monologue_messages(
     request: Request,
     token: TokenDep,
-    monologueId: str,
+    monologue_id: Annotated[str, PathParam(alias="monologueId")],
     after: Annotated[int | None, Query(ge=0)] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LINES)] = 200,
 ) -> JSONResponse:
@@ -193,12 +194,12 @@ async def monologue_messages(
     403, as does one asking for an id that is not a monologue (nothing is told about it).
     """
     store = gateway(request).store
-    forum_id = await forum_of_monologue(store, monologueId)
+    forum_id = await forum_of_monologue(store, monologue_id)
     if forum_id is None or not token.allows(forum_id):
-        raise ApiError(403, "forbidden", f"this token may not read monologue {monologueId!r}")
-    head = await store.last_seq(monologueId)
+        raise ApiError(403, "forbidden", f"this token may not read monologue {monologue_id!r}")
+    head = await store.last_seq(monologue_id)
     start = max(0, head - limit) if after is None else after
-    lines = await store.history(monologueId, after_seq=start, up_to_seq=min(start + limit, head))
+    lines = await store.history(monologue_id, after_seq=start, up_to_seq=min(start + limit, head))
     return JSONResponse(
         {"forumId": forum_id, "head": head, "messages": [line.to_wire() for line in lines]}
     )
