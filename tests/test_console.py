@@ -26,7 +26,8 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.support.gateway_process import start_gateway
-from tests.support.mesh import JoinFactory, Mesh
+from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
+from yoke.client import Client
 from yoke.joins import ScriptedCall, ScriptedOutput
 from yoke.store import Store
 from yoke.tokens import create_token, ensure_token_indexes
@@ -249,3 +250,31 @@ async def test_the_consoles_data_keeps_to_the_tokens_scope(
         letters = (await get("/console/api/dead-letters", everything)).json()
         assert {letter["forumId"] for letter in letters["webhooks"]} >= {mine, theirs}
         assert isinstance(letters["mesh"], list)
+
+
+async def test_the_console_follows_an_agent_across_compactions(
+    gateway_url: str, store: Store, client: Client, new_join: JoinFactory
+) -> None:
+    """The monologue panel lists the monologues before each compaction; the scope of the
+    forum covers them all, and the new one opens with the summary (an instruction line)."""
+    forum_id, join = await new_join(compaction_threshold_tokens=40, compaction_keep=2)
+    await ensure_token_indexes(store)
+    _, secret = await create_token(store, "compacted-console", [forum_id])
+    for n in range(8):
+        await say(client, forum_id, f"a line long enough to fill the monologue, number {n}")
+    await lines_until(store, forum_id, lambda lines: len(agent_lines(lines)) >= 8, timeout=90)
+
+    async with httpx.AsyncClient(
+        base_url=gateway_url, timeout=30, headers={"Authorization": f"Bearer {secret}"}
+    ) as http:
+        info = (await http.get(f"/console/api/forums/{forum_id}")).json()
+        (agent,) = info["agents"]
+        monologues = agent["monologues"]
+        assert len(monologues) >= 2 and monologues[0] == join.monologue_id
+        assert monologues[-1] == agent["monologueId"] != join.monologue_id
+        for monologue_id in monologues:
+            answer = await http.get(f"/console/api/monologues/{monologue_id}/messages")
+            assert answer.status_code == 200 and answer.json()["forumId"] == forum_id
+        newest = await http.get(f"/console/api/monologues/{monologues[-1]}/messages?after=0")
+        first = newest.json()["messages"][0]
+        assert first["meta"]["instruction"] == "summary"
