@@ -92,7 +92,10 @@ def test_every_service_runs_from_the_image_with_the_settings_the_code_reads() ->
         assert set(environment) <= known_environment(), set(environment) - known_environment()
         port = DEFAULT_METRICS_PORTS[name]
         assert environment["YOKE_METRICS_PORT"] == str(port)
-        assert ("127.0.0.1", str(port), str(port)) in {published(p) for p in service["ports"]}
+        if service.get("deploy", {}).get("replicas", 1) > 1:
+            assert "ports" not in service  # replicas would collide on a host port
+        else:
+            assert ("127.0.0.1", str(port), str(port)) in {published(p) for p in service["ports"]}
         assert environment["YOKE_AMQP_URL"].startswith("amqp://")
         assert environment["YOKE_MONGODB_URL"].startswith("mongodb://")
         for server in ("rabbitmq", "mongodb"):
@@ -160,6 +163,11 @@ def test_prometheus_scrapes_every_service_and_rabbitmq() -> None:
         for job in config["scrape_configs"]
         for static in job["static_configs"]
         for target in static["targets"]
+    } | {  # replicated services: each replica, found by DNS on the compose network
+        f"{name}:{found['port']}"
+        for job in config["scrape_configs"]
+        for found in job.get("dns_sd_configs", [])
+        for name in found["names"]
     }
     expected = {f"{name}:{DEFAULT_METRICS_PORTS[name]}" for name in SERVICES}
     gateway = f"{GATEWAY}:{Settings().gateway_port}"

@@ -63,6 +63,15 @@ def local_config(
     config["rule_files"] = [str(path) for path in rule_files]
     for job in config.get("scrape_configs", []):
         name = job["job_name"]
+        # Compose finds a replicated service's replicas by DNS; here they are name:port too.
+        named = [
+            f"{host}:{found['port']}"
+            for found in job.pop("dns_sd_configs", [])
+            for host in found["names"]
+        ]
+        if named:
+            statics = job.setdefault("static_configs", [{"targets": []}])
+            statics[0]["targets"] = [*named, *statics[0]["targets"]]
         if targets is not None and name in targets:
             job["static_configs"] = [{"targets": list(targets[name])}]
             continue
