@@ -4,8 +4,9 @@ and the raw aio-pika relay, in one run, in a throwaway vhost and database.
 First the floor: a raw relay hop and one hop of the yoke bus, each with a warm-up, ``--events``
 events over ``--conversations`` closed loops, then ``--serial`` events one at a time (the raw
 side first, so the store's after-work cannot slow it). Then the five services start as real
-processes and the turn phases run (:mod:`bench.mesh_bench`): latency, throughput, growth,
-isolation and scale. The table is printed and written to ``bench/results.json``.
+processes and the turn phases run (:mod:`bench.mesh_bench`): latency, throughput (also with
+one and with two processor replicas), growth, isolation and scale. The table is printed and
+written to ``bench/results.json``.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "Whole turns through the real mesh (the five services as processes, an echo "
             "agent): (1) turn latency, a line submitted on yoke.commands until the agent's "
             "answering forum line is seen on yoke.events, p50/p99, one turn at a time; "
-            "(2) throughput with --forums forums posting at once; (3) growth, turn p50 in a "
+            "(2) throughput with --forums forums posting at once, and the same with one and "
+            "with two processor replicas sharing the shards; (3) growth, turn p50 in a "
             "fresh forum against one with --growth-lines lines of history; (4) isolation, "
             "p99 of ordinary forums while one forum's model takes --slow-seconds per step, "
             "against the same without it; (5) scale, RSS of each service with --joins joined "
@@ -95,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             default=None,
             help=f"{text} (default {default:g}, --quick {quick:g})",
         )
-    for phase in ("hop", "growth", "isolation", "scale"):
+    for phase in ("hop", "replicas", "growth", "isolation", "scale"):
         parser.add_argument(
             f"--skip-{phase}", action="store_true", help=f"leave the {phase} phase out"
         )
@@ -372,6 +374,8 @@ async def measure_turns(
             await mesh.start()
         results["turnLatency"], _ = await mesh.latency()
         results["throughput"] = await mesh.throughput()
+        if not args.skip_replicas:
+            results["replicas"] = await mesh.replicas()
         if not args.skip_growth:
             results["growth"] = await mesh.growth()
         if not args.skip_isolation:

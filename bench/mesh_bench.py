@@ -20,7 +20,7 @@ from typing import Any
 from bench.cpu import servers_cpu
 from bench.history import prefill
 from bench.sandbox import Sandbox, queued_messages
-from bench.services import Services
+from bench.services import ServiceProcess, Services
 from bench.turns import Tracker, TurnRun, Turns
 from yoke.bus import Bus
 from yoke.client import Client
@@ -33,6 +33,9 @@ Figures = dict[str, Any]
 
 DRIVER = "bench driver"
 QUIET_WITHIN = 60.0
+START_WITHIN = 120.0
+# How long replicas may take to agree on who owns which shard (a beat, a round, a subscribe).
+OWNERSHIP_WITHIN = 60.0
 
 
 def rounded(values: dict[str, float], digits: int = 3) -> dict[str, float]:
@@ -181,6 +184,70 @@ class MeshBench:
         figures = {**run.summary(), "cpuMsPerTurn": self.cpu_per_turn(before, run.turns)}
         self.tracker.forget()
         return figures
+
+    async def replicas(self) -> Figures:
+        """Throughput (``--forums`` new forums, ``--forum-turns`` each) with one processor, then
+        with two sharing its shards (replica 1 started beside replica 0), back to back; how long
+        the shards took to split, and to come back to replica 0 when replica 1 stops."""
+        args = self.args
+        shards = args.mesh_shards
+        first = self.services.processes["processor"]
+        if await first.shards_owned() is None:
+            self.progress("replicas: the processor reports no yoke_shards_owned; skipped")
+            return {"skipped": True, "reason": "no shard ownership in this mesh"}
+        await self.owned([first], lambda counts: counts == [shards], "one processor")
+        one = await self.throughput_run("processor x1")
+        begin = time.perf_counter()
+        second = ServiceProcess("processor", self.services.env, self.log_dir, replica=1)
+        try:
+            await second.wait_healthy(START_WITHIN)
+            counts = await self.owned(
+                [first, second],
+                lambda counts: sum(counts) == shards and min(counts) > 0,
+                "two processors sharing the shards",
+            )
+            split = time.perf_counter() - begin
+            two = await self.throughput_run("processor x2")
+        finally:
+            stopping = time.perf_counter()
+            code = await asyncio.to_thread(second.stop)
+        await self.owned([first], lambda counts: counts == [shards], "replica 0 again")
+        back = time.perf_counter() - stopping
+        self.progress(
+            f"replicas: {one.rate:.1f} turns/s with one processor, {two.rate:.1f} with two"
+        )
+        return {
+            "shards": shards,
+            "one": one.summary(),
+            "two": two.summary(),
+            "ratio": round(two.rate / one.rate, 3) if one.rate else None,
+            "shardsOwnedWithTwo": counts,
+            "splitSeconds": round(split, 1),
+            "backSeconds": round(back, 1),
+            "secondExitCode": code,
+        }
+
+    async def throughput_run(self, label: str) -> TurnRun:
+        forums, _ = await self.join_forums(self.args.forums, label)
+        await self.quiet(f"{label} joins")
+        run = await self.turns.closed_loop(
+            f"{label} ({self.args.forums} forums)", forums, self.args.forum_turns, self.progress
+        )
+        self.tracker.forget()
+        return run
+
+    async def owned(
+        self, replicas: list[ServiceProcess], done: Callable[[list[int]], bool], what: str
+    ) -> list[int]:
+        """Poll each replica's ``yoke_shards_owned`` until ``done`` holds for the counts."""
+        deadline = time.perf_counter() + OWNERSHIP_WITHIN
+        while True:
+            counts = [await replica.shards_owned() or 0 for replica in replicas]
+            if done(counts):
+                return counts
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"replicas: no {what} within {OWNERSHIP_WITHIN:.0f}s: {counts}")
+            await asyncio.sleep(0.2)
 
     async def growth(self) -> Figures:
         """Turn p50 in a fresh forum and in one with ``--growth-lines`` lines of history."""

@@ -19,6 +19,7 @@ SECTIONS = (
     "busHop",
     "turnLatency",
     "throughput",
+    "replicas",
     "growth",
     "isolation",
     "scale",
@@ -121,6 +122,8 @@ def turn_rows(results: Figures) -> list[Figures]:
     for key in ("turnLatency", "throughput"):
         if "turns" in results[key]:
             rows.append(results[key])
+    replicas = results["replicas"]
+    rows += [replicas[k] for k in ("one", "two") if k in replicas]
     growth, isolation = results["growth"], results["isolation"]
     rows += [growth[k] for k in ("fresh", "long") if k in growth]
     rows += [isolation[k] for k in ("alone", "besideSlow") if k in isolation]
@@ -178,6 +181,16 @@ def render(results: Figures) -> str:
                 f"  {name:<12}{before:>9.1f}{scale['rssMbAfter'].get(name, math.nan):>13.1f}"
                 f"{scale['rssMbAfterTurns'].get(name, math.nan):>13.1f}"
             )
+    replicas = results["replicas"]
+    if "two" in replicas:
+        lines.append(
+            f"\nProcessor replicas, {replicas['shards']} shards: 1 -> 2 replicas"
+            f" {replicas['one']['turnsPerSecond']} -> {replicas['two']['turnsPerSecond']}"
+            f" turns/s ({replicas['ratio']}x), p99 {replicas['one']['p99Ms']:.0f} ->"
+            f" {replicas['two']['p99Ms']:.0f} ms; shards owned {replicas['shardsOwnedWithTwo']},"
+            f" split {replicas['splitSeconds']}s after the second started, all back on the"
+            f" first {replicas['backSeconds']}s after it stopped"
+        )
     growth = results["growth"]
     if "ratio" in growth:
         lines.append(

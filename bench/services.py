@@ -43,14 +43,15 @@ def process_rss(pid: int) -> float:
 class ServiceProcess:
     """One service, its output in a log file (read back when it fails to start)."""
 
-    def __init__(self, name: str, env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, name: str, env: dict[str, str], log_dir: Path, replica: int = 0) -> None:
         self.name = name
+        self.replica = replica
         self.port = free_port()
-        self.log_path = log_dir / f"{name}.log"
+        self.log_path = log_dir / (f"{name}.log" if not replica else f"{name}-{replica}.log")
         self._log = self.log_path.open("ab")
         self.popen = subprocess.Popen(
             [sys.executable, "-m", f"services.{name}"],
-            env={**env, "YOKE_METRICS_PORT": str(self.port)},
+            env={**env, "YOKE_METRICS_PORT": str(self.port), "YOKE_REPLICA": str(replica)},
             cwd=ROOT,
             stdout=self._log,
             stderr=self._log,
@@ -86,6 +87,18 @@ class ServiceProcess:
                 if loop.time() > deadline:
                     raise RuntimeError(f"{self.name} not healthy within {within:.0f}s")
                 await asyncio.sleep(0.2)
+
+    async def shards_owned(self) -> int | None:
+        """``yoke_shards_owned`` from its /metrics (None while it does not answer)."""
+        try:
+            async with httpx.AsyncClient(timeout=2) as client:
+                response = await client.get(f"http://127.0.0.1:{self.port}/metrics")
+        except httpx.HTTPError:
+            return None
+        for line in response.text.splitlines():
+            if line.startswith("yoke_shards_owned{") and f'service="{self.name}"' in line:
+                return int(float(line.rsplit(" ", 1)[1]))
+        return None
 
     def stop(self, timeout: float = 30) -> int:
         """SIGTERM, then SIGKILL past ``timeout``; the exit code."""
