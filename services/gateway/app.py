@@ -419,6 +419,9 @@ def main() -> None:
     family = socket.AF_INET6 if ":" in settings.gateway_host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit it: a response's head and body are separate writes, and
+    # Nagle would hold the body for the client's delayed ACK (40 ms on a kept-alive connection).
+    listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         listener.bind((settings.gateway_host, settings.gateway_port))
     except OSError as error:
