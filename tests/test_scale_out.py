@@ -32,6 +32,7 @@ from yoke.bus import Bus
 from yoke.client import Client
 from yoke.ids import new_id
 from yoke.joins import create_agent, create_forum, join_conversation
+from yoke.models import Message
 from yoke.ownership import EXPIRES_SECONDS, REPLICAS
 from yoke.posting import Poster
 from yoke.settings import Settings
@@ -131,6 +132,20 @@ async def _handover_seconds(process: ServiceProcess) -> list[float]:
     ]
 
 
+def _answer_seconds(
+    forums: dict[str, list[Message]], since: datetime, until: datetime
+) -> list[float]:
+    """Stored answer time minus stored line time, for the lines written in [since, until)."""
+    seconds = []
+    for lines in forums.values():
+        by_id = {line.id: line for line in lines}
+        for answer in lines:
+            line = by_id.get(answer.meta.in_reply_to or "")
+            if line is not None and since <= line.created_at < until:
+                seconds.append((answer.created_at - line.created_at).total_seconds())
+    return sorted(seconds)
+
+
 def _status(env: dict[str, str]) -> list[dict[str, object]]:
     """``yoke status``, parsed: one JSON object per line."""
     done = subprocess.run(
@@ -187,17 +202,20 @@ async def test_processor_replicas_share_shards_and_take_over_a_killed_one(
     load = Load(amqp_url, forum_ids, interval=8.0, reply_timeout=10.0)
     running = asyncio.create_task(load.run())
     figures: dict[str, float] = {}
+    moments: dict[str, datetime] = {"start": datetime.now(UTC)}
     try:
         await asyncio.sleep(8)  # steady load over three replicas
 
         victim = replicas[1]
         killed_at = time.monotonic()
+        moments["kill -9"] = datetime.now(UTC)
         victim.kill()
         pids.discard(victim.pid)
         await eventually(spread, timeout=TAKEOVER_SECONDS, what="every shard owned again")
         figures["kill -9: shards owned by the others after (s)"] = time.monotonic() - killed_at
         await asyncio.sleep(6)
 
+        moments["a fourth joins"] = datetime.now(UTC)
         fourth = processes.start("processor", 3, **shards)
         joined_at = time.monotonic()
         await fourth.wait_healthy()
@@ -215,6 +233,7 @@ async def test_processor_replicas_share_shards_and_take_over_a_killed_one(
 
         leaving = replicas[0]
         stopped_at = time.monotonic()
+        moments["SIGTERM"] = datetime.now(UTC)
         leaving.popen.terminate()
         pids.discard(leaving.pid)
         await eventually(spread, timeout=30, what="a stopping replica's shards owned again")
@@ -239,6 +258,15 @@ async def test_processor_replicas_share_shards_and_take_over_a_killed_one(
     print(f"\n{found.lines} lines over {FORUMS} forums; hand-over figures:")
     for name, value in figures.items():
         print(f"  {name}: {value:.2f}")
+    steady = _answer_seconds(forums, moments["start"], moments["kill -9"])
+    p50, longest = steady[len(steady) // 2], steady[-1]
+    print(f"  answer time before the kill: p50 {p50:.2f} s, max {longest:.2f} s")
+    for name in ("kill -9", "a fourth joins", "SIGTERM"):
+        window = _answer_seconds(forums, moments[name], moments[name] + timedelta(seconds=15))
+        if window:
+            print(
+                f"  answer time of lines written in the 15 s after {name}: max {window[-1]:.2f} s"
+            )
     assert found.lines >= FORUMS * 3
     assert not found.lost and not found.duplicated and not found.out_of_order, found
     assert not found.rejected and not found.never_accepted, found
