@@ -599,6 +599,13 @@ async def test_a_client_reconnecting_with_last_event_id_misses_nothing(
         fresh, _ = await stream.messages(1)
     assert fresh[0].id == "9"
 
+    # A Last-Event-ID past the head resumes at the head: nothing new is held back.
+    await lines_until(store, forum_id, lambda lines: len(lines) == 10)
+    async with open_stream(http, forum_id, tokens.everything, last_event_id=1000) as stream:
+        assert (await http.post(path, json=post_body("six"), headers=headers)).status_code == 202
+        ahead, _ = await stream.messages(1)
+    assert ahead[0].id == "11" and ahead[0].data["parts"][0]["text"] == "six"
+
     async def all_streams_closed() -> bool:  # a client that goes leaves nothing behind
         metrics = (await http.get("/metrics")).text
         return "\nyoke_gateway_streams 0.0\n" in metrics

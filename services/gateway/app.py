@@ -268,8 +268,10 @@ async def stream(
     try:
         # Subscribed before the head is read: every line past it has its event on the way.
         subscriber = await stack.enter_async_context(state.hub.subscribe(forum.id))
-        if cursor is None:
-            cursor = await state.store.last_seq(forum.id)
+        head = await state.store.last_seq(forum.id)
+        # A Last-Event-ID past the head (another forum's, a store restored from a backup)
+        # would hold back every line up to it: resume at the head instead.
+        cursor = head if cursor is None else min(cursor, head)
     except BaseException:
         await stack.aclose()
         raise
