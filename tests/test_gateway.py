@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -25,13 +26,23 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import httpx
 import pytest
 
+from tests.chaos.up import PORTS_VARIABLE, format_ports
 from tests.support.mesh import JoinFactory, Mesh, lines_until
 from tests.support.processes import ROOT, ServiceProcess, eventually, free_port
+from yoke.bus import Bus
 from yoke.client import Client
 from yoke.ids import new_id
-from yoke.joins import ScriptedCall, ScriptedOutput, create_forum
+from yoke.joins import (
+    ScriptedCall,
+    ScriptedOutput,
+    create_agent,
+    create_forum,
+    join_conversation,
+)
 from yoke.models import Message, MessageMeta, TextPart
+from yoke.posting import Poster
 from yoke.store import Store
+from yoke.supervisor import GATEWAY, SERVICES
 from yoke.tokens import create_token, ensure_token_indexes
 
 pytestmark = pytest.mark.slow
@@ -409,12 +420,13 @@ async def test_idempotency_keys_and_people_are_per_token(
 
 
 @pytest.fixture
-def silent_vhost(servers: tuple[str, str, str]) -> Iterator[str]:
-    """An AMQP URL on a vhost where no door listens: commands there are never answered."""
+def own_vhost(servers: tuple[str, str, str]) -> Iterator[str]:
+    """An AMQP URL on a fresh vhost of the test's own (no door listens there unless the test
+    starts one)."""
     base, _, management = servers
     parts = urlsplit(base)
     auth = (parts.username or "guest", parts.password or "guest")
-    vhost = f"yoke-test-silent-{uuid.uuid4().hex[:8]}"
+    vhost = f"yoke-test-own-{uuid.uuid4().hex[:8]}"
     with httpx.Client(base_url=management, auth=auth, timeout=30) as api:
         api.put(f"/api/vhosts/{vhost}").raise_for_status()
         api.put(
@@ -426,11 +438,11 @@ def silent_vhost(servers: tuple[str, str, str]) -> Iterator[str]:
 
 
 async def test_a_mesh_that_does_not_answer_is_a_503_with_retry_after(
-    silent_vhost: str, module_mongodb_url: str, store: Store, tokens: Tokens, tmp_path: Path
+    own_vhost: str, module_mongodb_url: str, store: Store, tokens: Tokens, tmp_path: Path
 ) -> None:
     forum = await create_forum(store, "nobody home")
     process, url = start_gateway(
-        silent_vhost, module_mongodb_url, tmp_path, YOKE_GATEWAY_SUBMIT_TIMEOUT_SECONDS="1"
+        own_vhost, module_mongodb_url, tmp_path, YOKE_GATEWAY_SUBMIT_TIMEOUT_SECONDS="1"
     )
     try:
         await process.wait_healthy()
@@ -445,6 +457,85 @@ async def test_a_mesh_that_does_not_answer_is_a_503_with_retry_after(
     assert_error(response, 503, "unavailable")
     assert "within 1 s" in response.json()["error"]
     assert int(response.headers["retry-after"]) > 0
+
+
+# ``yoke up`` with a metrics port of its own per mesh service (tests.chaos.up), and otherwise
+# exactly as an operator runs it: the supervisor's default services.
+YOKE_UP = (
+    "import asyncio, os\n"
+    "from tests.chaos.up import PORTS_VARIABLE, install, parse_ports\n"
+    "from yoke import supervisor\n"
+    "install(parse_ports(os.environ[PORTS_VARIABLE]))\n"
+    "raise SystemExit(asyncio.run(supervisor.run()))\n"
+)
+
+
+async def test_yoke_up_runs_the_gateway_beside_the_mesh(
+    own_vhost: str, mongodb_url: str, tmp_path: Path
+) -> None:
+    gateway_port = free_port()
+    # (The gateway's YOKE_METRICS_PORT goes unused: it serves /healthz on its API port.)
+    ports = {**{name: free_port() for name in SERVICES}, GATEWAY: gateway_port}
+    env = {
+        **os.environ,
+        "YOKE_AMQP_URL": own_vhost,
+        "YOKE_MONGODB_URL": mongodb_url,
+        "YOKE_GATEWAY_PORT": str(gateway_port),
+        "YOKE_GATEWAY_HOST": "127.0.0.1",
+        "YOKE_SHARDS": "2",
+        "YOKE_LOG_FORMAT": "json",
+        PORTS_VARIABLE: format_ports(ports),
+    }
+    env.pop("YOKE_METRICS_PORT", None)
+    log_path = tmp_path / "yoke-up.log"
+    with log_path.open("ab") as log:
+        up = subprocess.Popen(
+            [sys.executable, "-c", YOKE_UP], env=env, cwd=ROOT, stdout=log, stderr=log
+        )
+    store = Store(mongodb_url)
+    bus = Bus(own_vhost, name="test-bootstrap")
+    try:
+        async with httpx.AsyncClient(timeout=5) as probe:
+
+            async def all_healthy() -> bool:
+                assert up.poll() is None, log_path.read_text(errors="replace")[-3000:]
+                urls = [f"http://127.0.0.1:{port}/healthz" for port in ports.values()]
+                try:
+                    answers = [await probe.get(url) for url in urls]
+                except httpx.HTTPError:
+                    return False
+                return all(answer.status_code == 200 for answer in answers)
+
+            await eventually(all_healthy, timeout=90, what="yoke up's six services")
+        await store.ensure_indexes()
+        await ensure_token_indexes(store)
+        await bus.connect()
+        forum = await create_forum(store, "up")
+        agent = await create_agent(store, "echo")
+        await join_conversation(store, Poster(store, bus, "test"), agent.id, forum.id)
+        _, secret = await create_token(store, "up", [forum.id])
+        base = f"http://127.0.0.1:{gateway_port}/v1/forums/{forum.id}/messages"
+        async with httpx.AsyncClient(timeout=30, headers=bearer(secret)) as http:
+            posted = await http.post(base, json=post_body("are you up?"))
+            assert posted.status_code == 202, posted.text
+
+            async def answered() -> bool:
+                lines = (await http.get(base)).json()["messages"]
+                return [line["role"] for line in lines] == ["user", "agent"]
+
+            await eventually(answered, timeout=30, what="the agent's answer over HTTP")
+    finally:
+        await bus.close()
+        await store.close()
+        if up.poll() is None:
+            up.send_signal(signal.SIGTERM)
+        try:
+            code = await asyncio.to_thread(up.wait, 60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            raise
+    assert code == 0, log_path.read_text(errors="replace")[-3000:]
+    assert "started gateway" in log_path.read_text(errors="replace")
 
 
 async def test_the_amqp_doors_rejections_carry_a_code(
