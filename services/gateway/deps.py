@@ -102,7 +102,11 @@ TokenDep = Annotated[Token, Depends(require_token)]
 
 
 async def forum_in_scope(
-    forum_id: Annotated[str, Path(alias="forumId")], request: Request, token: TokenDep
+    forum_id: Annotated[
+        str, Path(alias="forumId", description="The forum's id (`yoke forum create`).")
+    ],
+    request: Request,
+    token: TokenDep,
 ) -> Conversation:
     """The forum of the path, if the token may use it: scope first (403, also for an unknown
     id, so a scoped token learns nothing of other forums), then existence (404)."""
