@@ -197,7 +197,6 @@ class SubscriptionRunner:
         self.worker = worker
         self.subscription = subscription
         self.woken = asyncio.Event()
-        self.cursor: Cursor | None = None
 
     def wake(self) -> None:
         self.woken.set()
@@ -212,23 +211,20 @@ class SubscriptionRunner:
                 log.warning(
                     "webhook %s: %r; trying again", self.subscription.id, error, exc_info=True
                 )
-                self.cursor = None
                 await self._pause(REFRESH_SECONDS)
 
     async def _step(self) -> None:
         worker = self.worker
         subscription = self.subscription
         if not worker.leases.holds(subscription.id):
-            # Another process may move the cursor meanwhile: read it afresh when held again.
-            self.cursor = None
             await self._pause(REFRESH_SECONDS)
             return
-        if self.cursor is None:
-            self.cursor = await load_cursor(worker.store, subscription.id)
-            if self.cursor is None:  # removed: the worker stops this runner
-                await self._pause(REFRESH_SECONDS)
-                return
-        cursor = self.cursor
+        # Read at every step (one lookup by id): a removed subscription sends nothing more,
+        # and a cursor another holder moved is never overwritten with an older one.
+        cursor = await load_cursor(worker.store, subscription.id)
+        if cursor is None:  # removed: the worker stops this runner at its next refresh
+            await self._pause(REFRESH_SECONDS)
+            return
         if cursor.retry_at is not None:
             wait = (cursor.retry_at - utcnow()).total_seconds()
             if wait > 0:
