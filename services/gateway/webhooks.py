@@ -220,7 +220,7 @@ class SubscriptionRunner:
             await self._pause(REFRESH_SECONDS)
             return
         # Read at every step (one lookup by id): a removed subscription sends nothing more,
-        # and a cursor another holder moved is never overwritten with an older one.
+        # and a new holder goes on from wherever the previous one left it.
         cursor = await load_cursor(worker.store, subscription.id)
         if cursor is None:  # removed: the worker stops this runner at its next refresh
             await self._pause(REFRESH_SECONDS)
