@@ -201,8 +201,8 @@ async function forumPage() {
   // The stream, with the token in a header; on any end, again from the last seq seen.
   for (;;) {
     try {
-      $("stream-state").textContent = "live";
-      await readStream(base + "/stream", lastSeq, async (event, data) => {
+      const opened = () => ($("stream-state").textContent = "live");
+      await readStream(base + "/stream", lastSeq, opened, async (event, data) => {
         if (event === "message") {
           const message = JSON.parse(data);
           lastSeq = await appendLines(lines, [message], lastSeq);
@@ -222,7 +222,7 @@ async function forumPage() {
   }
 }
 
-async function readStream(url, lastSeq, onEvent) {
+async function readStream(url, lastSeq, onOpen, onEvent) {
   const response = await fetch(url, {
     headers: { Authorization: "Bearer " + token(), "Last-Event-ID": String(lastSeq) },
   });
@@ -231,6 +231,7 @@ async function readStream(url, lastSeq, onEvent) {
     throw new Unauthorized("the token was refused");
   }
   if (!response.ok || !response.body) throw new Error("stream: " + response.status);
+  onOpen();
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
   for (;;) {
