@@ -56,6 +56,7 @@ from yoke.models import (
     WireModel,
     unstorable,
 )
+from yoke.redact import redact
 from yoke.service import describe_validation_error
 from yoke.settings import Settings
 from yoke.store import Store
@@ -388,7 +389,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/healthz", include_in_schema=False)
     async def healthz(request: Request) -> PlainTextResponse:
         found = await problems(gateway(request))
-        body = "".join(f"{problem}\n" for problem in found) or "ok\n"
+        body = redact("".join(f"{problem}\n" for problem in found) or "ok\n")
         return PlainTextResponse(body, status_code=503 if found else 200)
 
     @app.get("/metrics", include_in_schema=False)
