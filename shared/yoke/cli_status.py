@@ -13,7 +13,7 @@ import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from yoke.ownership import EXPIRES_SECONDS, REPLICAS
+from yoke.ownership import EXPIRES_SECONDS, REPLICAS, dead_here
 from yoke.reshard import connection_to, shard_queues
 from yoke.settings import Settings
 from yoke.store import Store
@@ -34,6 +34,7 @@ async def replica_lines(
         for document in documents
         if (services is None or document.get("service") in services)
         and now - _aware(document["beat"]) < timedelta(seconds=EXPIRES_SECONDS)
+        and not dead_here(document)
     ]
     depths: dict[str, list[int]] = {}
     async with connection_to(amqp_url) as connection:

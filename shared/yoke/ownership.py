@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 REPLICAS = "replicas"
 BEAT_SECONDS = 1.0
 # A replica silent this long is gone: its shards go to the others (kill -9 to takeover stays
-# well under 15 s: this, one round, and a subscribe).
+# well under 15 s: this, one round, and a subscribe). One on this machine whose process is gone
+# is gone at once (``yoke up`` restarting a killed replica, say).
 EXPIRES_SECONDS = 6.0
 # Documents of replicas gone this long are deleted by whoever sees them (kill -9 leaves one).
 FORGET_SECONDS = 300.0
@@ -154,6 +155,7 @@ class Ownership:
         self.replica = replica
         self.metrics_port = metrics_port
         self.started_at = datetime.now(UTC)
+        self.boot = boot_id()
         self.held: dict[int, Held] = {}
         self.releasing: dict[int, asyncio.Task[None]] = {}
         self.live: list[str] = []
@@ -169,6 +171,7 @@ class Ownership:
             "replica": self.replica,
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "boot": self.boot,
             "metricsPort": self.metrics_port,
             "shards": sorted(self.held),
             "shardCount": len(self.queues),
@@ -190,7 +193,7 @@ class Ownership:
         live = {self.id}
         async for document in self.replicas.find({"service": self.service}):
             silent = now - _aware(document["beat"])
-            if silent < timedelta(seconds=EXPIRES_SECONDS):
+            if silent < timedelta(seconds=EXPIRES_SECONDS) and not dead_here(document):
                 live.add(str(document["_id"]))
             elif silent > timedelta(seconds=FORGET_SECONDS):
                 with contextlib.suppress(Exception):
@@ -282,6 +285,39 @@ class Ownership:
 
     def shards(self) -> list[int]:
         return sorted(self.held)
+
+
+def boot_id() -> str:
+    """This kernel's boot id: with the host name, says a replica document is of this machine."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
+            return file.read().strip()
+    except OSError:
+        return ""
+
+
+def dead_here(document: dict[str, Any]) -> bool:
+    """A replica of this machine (same host name and boot id) whose process is gone."""
+    boot = boot_id()
+    pid = document.get("pid")
+    return (
+        bool(boot)
+        and document.get("boot") == boot
+        and document.get("host") == socket.gethostname()
+        and isinstance(pid, int)
+        and process_gone(pid)
+    )
+
+
+def process_gone(pid: int) -> bool:
+    """No process ``pid`` on this machine (a zombie, or a reused pid, counts as present)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _aware(value: datetime) -> datetime:
