@@ -1,0 +1,118 @@
+"""A shard's gate (pure logic, fake deliveries): what a hand-over finishes and what it leaves.
+
+Closing a shard's gate must let the job that runs finish and ack, start nothing more of that
+shard (so what is acked of each conversation stays a prefix, and the rest returns in order
+when the channel closes), make a job waiting out a failure give up unacked, and say when
+nothing of the shard is left in the lanes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from aio_pika.abc import AbstractIncomingMessage
+from pymongo.errors import AutoReconnect
+
+from yoke import topology
+from yoke.bus import Bus
+from yoke.consumer import Dispatcher, Gate, Route, key_from_header
+from yoke.errors import RetryPolicy
+
+
+@dataclass
+class Delivery:
+    """Just what the dispatcher reads of a delivery, and whether it was acked."""
+
+    message_id: str
+    conversation: str
+    acked: bool = False
+    headers: dict[str, Any] = field(default_factory=dict)
+    routing_key: str = "conversation.message.posted.x"
+    exchange: str = "yoke.test.shards"
+    body: bytes = b"{}"
+
+    def __post_init__(self) -> None:
+        self.headers[topology.CONVERSATION_HEADER] = self.conversation
+
+    async def ack(self) -> None:
+        self.acked = True
+
+
+def _dispatcher() -> Dispatcher:
+    # The bus is only used to dead-letter, which these deliveries never are.
+    return Dispatcher("test", cast(Bus, None), policy=RetryPolicy(attempts=3, backoff=0.01))
+
+
+async def test_closing_the_gate_finishes_the_running_job_and_starts_no_other() -> None:
+    dispatcher = _dispatcher()
+    gate = Gate()
+    release_first = asyncio.Event()
+    handled: list[str] = []
+
+    async def handle(message: AbstractIncomingMessage) -> None:
+        if message.message_id == "a1":
+            await release_first.wait()
+        handled.append(str(message.message_id))
+
+    deliver = dispatcher.on_message(Route("q", key_from_header, handle, gate))
+    a1, a2, b1 = Delivery("a1", "A"), Delivery("a2", "A"), Delivery("b1", "B")
+    for delivery in (a1, a2, b1):
+        await deliver(cast(AbstractIncomingMessage, delivery))
+    await asyncio.sleep(0.05)
+    assert handled == ["b1"] and b1.acked
+    assert gate.held == 2  # a1 running, a2 waiting behind it in conversation A's lane
+
+    gate.open = False  # the shard is handed over
+    gate.stopping.set()
+    a3 = Delivery("a3", "A")
+    await deliver(cast(AbstractIncomingMessage, a3))  # arrives after: never enters a lane
+    release_first.set()
+    await asyncio.wait_for(gate.idle(), 5)
+
+    assert handled == ["b1", "a1"] and a1.acked
+    assert not a2.acked and not a3.acked  # returned to the queue, in order, at channel close
+    assert gate.held == 0
+
+
+async def test_a_job_waiting_out_a_failure_gives_up_unacked_when_its_shard_goes() -> None:
+    dispatcher = _dispatcher()
+    gate = Gate()
+    tries = 0
+
+    async def handle(message: AbstractIncomingMessage) -> None:
+        nonlocal tries
+        tries += 1
+        raise AutoReconnect("the store is away")
+
+    deliver = dispatcher.on_message(Route("q", key_from_header, handle, gate))
+    stuck = Delivery("s1", "S")
+    await deliver(cast(AbstractIncomingMessage, stuck))
+    await asyncio.sleep(0.1)
+    assert tries >= 2 and gate.held == 1  # transient: retried, held
+
+    gate.open = False
+    gate.stopping.set()
+    await asyncio.wait_for(gate.idle(), 5)
+    assert not stuck.acked
+
+
+async def test_the_gate_of_one_shard_leaves_other_shards_alone() -> None:
+    dispatcher = _dispatcher()
+    closing, staying = Gate(), Gate()
+    handled: list[str] = []
+
+    async def handle(message: AbstractIncomingMessage) -> None:
+        handled.append(str(message.message_id))
+
+    closing.open = False
+    await dispatcher.on_message(Route("q1", key_from_header, handle, closing))(
+        cast(AbstractIncomingMessage, Delivery("x1", "X"))
+    )
+    kept = Delivery("y1", "Y")
+    await dispatcher.on_message(Route("q2", key_from_header, handle, staying))(
+        cast(AbstractIncomingMessage, kept)
+    )
+    await asyncio.wait_for(staying.idle(), 5)
+    assert handled == ["y1"] and kept.acked
