@@ -32,7 +32,7 @@ from yoke.bus import Bus
 from yoke.client import Client
 from yoke.ids import new_id
 from yoke.joins import create_agent, create_forum, join_conversation
-from yoke.models import Message
+from yoke.models import Message, SubmitReply
 from yoke.ownership import EXPIRES_SECONDS, REPLICAS, dead_here
 from yoke.posting import Poster
 from yoke.settings import Settings
@@ -316,8 +316,24 @@ async def test_two_ingestion_replicas_share_the_intake_and_accept_a_key_once(
     await eventually(shared, timeout=30, what="ingestion's two shards, one per replica")
 
     key = new_id()
+    keys = [new_id() for _ in forum_ids]
+
+    async def hellos(client: Client) -> list[SubmitReply]:
+        return await asyncio.gather(
+            *(
+                client.submit(
+                    forum_id,
+                    f"hello {n}",
+                    external_id="test:ada",
+                    display_name="ada",
+                    idempotency_key=keys[n],
+                )
+                for n, forum_id in enumerate(forum_ids)
+            )
+        )
+
     async with Client(amqp_url) as client:
-        # The same line five times at once, then lines for every forum.
+        # The same line five times at once, then a line for every forum.
         repeats = await asyncio.gather(
             *(
                 client.submit(
@@ -330,12 +346,7 @@ async def test_two_ingestion_replicas_share_the_intake_and_accept_a_key_once(
                 for _ in range(5)
             )
         )
-        others = await asyncio.gather(
-            *(
-                client.submit(forum_id, f"hello {n}", external_id="test:ada", display_name="ada")
-                for n, forum_id in enumerate(forum_ids)
-            )
-        )
+        others = await hellos(client)
     assert all(reply.status == "accepted" for reply in [*repeats, *others])
     assert len({reply.message_id for reply in repeats}) == 1
     assert sum(not reply.duplicate for reply in repeats) == 1, repeats
@@ -353,6 +364,24 @@ async def test_two_ingestion_replicas_share_the_intake_and_accept_a_key_once(
     handled = [await commands(door) for door in doors]
     assert sum(handled) == 5 + len(forum_ids), handled
     assert all(count > 0 for count in handled), f"both replicas answer commands: {handled}"
+
+    # One replica killed: the other takes its shard (and the intake, if it had it), and every
+    # key is still the line it was, whichever replica answered it first.
+    doors[0].kill()
+    await eventually(
+        lambda: _owns_all(store, doors[1].pid), timeout=TAKEOVER_SECONDS, what="the takeover"
+    )
+    async with Client(amqp_url) as client:
+        again = await hellos(client)
+    assert [reply.message_id for reply in again] == [reply.message_id for reply in others]
+    assert all(reply.duplicate for reply in again), again
+    for n, forum_id in enumerate(forum_ids):
+        lines = [line for line in await store.history(forum_id) if line.text == f"hello {n}"]
+        assert len(lines) == 1, (forum_id, lines)
+
+
+async def _owns_all(store: Store, pid: int) -> bool:
+    return _covered(await _live(store, "ingestion"), {pid}, 2)
 
 
 def test_replica_k_serves_metrics_on_the_service_port_plus_ten_k() -> None:
