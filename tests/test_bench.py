@@ -35,6 +35,7 @@ SECTIONS = (
     "busHop",
     "turnLatency",
     "throughput",
+    "replicas",
     "growth",
     "isolation",
     "scale",
@@ -69,6 +70,9 @@ def test_the_smallest_bench_measures_every_phase(
     assert [s for s in SECTIONS if figures.get(s, {"skipped": True}) == {"skipped": True}] == []
     assert figures["turnLatency"]["turns"] == 5
     assert figures["throughput"]["turns"] == 3
+    replicas = figures["replicas"]  # 1 vs 2 processor replicas over the bench's 4 shards
+    assert replicas["one"]["turns"] == 3 and replicas["two"]["turns"] == 3, replicas
+    assert sorted(replicas["shardsOwnedWithTwo"]) == [2, 2] and replicas["secondExitCode"] == 0
     assert figures["growth"]["long"]["turns"] == 2 and figures["growth"]["monologuePrefilled"]
     assert figures["isolation"]["besideSlow"]["turns"] == 4
     assert set(figures["scale"]["rssMbAfter"]) == {
