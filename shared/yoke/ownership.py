@@ -276,11 +276,12 @@ class Ownership:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for held in self.held.values():
+            held.gate.open = False  # what the lanes hold finishes; nothing more starts
             held.gate.stopping.set()
         for task in list(self.releasing.values()):
             task.cancel()
-        with contextlib.suppress(Exception):
-            await self.replicas.delete_one({"_id": self.id})
+        with contextlib.suppress(Exception):  # the store away: the others wait out our silence
+            await asyncio.wait_for(self.replicas.delete_one({"_id": self.id}), timeout=5)
         SHARDS_OWNED.labels(self.service).set(0)
 
     def shards(self) -> list[int]:
