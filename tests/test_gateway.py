@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -737,3 +738,31 @@ async def test_lines_whose_events_never_came_are_filled_in_from_the_store(
         ("2", "quiet two"),
         ("3", "loud"),
     ]
+
+
+async def test_sigterm_with_a_stream_open_ends_the_gateway_promptly(
+    amqp_url: str,
+    module_mongodb_url: str,
+    mesh: Mesh,
+    tokens: Tokens,
+    new_join: JoinFactory,
+    tmp_path: Path,
+) -> None:
+    """An open stream must not keep a stopping gateway alive (its generator is closed too)."""
+    forum_id, _ = await new_join()
+    process, url = start_gateway(amqp_url, module_mongodb_url, tmp_path)
+    try:
+        await process.wait_healthy()
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=30) as client,
+            open_stream(client, forum_id, tokens.everything),
+        ):
+            started = time.monotonic()
+            process.popen.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(process.popen.wait, 20)
+            took = time.monotonic() - started
+    finally:
+        process.stop(timeout=1)
+    assert code == 0, process.log_path.read_text(errors="replace")[-3000:]
+    # uvicorn gives open streams 3 s of grace; the rest of the shutdown is quick.
+    assert took < 10, took

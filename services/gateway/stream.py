@@ -42,6 +42,8 @@ SUBSCRIBER_BACKLOG = 1000
 IDLE_SECONDS = 15.0
 # Lines read from the store at once when a stream catches up.
 CATCH_UP_LINES = 500
+# Longest wait to drop a forum's bindings when its last stream ends.
+UNBIND_SECONDS = 5.0
 
 StreamItem = MessagePosted | AgentActivity
 
@@ -75,6 +77,7 @@ class Hub:
         self._queue: AbstractQueue | None = None
         self._subscribers: dict[str, set[Subscriber]] = {}
         self._binding = asyncio.Lock()
+        self._closing = False
 
     async def start(self) -> None:
         # A node list and amqps:// as every connection of the mesh takes them (yoke.amqp_nodes).
@@ -92,6 +95,7 @@ class Hub:
         await self._queue.consume(self._on_event, no_ack=True)
 
     async def close(self) -> None:
+        self._closing = True
         if self._connection is not None and not self._connection.is_closed:
             await self._connection.close()
 
@@ -121,8 +125,17 @@ class Hub:
                 watchers.discard(subscriber)
                 if not watchers:
                     self._subscribers.pop(forum_id, None)
-                    with contextlib.suppress(Exception):  # gone with the connection anyway
-                        await self._bind(forum_id, bind=False)
+                    await self._unbind_quietly(forum_id)
+
+    async def _unbind_quietly(self, forum_id: str) -> None:
+        """Drop the forum's bindings unless the hub is closing: the exclusive queue goes with the
+        connection anyway, and a robust channel's call after its connection closed waits for a
+        reconnect that never comes (a stream's cleanup at shutdown would hang the process)."""
+        if self._closing:
+            return
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(UNBIND_SECONDS):
+                await self._bind(forum_id, bind=False)
 
     async def _bind(self, forum_id: str, *, bind: bool) -> None:
         assert self._queue is not None
