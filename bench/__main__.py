@@ -20,7 +20,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 from bench import bus_hop, raw_relay, report
 from bench.child import PROFILE_ENV
@@ -30,6 +29,7 @@ from bench.mesh_bench import Figures, MeshBench
 from bench.sandbox import Sandbox, management_url_for, sandbox
 from bench.stats import Run, Samples, percentile, summary, table
 from yoke.logs import configure_logging
+from yoke.redact import redact_url
 from yoke.settings import Settings
 
 EVENTS_ENV = "YOKE_BENCH_EVENTS"
@@ -292,14 +292,6 @@ def machine_busy() -> str:
     return f"load average was {load:.2f} on {cpus} cpus at the start" if load > cpus / 2 else ""
 
 
-def redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 async def run(args: argparse.Namespace) -> None:
     # SIGTERM (a CI timeout, kill) cancels like Ctrl-C, so the vhost and database still go.
     task = asyncio.current_task()
@@ -311,8 +303,8 @@ async def run(args: argparse.Namespace) -> None:
         settings.amqp_url, os.environ.get("YOKE_RABBITMQ_MANAGEMENT_URL")
     )
     progress(
-        f"servers: {redact(settings.amqp_url)} (management {management}), "
-        f"{redact(settings.mongodb_url)}"
+        f"servers: {redact_url(settings.amqp_url)} (management {management}), "
+        f"{redact_url(settings.mongodb_url)}"
     )
     raw = bus = None
     results: Figures = {
