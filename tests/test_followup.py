@@ -59,13 +59,17 @@ async def decision(store: Store, join: Join, line: Message) -> dict[str, object]
     return await store.db[PROCEDURES].find_one({"_id": decision_id(schedule_of(join, line))})
 
 
-async def capped(mesh: Mesh, line: Message) -> None:
-    """The follow-up service logged that it refused to schedule after ``line`` (the cap)."""
+async def capped(mesh: Mesh, line: Message, *others: ServiceProcess) -> None:
+    """The follow-up service logged that it refused to schedule after ``line`` (the cap).
+
+    ``others``: more follow-up replicas; whichever owns the forum's shard says it.
+    """
 
     async def said() -> bool:
         return any(
             "no follow-up" in entry and line.id in entry
-            for entry in mesh.processes["followup"].output().splitlines()
+            for process in (mesh.processes["followup"], *others)
+            for entry in process.output().splitlines()
         )
 
     await eventually(said, timeout=30, what=f"the cap to refuse a follow-up of {line.id}")
@@ -189,7 +193,7 @@ async def test_two_follow_up_processes_fire_each_follow_up_once(
             await say(client, forum_id, "is anyone following up?")
         for forum_id, join in joins:
             lines = await lines_until(store, forum_id, lambda lines: len(agent_lines(lines)) == 2)
-            await capped(mesh, agent_lines(lines)[1])
+            await capped(mesh, agent_lines(lines)[1], second)
             assert len(nudges_in(await store.history(join.monologue_id))) == 1
             assert [line.text for line in agent_lines(lines)].count(NUDGE) == 1
         after = fired_total(await first.metrics()) + fired_total(await second.metrics())
