@@ -103,11 +103,29 @@ class Certificates:
         return certificates
 
 
+def running_ferretdb() -> list[bytes]:
+    """The command line of the FerretDB serving this machine (empty when none runs): the one
+    ``make services`` started here, or in another checkout of the project."""
+    candidates: list[Path] = []
+    with contextlib.suppress(OSError, ValueError):
+        candidates.append(Path(f"/proc/{int((ROOT / '.local' / 'ferretdb.pid').read_text())}"))
+    candidates.extend(Path("/proc").glob("[0-9]*"))
+    for process in candidates:
+        with contextlib.suppress(OSError):
+            arguments = (process / "cmdline").read_bytes().split(b"\0")
+            if arguments and Path(arguments[0].decode(errors="replace")).name == "ferretdb":
+                return arguments
+    return []
+
+
 def ferretdb_binary() -> Path | None:
-    """The FerretDB ``make services`` built (or one on PATH), None when there is none."""
+    """The FerretDB ``make services`` built (the running one's, or one on PATH), None when
+    there is none."""
     built = ROOT / ".local" / "bin" / "ferretdb"
     if built.is_file():
         return built
+    if (arguments := running_ferretdb()) and Path(arguments[0].decode()).is_file():
+        return Path(arguments[0].decode())
     found = shutil.which("ferretdb")
     return Path(found) if found else None
 
@@ -117,12 +135,9 @@ def postgresql_url() -> str:
     from what ``make services`` gives it (deploy/local/services.sh)."""
     if url := os.environ.get("YOKE_TEST_FERRETDB_POSTGRESQL_URL"):
         return url.split("?")[0]
-    with contextlib.suppress(OSError, ValueError):
-        pid = int((ROOT / ".local" / "ferretdb.pid").read_text().strip())
-        arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        for argument in arguments:
-            if argument.startswith(b"--postgresql-url="):
-                return argument.split(b"=", 1)[1].decode().split("?")[0]
+    for argument in running_ferretdb():
+        if argument.startswith(b"--postgresql-url="):
+            return argument.split(b"=", 1)[1].decode().split("?")[0]
     password_file = ROOT / ".local" / "postgresql-ferretdb.password"  # make services keeps it
     if password_file.is_file():
         password = password_file.read_text().strip()
