@@ -28,7 +28,7 @@ import pytest
 from aiormq.exceptions import ChannelAccessRefused
 
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
-from tests.support.processes import ServiceProcess, free_port
+from tests.support.processes import ServiceProcess, eventually, free_port
 from yoke import topology
 from yoke.client import Client
 from yoke.health import HealthServer
@@ -217,11 +217,19 @@ async def test_a_turn_with_a_tool_call_runs_through_the_mesh_as_that_user(
     assert any(isinstance(part, ToolResultPart) for line in monologue for part in line.parts)
 
     # The mesh really ran as the restricted user: every connection on the vhost is one of ours.
+    # (The management API lists a connection only after its next stats emission: poll.)
+    seen: set[str] = set()
     async with httpx.AsyncClient(base_url=users.management, auth=users.admin, timeout=30) as api:
         vhost = quote(users.vhost, safe="")
-        connections = (await api.get(f"/api/vhosts/{vhost}/connections")).json()
-    assert {c["user"] for c in connections} <= {users.services, users.publisher}
-    assert users.services in {c["user"] for c in connections}
+
+        async def services_connected() -> bool:
+            connections = (await api.get(f"/api/vhosts/{vhost}/connections")).json()
+            seen.clear()
+            seen.update(connection["user"] for connection in connections)
+            return users.services in seen
+
+        await eventually(services_connected, timeout=30, what="the services' connections listed")
+    assert seen <= {users.services, users.publisher}, seen
 
 
 # --- secrets never printed -------------------------------------------------------------------
