@@ -19,6 +19,7 @@ import yaml
 from prometheus_client import REGISTRY
 
 import yoke.metrics  # noqa: F401  (registers every yoke_ series)
+from tests.support.processes import ServiceProcess, free_port
 from yoke import topology
 from yoke.settings import DEFAULT_METRICS_PORTS, Settings
 from yoke.supervisor import GATEWAY, SERVICES
@@ -414,3 +415,33 @@ def test_listening_reads_the_kernels_tables() -> None:
         probe.bind(("0.0.0.0", 0))
         probe.listen()
         assert listening(probe.getsockname()[1]) == {"0.0.0.0"}
+
+
+async def test_services_and_the_gateway_listen_on_loopback_unless_told(
+    amqp_url: str, mongodb_url: str, tmp_path: Path
+) -> None:
+    """A service's /metrics and the gateway's API are not on every interface by default; the
+    containers (where Prometheus scrapes over the compose network) say 0.0.0.0 themselves."""
+    env = {"YOKE_AMQP_URL": amqp_url, "YOKE_MONGODB_URL": mongodb_url, "YOKE_SHARDS": "2"}
+    gateway_port = free_port()
+    egress = ServiceProcess(["-m", "services.egress"], env, tmp_path / "egress.log")
+    gateway = ServiceProcess(
+        ["-m", "services.gateway"],
+        {**env, "YOKE_GATEWAY_PORT": str(gateway_port)},
+        tmp_path / "gateway.log",
+    )
+    gateway.port = gateway_port  # its /healthz is on the API's port
+    try:
+        await egress.wait_healthy()
+        await gateway.wait_healthy()
+        assert listening(egress.port) == {"127.0.0.1"}, listening(egress.port)
+        assert listening(gateway_port) == {"127.0.0.1"}, listening(gateway_port)
+    finally:
+        assert egress.stop() == 0
+        assert gateway.stop() == 0
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    for name in (*SERVICES, GATEWAY):
+        environment = compose["services"][name]["environment"]
+        host = "YOKE_GATEWAY_HOST" if name == GATEWAY else "YOKE_METRICS_HOST"
+        assert environment.get(host) == "0.0.0.0", (name, host)

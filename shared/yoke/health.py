@@ -16,7 +16,7 @@ HealthCheck = Callable[[], Awaitable[list[str]]]
 class HealthServer:
     """A tiny HTTP/1.1 responder: enough for Prometheus scrapes and container health checks."""
 
-    def __init__(self, port: int, healthy: HealthCheck, host: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, healthy: HealthCheck, host: str = "127.0.0.1") -> None:
         self.port = port
         self.host = host
         self.healthy = healthy

@@ -179,7 +179,7 @@ class Service:
         await self.bus.connect()
         if health:
             port = self.settings.metrics_port_for(self.name)
-            self._health = HealthServer(port, self.problems)
+            self._health = HealthServer(port, self.problems, host=self.settings.metrics_host)
             await self._health.start()
         self._sweeper = asyncio.create_task(
             self.poster.run_sweeper(self.settings.outbox_grace_seconds, self.stopping)

@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     mongodb_pool_size: int = Field(default=16, ge=1)
     shards: int = Field(default=16, ge=1, le=1024)
     metrics_port: int | None = None
+    # Where /metrics and /healthz listen: loopback unless told (compose says 0.0.0.0 so that
+    # Prometheus reaches them over the compose network).
+    metrics_host: str = "127.0.0.1"
     # Which replica of its service this process is (``yoke up --replicas`` numbers them from 0):
     # replica k serves /metrics on the service's port + 10·k.
     replica: int = Field(default=0, ge=0, le=99)
@@ -66,7 +69,7 @@ class Settings(BaseSettings):
 
     # The HTTP gateway (services/gateway): its API, console, /healthz and /metrics.
     gateway_port: int = Field(default=8080, ge=0, le=65535)
-    gateway_host: str = "0.0.0.0"
+    gateway_host: str = "127.0.0.1"  # compose says 0.0.0.0 (its port is published on loopback)
     # How long a POST waits for the door's answer before it says 503 (Retry-After).
     gateway_submit_timeout_seconds: float = Field(default=10.0, gt=0)
     # Outgoing webhooks: one POST's timeout; a failing receiver is retried with backoff from
