@@ -1,10 +1,11 @@
 """The web console: forums, a live forum view, agents' monologues, and dead letters.
 
-Pages are plain HTML rendered here with nothing but the ids of their path in them; the data
-comes from the token-guarded JSON below and from the public API (``/v1``), fetched by a little
-JavaScript (``static/console.js``, no build step) with the token in an ``Authorization`` header.
-The token is asked once and kept in the tab's session storage; it is never put in a URL (a
-stream is read with ``fetch``, since ``EventSource`` cannot send a header).
+Pages are plain HTML (Jinja templates extending ``templates/base.html``, autoescaped) with
+nothing but the ids of their path in them; the data comes from the token-guarded JSON below and
+from the public API (``/v1``), fetched by a little JavaScript (``static/console.js``, no build
+step) with the token in an ``Authorization`` header. The token is asked once and kept in the
+tab's session storage; it is never put in a URL (a stream is read with ``fetch``, since
+``EventSource`` cannot send a header).
 
 A token's forum scope covers the monologues of the agents joined to those forums: a monologue
 is shown if some forum in scope has an agent whose active monologue, or one of its compaction
@@ -15,15 +16,14 @@ webhook dead letters to the tokens whose scope holds their forum.
 from __future__ import annotations
 
 import asyncio
-import html
 import logging
 from pathlib import Path
-from string import Template
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from services.gateway.deps import ApiError, ForumDep, TokenDep, gateway
 from yoke.compaction import chain_of
@@ -36,10 +36,17 @@ from yoke.webhooks import dead_letters
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-TEMPLATES = {
-    path.stem: Template(path.read_text(encoding="utf-8"))
-    for path in (HERE / "templates").glob("*.html")
-}
+# Loaded once; a page missing a value it names fails instead of rendering a blank.
+TEMPLATE_ENVIRONMENT = Environment(
+    loader=FileSystemLoader(HERE / "templates"),
+    autoescape=True,
+    undefined=StrictUndefined,
+    trim_blocks=True,
+    keep_trailing_newline=True,
+    auto_reload=False,
+)
+PAGES = ("index", "forum", "dead_letters")
+TEMPLATES = {name: TEMPLATE_ENVIRONMENT.get_template(f"{name}.html") for name in PAGES}
 STATIC_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
 STATIC = {
     path.name: (path.read_bytes(), STATIC_TYPES[path.suffix])
@@ -65,7 +72,7 @@ router = APIRouter(include_in_schema=False)
 
 
 def page(name: str, **values: str) -> HTMLResponse:
-    body = TEMPLATES[name].substitute({key: html.escape(v) for key, v in values.items()})
+    body = TEMPLATES[name].render(values)
     return HTMLResponse(body, headers=PAGE_HEADERS)
 
 
