@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import signal
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
-from tests.support.gateway_process import start_gateway
+from tests.support.gateway_process import running_gateway
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from yoke.client import Client
 from yoke.joins import ScriptedCall, ScriptedOutput
@@ -50,16 +49,9 @@ WAIT_SECONDS = 60
 async def gateway_url(
     amqp_url: str, module_mongodb_url: str, mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[str]:
-    process, url = start_gateway(
-        amqp_url, module_mongodb_url, Path(tmp_path_factory.mktemp("gateway"))
-    )
-    try:
-        await process.wait_healthy()
+    log_dir = Path(tmp_path_factory.mktemp("gateway"))
+    async with running_gateway(amqp_url, module_mongodb_url, log_dir) as url:
         yield url
-    finally:
-        code = process.stop()
-    log = process.log_path.read_text(errors="replace")
-    assert code in (0, -signal.SIGTERM) and "Application shutdown complete" in log, log[-3000:]
 
 
 @pytest.fixture(scope="module")

@@ -28,8 +28,9 @@ import httpx
 import pytest
 
 from tests.chaos.up import PORTS_VARIABLE, format_ports
+from tests.support.gateway_process import running_gateway, start_gateway
 from tests.support.mesh import JoinFactory, Mesh, lines_until
-from tests.support.processes import ROOT, ServiceProcess, eventually, free_port
+from tests.support.processes import ROOT, eventually, free_port
 from yoke.bus import Bus
 from yoke.client import Client
 from yoke.ids import new_id
@@ -49,48 +50,24 @@ from yoke.tokens import create_token, ensure_token_indexes
 pytestmark = pytest.mark.slow
 
 MAX_TEXT_BYTES = 2048
+# A small text limit, shared by the door and the gateway, makes "too large" cheap to send.
+TEXT_LIMIT = {"YOKE_MAX_TEXT_BYTES": str(MAX_TEXT_BYTES)}
 
 
 @pytest.fixture(scope="module")
 def mesh_env() -> dict[str, str]:
-    # A small text limit, shared by the door and the gateway, makes "too large" cheap to send.
-    return {"YOKE_MAX_TEXT_BYTES": str(MAX_TEXT_BYTES)}
-
-
-def start_gateway(
-    amqp_url: str, mongodb_url: str, log_dir: Path, **env: str
-) -> tuple[ServiceProcess, str]:
-    port = free_port()
-    process = ServiceProcess(
-        ["-m", "services.gateway"],
-        {
-            "YOKE_AMQP_URL": amqp_url,
-            "YOKE_MONGODB_URL": mongodb_url,
-            "YOKE_GATEWAY_PORT": str(port),
-            "YOKE_GATEWAY_HOST": "127.0.0.1",
-            "YOKE_MAX_TEXT_BYTES": str(MAX_TEXT_BYTES),
-            **env,
-        },
-        log_dir / f"gateway-{port}.log",
-    )
-    process.port = port  # its /healthz is on the API's port
-    return process, f"http://127.0.0.1:{port}"
+    return dict(TEXT_LIMIT)
 
 
 @pytest.fixture(scope="module")
 async def gateway_url(
     amqp_url: str, module_mongodb_url: str, mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[str]:
-    process, url = start_gateway(
-        amqp_url, module_mongodb_url, Path(tmp_path_factory.mktemp("gateway"))
-    )
-    try:
-        await process.wait_healthy()
+    log_dir = Path(tmp_path_factory.mktemp("gateway"))
+    async with running_gateway(
+        amqp_url, module_mongodb_url, log_dir, exits=(0,), **TEXT_LIMIT
+    ) as url:
         yield url
-    finally:
-        code = process.stop()
-    # A clean SIGTERM shutdown, streams and all.
-    assert code == 0, process.log_path.read_text(errors="replace")[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -442,19 +419,22 @@ async def test_a_mesh_that_does_not_answer_is_a_503_with_retry_after(
     own_vhost: str, module_mongodb_url: str, store: Store, tokens: Tokens, tmp_path: Path
 ) -> None:
     forum = await create_forum(store, "nobody home")
-    process, url = start_gateway(
-        own_vhost, module_mongodb_url, tmp_path, YOKE_GATEWAY_SUBMIT_TIMEOUT_SECONDS="1"
-    )
-    try:
-        await process.wait_healthy()
-        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-            response = await http.post(
-                f"/v1/forums/{forum.id}/messages",
-                json=post_body("anyone?"),
-                headers=bearer(tokens.everything),
-            )
-    finally:
-        assert process.stop() == 0
+    async with (
+        running_gateway(
+            own_vhost,
+            module_mongodb_url,
+            tmp_path,
+            exits=(0,),
+            YOKE_GATEWAY_SUBMIT_TIMEOUT_SECONDS="1",
+            **TEXT_LIMIT,
+        ) as url,
+        httpx.AsyncClient(base_url=url, timeout=30) as http,
+    ):
+        response = await http.post(
+            f"/v1/forums/{forum.id}/messages",
+            json=post_body("anyone?"),
+            headers=bearer(tokens.everything),
+        )
     assert_error(response, 503, "unavailable")
     assert "within 1 s" in response.json()["error"]
     assert int(response.headers["retry-after"]) > 0
@@ -750,7 +730,7 @@ async def test_sigterm_with_a_stream_open_ends_the_gateway_promptly(
 ) -> None:
     """An open stream must not keep a stopping gateway alive (its generator is closed too)."""
     forum_id, _ = await new_join()
-    process, url = start_gateway(amqp_url, module_mongodb_url, tmp_path)
+    process, url = start_gateway(amqp_url, module_mongodb_url, tmp_path, **TEXT_LIMIT)
     try:
         await process.wait_healthy()
         async with (

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -27,6 +30,37 @@ def start_gateway(
     )
     process.port = port
     return process, f"http://127.0.0.1:{port}"
+
+
+# uvicorn may re-raise SIGTERM once it has shut down.
+CLEAN_EXITS = (0, -signal.SIGTERM)
+
+
+def assert_stopped_cleanly(
+    process: ServiceProcess, code: int, exits: tuple[int, ...] = CLEAN_EXITS
+) -> None:
+    """A SIGTERM shutdown that ran to its end, streams and all."""
+    log = process.log_path.read_text(errors="replace")
+    assert code in exits and "Application shutdown complete" in log, log[-3000:]
+
+
+@asynccontextmanager
+async def running_gateway(
+    amqp_url: str,
+    mongodb_url: str,
+    log_dir: Path,
+    *,
+    exits: tuple[int, ...] = CLEAN_EXITS,
+    **env: str,
+) -> AsyncIterator[str]:
+    """A healthy gateway's URL; stopped after with SIGTERM, which must end it cleanly."""
+    process, url = start_gateway(amqp_url, mongodb_url, log_dir, **env)
+    try:
+        await process.wait_healthy()
+        yield url
+    finally:
+        code = process.stop()
+    assert_stopped_cleanly(process, code, exits)
 
 
 async def metric(url: str, name: str, **labels: str) -> float:
