@@ -285,6 +285,9 @@ async def stream(
                 yield chunk
         finally:
             STREAMS.dec()
+            # Here too, not only in the background task: Starlette skips that when the body
+            # raises (the store away), which left the forum's subscriber and bindings forever.
+            await stack.aclose()
 
     return StreamingResponse(
         events(),

@@ -1,0 +1,89 @@
+"""A gateway stream that fails (the store away mid-stream) still lets its forum go.
+
+The stream's subscription to the forum (the hub's subscriber and the queue's bindings) used to
+be closed only by the response's background task, which Starlette skips when the body raises:
+each such stream left a subscriber filling up with the forum's events and a binding forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from pymongo.errors import AutoReconnect
+
+from services.gateway import stream as stream_module
+from services.gateway.app import create_app
+from services.gateway.deps import Gateway
+from tests.support.processes import eventually, free_port
+from yoke.joins import create_forum
+from yoke.settings import Settings
+from yoke.store import Store
+from yoke.tokens import create_token, ensure_token_indexes
+
+
+@pytest.fixture
+async def gateway_app(amqp_url: str, mongodb_url: str) -> AsyncIterator[tuple[FastAPI, str]]:
+    port = free_port()
+    settings = Settings(amqp_url=amqp_url, mongodb_url=mongodb_url, gateway_port=port)
+    app = create_app(settings)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on")
+    )
+    serving = asyncio.create_task(server.serve())
+
+    async def started() -> bool:
+        return server.started or serving.done()
+
+    await eventually(started, timeout=60, what="the gateway to start")
+    assert not serving.done()
+    try:
+        yield app, f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, timeout=30)
+
+
+async def test_a_stream_that_fails_lets_its_forum_go(
+    gateway_app: tuple[FastAPI, str], mongodb_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app, url = gateway_app
+    state: Gateway = app.state.gateway
+    store = Store(mongodb_url)
+    try:
+        await ensure_token_indexes(store)
+        forum = await create_forum(store, "failing stream")
+        _, secret = await create_token(store, "review-stream", [forum.id])
+    finally:
+        await store.close()
+    # A quiet stream reads the forum's head soon, and that read fails: the store is away.
+    monkeypatch.setattr(stream_module, "IDLE_SECONDS", 0.3)
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=30) as http,
+        http.stream(
+            "GET", f"/v1/forums/{forum.id}/stream", headers={"Authorization": f"Bearer {secret}"}
+        ) as response,
+    ):
+        assert response.status_code == 200
+        chunks = response.aiter_bytes()
+        assert (await anext(chunks)).startswith(b"retry:")
+        assert state.hub.watching(forum.id) == 1
+
+        async def store_away(conversation_id: str) -> int:
+            raise AutoReconnect("connection refused (the test's store outage)")
+
+        monkeypatch.setattr(state.store, "last_seq", store_away)
+        # The stream ends (how the client sees it, a clean end or a cut, is uvicorn's).
+        with contextlib.suppress(httpx.HTTPError):
+            async for _ in chunks:
+                pass
+
+    async def let_go() -> bool:
+        return state.hub.watching(forum.id) == 0
+
+    await eventually(let_go, timeout=10, what="the failed stream to unsubscribe its forum")
