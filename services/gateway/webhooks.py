@@ -103,6 +103,8 @@ CHUNK_LINES = 100
 # The route exchange that picks agent lines in forums out of yoke.events for the worker.
 ROUTE_EXCHANGE = "yoke.webhooks.route"
 ERROR_CHARS = 300
+# Longest a stopping process spends handing its subscriptions over (the store may be away).
+RELEASE_SECONDS = 5.0
 
 
 class Leases:
@@ -441,9 +443,12 @@ class WebhookWorker:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for subscription_id in list(self.runners):
-            with contextlib.suppress(PyMongoError):
-                await self.leases.release(subscription_id)
+        # Bounded as a whole: with the store away each delete would wait out the driver's
+        # server selection in turn; the others then wait out our leases instead.
+        with contextlib.suppress(PyMongoError, TimeoutError):
+            async with asyncio.timeout(RELEASE_SECONDS):
+                for subscription_id in list(self.runners):
+                    await self.leases.release(subscription_id)
         self.runners.clear()
         SUBSCRIPTIONS_HELD.set(0)
         await self.http.aclose()
