@@ -21,10 +21,14 @@ from services.gateway import stream as stream_module
 from services.gateway.app import create_app
 from services.gateway.deps import Gateway
 from tests.support.processes import eventually, free_port
+from yoke.bus import Bus
+from yoke.ids import new_id
 from yoke.joins import create_forum
+from yoke.models import Message, TextPart
+from yoke.posting import Poster
 from yoke.settings import Settings
 from yoke.store import Store
-from yoke.tokens import create_token, ensure_token_indexes
+from yoke.tokens import create_token, ensure_token_indexes, revoke_token
 
 
 @pytest.fixture
@@ -87,3 +91,50 @@ async def test_a_stream_that_fails_lets_its_forum_go(
         return state.hub.watching(forum.id) == 0
 
     await eventually(let_go, timeout=10, what="the failed stream to unsubscribe its forum")
+
+
+async def test_a_revoked_token_stream_ends_and_sends_nothing_more(
+    gateway_app: tuple[FastAPI, str], mongodb_url: str, amqp_url: str
+) -> None:
+    """``yoke token revoke`` takes effect at once: an open stream of that token gets no line
+    posted after it, and ends."""
+    _, url = gateway_app
+    store = Store(mongodb_url)
+    bus = Bus(amqp_url, name="test-revoke")
+    await bus.connect()
+    try:
+        await ensure_token_indexes(store)
+        forum = await create_forum(store, "revoked stream")
+        _, secret = await create_token(store, "review-revoked", [forum.id])
+        poster = Poster(store, bus, "test")
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=30) as http,
+            http.stream(
+                "GET",
+                f"/v1/forums/{forum.id}/stream",
+                headers={"Authorization": f"Bearer {secret}"},
+            ) as response,
+        ):
+            assert response.status_code == 200
+            chunks = response.aiter_bytes()
+            assert (await anext(chunks)).startswith(b"retry:")
+            assert await revoke_token(store, "review-revoked")
+            await asyncio.sleep(1.5)  # any re-check of the token may be a second old
+            await poster.post(
+                Message(
+                    id=new_id(),
+                    conversation_id=forum.id,
+                    author_actor_id="someone",
+                    parts=[TextPart(text="after the revoke")],
+                )
+            )
+            received = b""
+            with contextlib.suppress(httpx.HTTPError, TimeoutError):
+                async with asyncio.timeout(20):
+                    async for chunk in chunks:
+                        received += chunk
+            assert b"after the revoke" not in received
+            assert response.is_stream_consumed, "the stream of a revoked token stays open"
+    finally:
+        await bus.close()
+        await store.close()

@@ -60,7 +60,7 @@ from yoke.redact import redact
 from yoke.service import describe_validation_error
 from yoke.settings import Settings
 from yoke.store import Store
-from yoke.tokens import ensure_token_indexes
+from yoke.tokens import ensure_token_indexes, token_in_force
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,8 @@ log = logging.getLogger(__name__)
 MAX_EXTERNAL_ID_CHARS = 128
 MAX_IDEMPOTENCY_KEY_CHARS = 128
 MAX_PAGE = 1000
+# An open stream looks its token up again before a chunk at most this often.
+TOKEN_CHECK_SECONDS = 1.0
 # The door's reasons (SubmitReply.code) as HTTP statuses; anything else is a 400.
 STATUS_OF_CODE = {"too_large": 413, "unknown_conversation": 404, "not_a_forum": 404}
 
@@ -251,6 +253,7 @@ async def list_messages(
 async def stream(
     request: Request,
     forum: ForumDep,
+    token: TokenDep,
     last_event_id: Annotated[
         str | None,
         Header(
@@ -280,9 +283,17 @@ async def stream(
 
     async def events() -> AsyncIterator[bytes]:
         STREAMS.inc()
+        checked = time.monotonic()
         try:
-            async for chunk in forum_stream.events():
-                yield chunk
+            async with contextlib.aclosing(forum_stream.events()) as chunks:
+                async for chunk in chunks:
+                    # A revoked token reads nothing more (``yoke token revoke`` takes effect at
+                    # once): its stream ends before the next chunk once a check finds it gone.
+                    if time.monotonic() - checked >= TOKEN_CHECK_SECONDS:
+                        if not await token_in_force(state.store, token):
+                            return
+                        checked = time.monotonic()
+                    yield chunk
         finally:
             STREAMS.dec()
             # Here too, not only in the background task: Starlette skips that when the body

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import aio_pika
@@ -211,7 +211,7 @@ class ForumStream:
         async for chunk in self.lines_up_to(await self.store.last_seq(self.forum_id)):
             yield chunk
 
-    async def events(self) -> AsyncIterator[bytes]:
+    async def events(self) -> AsyncGenerator[bytes]:
         yield b"retry: 2000\n\n"
         async for chunk in self.catch_up():
             yield chunk

@@ -103,3 +103,10 @@ async def find_token(store: Store, secret: str) -> Token | None:
         return None
     document = await collection(store).find_one({"hash": hash_secret(secret)})
     return Token.from_document(document) if document else None
+
+
+async def token_in_force(store: Store, token: Token) -> bool:
+    """``token`` (as found earlier) is still stored: not revoked, nor revoked and made again
+    under its name. What an open stream checks now and then (one lookup by id)."""
+    document = await collection(store).find_one({"_id": token.id}, {"hash": 1})
+    return document is not None and document.get("hash") == token.hash
