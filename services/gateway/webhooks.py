@@ -45,6 +45,7 @@ from yoke.bus import Bus
 from yoke.ids import derive_id, new_id
 from yoke.metrics import LATENCY_BUCKETS
 from yoke.models import Envelope, Message, MessagePosted, utcnow
+from yoke.redact import redact
 from yoke.settings import Settings
 from yoke.store import Store
 from yoke.webhooks import (
@@ -377,8 +378,9 @@ class SubscriptionRunner:
             forum_id=subscription.forum_id,
             message_id=line.id,
             seq=line.seq,
-            url=subscription.url,
-            reason=reason[:ERROR_CHARS],
+            # Letters are shown to the forum's tokens (the console): never a URL's password.
+            url=redact(subscription.url),
+            reason=redact(reason)[:ERROR_CHARS],
             status=status,
             attempts=attempts,
         )
