@@ -83,19 +83,21 @@ class Client:
         correlation_id = new_id()
         future: asyncio.Future[SubmitReply] = asyncio.get_running_loop().create_future()
         self._waiting[correlation_id] = future
-        exchange = await self._channel.get_exchange(topology.COMMANDS_EXCHANGE)
-        await exchange.publish(
-            aio_pika.Message(
-                body,
-                content_type="application/json",
-                correlation_id=correlation_id,
-                reply_to=self._replies.name,
-                message_id=correlation_id,
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            ),
-            routing_key=topology.SUBMIT_COMMAND,
-        )
+        # Forgotten however this ends: a publish that raises too (the gateway's every POST comes
+        # here, so a broker away must not leave one waiting future per request behind).
         try:
+            exchange = await self._channel.get_exchange(topology.COMMANDS_EXCHANGE)
+            await exchange.publish(
+                aio_pika.Message(
+                    body,
+                    content_type="application/json",
+                    correlation_id=correlation_id,
+                    reply_to=self._replies.name,
+                    message_id=correlation_id,
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                ),
+                routing_key=topology.SUBMIT_COMMAND,
+            )
             return await asyncio.wait_for(future, reply_timeout)
         finally:
             self._waiting.pop(correlation_id, None)
