@@ -36,7 +36,12 @@ class Malformed(Permanent):
 
 
 class Gate:
-    """One owned shard's door into the lanes, and a count of what it let in and is unfinished."""
+    """One owned shard's door into the lanes, and a count of its jobs running now.
+
+    Only running jobs are counted: one queued behind them starts nothing once the gate is
+    closed, and a lane may drop its queued jobs (behind one that raised), which would then
+    be counted for ever and hold the shard's hand-over up.
+    """
 
     def __init__(self) -> None:
         self.open = True
@@ -116,9 +121,7 @@ class Dispatcher:
                 # to whoever consumes the shard next.
                 self.lanes.submit(key, lambda: self._process(route, key, message))
             else:
-                gate.enter()
-                if not self.lanes.submit(key, lambda: self._gated(route, gate, key, message)):
-                    gate.leave()
+                self.lanes.submit(key, lambda: self._gated(route, gate, key, message))
             LANES_ACTIVE.labels(self.service).set(self.lanes.active)
 
         return deliver
@@ -128,9 +131,11 @@ class Dispatcher:
     ) -> None:
         """A shard's delivery: not started once its shard is handed over (left unacked, so
         what is acked of each conversation stays a prefix of its lines)."""
+        if not gate.open:
+            return
+        gate.enter()
         try:
-            if gate.open:
-                await self._process(route, key, message, gate.stopping)
+            await self._process(route, key, message, gate.stopping)
         finally:
             gate.leave()
 
