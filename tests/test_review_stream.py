@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from urllib.parse import quote, urlsplit
 
 import httpx
 import pytest
@@ -138,3 +139,45 @@ async def test_a_revoked_token_stream_ends_and_sends_nothing_more(
     finally:
         await bus.close()
         await store.close()
+
+
+async def test_a_stream_its_client_closes_unbinds_its_forum(
+    gateway_app: tuple[FastAPI, str], mongodb_url: str, amqp_url: str, servers: tuple[str, str, str]
+) -> None:
+    """The usual end of a stream (the client goes) drops the forum's bindings too."""
+    app, url = gateway_app
+    state: Gateway = app.state.gateway
+    store = Store(mongodb_url)
+    try:
+        await ensure_token_indexes(store)
+        forum = await create_forum(store, "closed stream")
+        _, secret = await create_token(store, "review-closed", [forum.id])
+    finally:
+        await store.close()
+    parts = urlsplit(amqp_url)
+    vhost = parts.path[1:]
+    bindings_path = f"/api/queues/{vhost}/{quote(state.hub.queue_name, safe='')}/bindings"
+
+    async def forum_keys() -> list[str]:
+        async with httpx.AsyncClient(
+            base_url=servers[2], auth=(parts.username or "guest", parts.password or "guest")
+        ) as api:
+            found = (await api.get(bindings_path)).json()
+        return [b["routing_key"] for b in found if forum.id in b["routing_key"]]
+
+    for _ in range(3):
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=30) as http,
+            http.stream(
+                "GET",
+                f"/v1/forums/{forum.id}/stream",
+                headers={"Authorization": f"Bearer {secret}"},
+            ) as response,
+        ):
+            assert (await anext(response.aiter_bytes())).startswith(b"retry:")
+            assert len(await forum_keys()) == 2
+
+    async def unbound() -> bool:
+        return state.hub.watching(forum.id) == 0 and not await forum_keys()
+
+    await eventually(unbound, timeout=15, what="the closed streams to unbind their forum")

@@ -294,11 +294,15 @@ async def stream(
                             return
                         checked = time.monotonic()
                     yield chunk
+        except Exception:
+            # Starlette skips the background task when the body raises (the store away), which
+            # left the forum's subscriber and bindings for ever. Not on a cancel (the client
+            # went): an unbind inside the cancelled scope would be cut short, and the
+            # background task, which then runs, does it.
+            await stack.aclose()
+            raise
         finally:
             STREAMS.dec()
-            # Here too, not only in the background task: Starlette skips that when the body
-            # raises (the store away), which left the forum's subscriber and bindings forever.
-            await stack.aclose()
 
     return StreamingResponse(
         events(),
