@@ -18,6 +18,7 @@ import httpx
 import pytest
 from pymongo import AsyncMongoClient
 
+from tests.support.fake_openai import FakeOpenAI
 from tests.support.mesh import JoinFactory, Mesh
 from yoke.bus import Bus
 from yoke.client import Client
@@ -138,6 +139,13 @@ async def module_mongodb_url(mongodb_server_url: str) -> AsyncIterator[str]:
 def mesh_env() -> dict[str, str]:
     """Extra environment for the mesh's services; a test module may override it."""
     return {}
+
+
+@pytest.fixture(scope="module")
+def fake_openai() -> Iterator[FakeOpenAI]:
+    """An OpenAI-compatible server of the module's own (``openai_env`` points the mesh at it)."""
+    with FakeOpenAI() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

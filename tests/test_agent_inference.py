@@ -4,11 +4,10 @@ doom-loop guard, with the services as real processes and a real OpenAI-compatibl
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 
-from tests.support.fake_openai import FakeOpenAI, completion, failure
+from tests.support.fake_openai import FakeOpenAI, completion, failure, openai_env
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from yoke.client import Client
 from yoke.joins import ScriptedCall, ScriptedOutput
@@ -20,20 +19,10 @@ SECRET = "sk-test-this-must-never-be-logged"
 
 
 @pytest.fixture(scope="module")
-def fake_openai() -> Iterator[FakeOpenAI]:
-    with FakeOpenAI() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
-    return {
-        "OPENAI_BASE_URL": fake_openai.base_url,
-        "OPENAI_API_KEY": SECRET,
-        "YOKE_PROVIDER_GIVE_UP_SECONDS": "2",
-        "YOKE_PROVIDER_REQUEST_TIMEOUT_SECONDS": "2",
-        "YOKE_PRICES": '{"gpt-test": [1000, 2000]}',
-    }
+    return openai_env(
+        fake_openai.base_url, api_key=SECRET, YOKE_PRICES='{"gpt-test": [1000, 2000]}'
+    )
 
 
 async def test_an_openai_model_agent_answers_with_usage_and_cost(

@@ -12,7 +12,7 @@ import os
 import re
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
@@ -23,7 +23,7 @@ from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 from aiormq.exceptions import AMQPError
 from pamqp.common import FieldTable
 
-from tests.support.fake_openai import FakeOpenAI, completion
+from tests.support.fake_openai import FakeOpenAI, completion, openai_env
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until
 from tests.support.processes import eventually, free_port
 from yoke import topology
@@ -38,19 +38,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def fake_openai() -> Iterator[FakeOpenAI]:
-    with FakeOpenAI() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
-    return {
-        "OPENAI_BASE_URL": fake_openai.base_url,
-        "OPENAI_API_KEY": "sk-test-not-a-secret",
-        "YOKE_PROVIDER_GIVE_UP_SECONDS": "5",
-        "YOKE_PROVIDER_REQUEST_TIMEOUT_SECONDS": "5",
-    }
+    return openai_env(fake_openai.base_url, give_up_seconds=5)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.fake_openai import openai_env
 from tests.support.mesh import JoinFactory, Mesh, lines_until, say
 from tests.support.processes import ServiceProcess, eventually, free_port
 from tests.support.slow_guardian import RUNS
@@ -39,12 +40,7 @@ REFUND_STEER = "Never promise refunds."
 @pytest.fixture(scope="module")
 def mesh_env() -> dict[str, str]:
     # An OpenAI-compatible server that is not there: the "failing guardian model".
-    return {
-        "OPENAI_BASE_URL": f"http://127.0.0.1:{free_port()}/v1",
-        "OPENAI_API_KEY": "sk-test-not-a-secret",
-        "YOKE_PROVIDER_GIVE_UP_SECONDS": "1",
-        "YOKE_PROVIDER_REQUEST_TIMEOUT_SECONDS": "1",
-    }
+    return openai_env(f"http://127.0.0.1:{free_port()}/v1", give_up_seconds=1)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-from tests.support.fake_openai import FakeOpenAI, completion, failure
+from tests.support.fake_openai import FakeOpenAI, completion, failure, openai_env
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually, free_port
 from tests.support.prometheus import Prometheus, binary
@@ -217,21 +217,13 @@ def test_make_monitoring_starts_prometheus_with_the_rules_and_prints_its_url(
 
 
 @pytest.fixture(scope="module")
-def fake_openai() -> Iterator[FakeOpenAI]:
-    with FakeOpenAI() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
-    return {
-        "OPENAI_BASE_URL": fake_openai.base_url,
-        "OPENAI_API_KEY": "sk-test",
-        "YOKE_PROVIDER_GIVE_UP_SECONDS": "2",
-        "YOKE_PROVIDER_REQUEST_TIMEOUT_SECONDS": "2",
-        "YOKE_PRICES": '{"gpt-test": [1000, 2000]}',
-        "YOKE_HANDLER_ATTEMPTS": "2",
-    }
+    return openai_env(
+        fake_openai.base_url,
+        api_key="sk-test",
+        YOKE_PRICES='{"gpt-test": [1000, 2000]}',
+        YOKE_HANDLER_ATTEMPTS="2",
+    )
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,11 @@ against the fake OpenAI server, which refuses prompts that break the order rules
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.support.fake_openai import FakeOpenAI, completion
+from tests.support.fake_openai import FakeOpenAI, completion, openai_env
 from tests.support.mesh import JoinFactory, agent_lines, lines_until, say
 from yoke.client import Client
 from yoke.models import Message, ToolCallPart, ToolResultPart
@@ -19,19 +18,8 @@ WAIT = 10  # seconds the tool runs (its most): lines typed meanwhile land well b
 
 
 @pytest.fixture(scope="module")
-def fake_openai() -> Iterator[FakeOpenAI]:
-    with FakeOpenAI() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
-    return {
-        "OPENAI_BASE_URL": fake_openai.base_url,
-        "OPENAI_API_KEY": "sk-test-not-a-secret",
-        "YOKE_PROVIDER_GIVE_UP_SECONDS": "2",
-        "YOKE_PROVIDER_REQUEST_TIMEOUT_SECONDS": "2",
-    }
+    return openai_env(fake_openai.base_url)
 
 
 def has_calls(line: Message) -> bool:

@@ -62,6 +62,23 @@ def completion(
     )
 
 
+def openai_env(
+    base_url: str, *, api_key: str = "sk-test-not-a-secret", give_up_seconds: int = 2, **more: str
+) -> dict[str, str]:
+    """The services' settings for an OpenAI-compatible server at ``base_url``.
+
+    The provider gives up after ``give_up_seconds`` (one request's timeout too), so that a
+    failing server is seen within a test's waits.
+    """
+    return {
+        "OPENAI_BASE_URL": base_url,
+        "OPENAI_API_KEY": api_key,
+        "YOKE_PROVIDER_GIVE_UP_SECONDS": str(give_up_seconds),
+        "YOKE_PROVIDER_REQUEST_TIMEOUT_SECONDS": str(give_up_seconds),
+        **more,
+    }
+
+
 def failure(status: int, headers: dict[str, str] | None = None) -> Reply:
     return Reply(
         status=status,
