@@ -12,14 +12,14 @@ import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
-import httpx
 import pytest
 from pymongo import AsyncMongoClient
 
+from tests.support.broker import fresh_vhost
 from tests.support.fake_openai import FakeOpenAI
-from tests.support.mesh import JoinFactory, Mesh
+from tests.support.mesh import JoinFactory, Mesh, running_mesh
 from yoke.bus import Bus
 from yoke.client import Client
 from yoke.joins import Join, create_agent, create_forum, join_conversation
@@ -94,17 +94,8 @@ def mongodb_server_url(servers: tuple[str, str, str]) -> str:
 def amqp_url(servers: tuple[str, str, str]) -> Iterator[str]:
     """An AMQP URL on a fresh vhost of its own, removed after the test module."""
     base, _, management = servers
-    parts = urlsplit(base)
-    auth = (parts.username or "guest", parts.password or "guest")
-    vhost = f"yoke-test-{uuid.uuid4().hex[:12]}"
-    with httpx.Client(base_url=management, auth=auth, timeout=30) as api:
-        api.put(f"/api/vhosts/{vhost}").raise_for_status()
-        api.put(
-            f"/api/permissions/{vhost}/{auth[0]}",
-            json={"configure": ".*", "write": ".*", "read": ".*"},
-        ).raise_for_status()
-        yield urlunsplit(parts._replace(path="/" + quote(vhost, safe="")))
-        api.delete(f"/api/vhosts/{vhost}")
+    with fresh_vhost(base, management, f"yoke-test-{uuid.uuid4().hex[:12]}") as url:
+        yield url
 
 
 async def _fresh_database(server_url: str) -> AsyncIterator[str]:
@@ -156,11 +147,9 @@ async def mesh(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[Mesh]:
     """The five services as real processes on the module's vhost and database."""
-    mesh = Mesh(amqp_url, module_mongodb_url, Path(tmp_path_factory.mktemp("mesh")), mesh_env)
-    await mesh.start_all()
-    yield mesh
-    codes = mesh.stop_all()
-    assert all(code == 0 for code in codes.values()), codes  # clean SIGTERM shutdown
+    log_dir = Path(tmp_path_factory.mktemp("mesh"))
+    async with running_mesh(amqp_url, module_mongodb_url, log_dir, mesh_env) as mesh:
+        yield mesh
 
 
 @pytest.fixture(scope="module")

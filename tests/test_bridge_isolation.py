@@ -7,10 +7,7 @@ later is tried too), and an OpenAI-model agent takes a turn with a tool call.
 
 from __future__ import annotations
 
-import asyncio
-import os
 import re
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -23,6 +20,7 @@ from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 from aiormq.exceptions import AMQPError
 from pamqp.common import FieldTable
 
+from tests.support.cli import run_yoke
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until
 from tests.support.processes import eventually, free_port
@@ -46,21 +44,6 @@ def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
 class Publisher:
     name: str
     url: str  # the AMQP URL of the module's vhost with this user's name and password
-
-
-async def run_cli(env: dict[str, str], *args: str) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "yoke.cli",
-        *args,
-        env={**os.environ, **env},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), 60)
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
 
 
 def with_user(amqp_url: str, user: str, password: str) -> str:
@@ -91,7 +74,7 @@ async def publisher(
     mesh: Mesh, amqp_url: str, management: httpx.AsyncClient
 ) -> AsyncIterator[Publisher]:
     name = f"bridge-{uuid.uuid4().hex[:8]}"
-    code, out, err = await run_cli(mesh.env, "publisher", "create", "--name", name)
+    code, out, err = await run_yoke(mesh.env, "publisher", "create", "--name", name)
     assert code == 0, err
     password = out.splitlines()[-1]
     try:
@@ -287,7 +270,7 @@ async def test_publisher_create_grants_exactly_the_bridge_permissions_and_never_
     name = f"bridge-{uuid.uuid4().hex[:8]}"
     env = {"YOKE_AMQP_URL": amqp_url}
     try:
-        code, out, err = await run_cli(env, "publisher", "create", "--name", name)
+        code, out, err = await run_yoke(env, "publisher", "create", "--name", name)
         assert code == 0, err
         password = out.splitlines()[-1]
         assert len(password) >= 24 and password.strip() == password
@@ -302,7 +285,7 @@ async def test_publisher_create_grants_exactly_the_bridge_permissions_and_never_
         connection = await aio_pika.connect(with_user(amqp_url, name, password))
         await connection.close()
 
-        code, out, err = await run_cli(env, "publisher", "create", "--name", name)
+        code, out, err = await run_yoke(env, "publisher", "create", "--name", name)
         assert code != 0 and "exists already" in err and out == ""
         connection = await aio_pika.connect(with_user(amqp_url, name, password))  # unchanged
         await connection.close()
@@ -316,7 +299,7 @@ async def test_publisher_create_says_why_when_the_management_api_refuses(
     name = f"bridge-{uuid.uuid4().hex[:8]}"
     api = urlsplit(servers[2])
     wrong = urlunsplit(api._replace(netloc=f"nobody:not-the-password@{api.netloc}"))
-    code, out, err = await run_cli(
+    code, out, err = await run_yoke(
         {"YOKE_AMQP_URL": amqp_url, "YOKE_MANAGEMENT_URL": wrong},
         "publisher",
         "create",
@@ -330,7 +313,7 @@ async def test_publisher_create_says_why_when_the_management_api_refuses(
 
     closed = f"http://127.0.0.1:{free_port()}"
     env = {"YOKE_AMQP_URL": amqp_url, "YOKE_MANAGEMENT_URL": closed}
-    code, out, err = await run_cli(env, "publisher", "create", "--name", name)
+    code, out, err = await run_yoke(env, "publisher", "create", "--name", name)
     assert code != 0 and out == "" and f"cannot reach the management API at {closed}" in err
 
 

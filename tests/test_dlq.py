@@ -3,34 +3,17 @@ to the queue they came from."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import sys
 
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
+from tests.support.cli import run_yoke
 from tests.support.processes import eventually
 from yoke import topology
 from yoke.bus import Bus
 
 WORK_QUEUE = "yoke.dlqtest.shard.000"
-
-
-async def run_cli(amqp_url: str, *args: str) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "yoke.cli",
-        *args,
-        env={**os.environ, "YOKE_AMQP_URL": amqp_url},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
 
 
 async def dead_letter_count(channel: aio_pika.abc.AbstractChannel) -> int:
@@ -80,7 +63,7 @@ async def test_broker_dead_letters_are_listed_and_replayed_to_their_queue(amqp_u
         await eventually(dead, timeout=30, what="RabbitMQ to dead-letter the message")
         await consumer.close()
 
-        code, out, err = await run_cli(amqp_url, "dlq", "list")
+        code, out, err = await run_yoke({"YOKE_AMQP_URL": amqp_url}, "dlq", "list")
         assert code == 0, err
         [letter] = [json.loads(line) for line in out.splitlines()]
         assert letter["messageId"] == "crashed-1"
@@ -88,7 +71,7 @@ async def test_broker_dead_letters_are_listed_and_replayed_to_their_queue(amqp_u
         assert letter["queue"] == WORK_QUEUE
         assert letter["service"] == "dlqtest"
 
-        code, _, err = await run_cli(amqp_url, "dlq", "replay")
+        code, _, err = await run_yoke({"YOKE_AMQP_URL": amqp_url}, "dlq", "replay")
         assert code == 0, err
         assert "replayed 1 " in err
         assert await dead_letter_count(channel) == 0

@@ -22,12 +22,12 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
 import pytest
 
 from tests.chaos.up import PORTS_VARIABLE, format_ports
+from tests.support.broker import fresh_vhost
 from tests.support.gateway_process import running_gateway, start_gateway
 from tests.support.mesh import JoinFactory, Mesh, lines_until
 from tests.support.processes import ROOT, eventually, free_port
@@ -402,17 +402,8 @@ def own_vhost(servers: tuple[str, str, str]) -> Iterator[str]:
     """An AMQP URL on a fresh vhost of the test's own (no door listens there unless the test
     starts one)."""
     base, _, management = servers
-    parts = urlsplit(base)
-    auth = (parts.username or "guest", parts.password or "guest")
-    vhost = f"yoke-test-own-{uuid.uuid4().hex[:8]}"
-    with httpx.Client(base_url=management, auth=auth, timeout=30) as api:
-        api.put(f"/api/vhosts/{vhost}").raise_for_status()
-        api.put(
-            f"/api/permissions/{vhost}/{auth[0]}",
-            json={"configure": ".*", "write": ".*", "read": ".*"},
-        ).raise_for_status()
-        yield urlunsplit(parts._replace(path="/" + quote(vhost, safe="")))
-        api.delete(f"/api/vhosts/{vhost}")
+    with fresh_vhost(base, management, f"yoke-test-own-{uuid.uuid4().hex[:8]}") as url:
+        yield url
 
 
 async def test_a_mesh_that_does_not_answer_is_a_503_with_retry_after(

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.fake_openai import openai_env
-from tests.support.mesh import JoinFactory, Mesh, lines_until, say
+from tests.support.mesh import JoinFactory, Mesh, lines_until, running_mesh, say
 from tests.support.processes import ServiceProcess, eventually, free_port
 from tests.support.slow_guardian import RUNS
 from yoke.client import Client
@@ -57,17 +57,9 @@ async def mesh(
     await store.db.create_collection(RUNS)
     await store.close()
     launch = {"guardian": (["-m", "tests.support.slow_guardian", "guardian"], {})}
-    mesh = Mesh(
-        amqp_url,
-        module_mongodb_url,
-        Path(tmp_path_factory.mktemp("mesh")),
-        mesh_env,
-        launch=launch,
-    )
-    await mesh.start_all()
-    yield mesh
-    codes = mesh.stop_all()
-    assert all(code == 0 for code in codes.values()), codes
+    log_dir = Path(tmp_path_factory.mktemp("mesh"))
+    async with running_mesh(amqp_url, module_mongodb_url, log_dir, mesh_env, launch=launch) as mesh:
+        yield mesh
 
 
 async def guard(store: Store, join: Join, guardian: GuardianConfig) -> None:

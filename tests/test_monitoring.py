@@ -29,7 +29,7 @@ import yaml
 from prometheus_client import REGISTRY
 
 from tests.support.fake_openai import FakeOpenAI, completion, failure, openai_env
-from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
+from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, running_mesh, say
 from tests.support.processes import eventually, free_port
 from tests.support.prometheus import Prometheus, binary
 from yoke.client import Client
@@ -234,22 +234,16 @@ async def mesh(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[Mesh]:
     """The five services, the processor failing for good on any line holding POISON."""
-    mesh = Mesh(
+    poisoned = (["-m", "tests.support.poison", "processor"], {"YOKE_TEST_POISON": POISON})
+    async with running_mesh(
         amqp_url,
         module_mongodb_url,
         Path(tmp_path_factory.mktemp("mesh")),
         mesh_env,
-        launch={
-            "processor": (
-                ["-m", "tests.support.poison", "processor"],
-                {"YOKE_TEST_POISON": POISON},
-            )
-        },
-    )
-    await mesh.start_all()
-    yield mesh
-    codes = mesh.stop_all()
-    assert all(code == 0 for name, code in codes.items() if name not in KILLED), codes
+        launch={"processor": poisoned},
+        killed=KILLED,
+    ) as mesh:
+        yield mesh
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.chaos.load import Load
 from tests.chaos.verdict import account
+from tests.support.mesh import service_env
 from tests.support.processes import ROOT, ServiceProcess, eventually
 from yoke.bus import Bus
 from yoke.client import Client
@@ -50,12 +51,7 @@ class Processes:
     """Service processes of this module, each with its own log; all stopped at the end."""
 
     def __init__(self, amqp_url: str, mongodb_url: str, log_dir: Path) -> None:
-        self.env = {
-            "YOKE_AMQP_URL": amqp_url,
-            "YOKE_MONGODB_URL": mongodb_url,
-            "YOKE_SHARDS": "2",
-            "YOKE_RETRY_BACKOFF_SECONDS": "0.05",
-        }
+        self.env = service_env(amqp_url, mongodb_url)
         self.log_dir = log_dir
         self.started: list[ServiceProcess] = []
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -27,6 +25,7 @@ import httpx
 import pytest
 from aiormq.exceptions import ChannelAccessRefused
 
+from tests.support.cli import run_yoke
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import ServiceProcess, eventually, free_port
 from yoke import topology
@@ -150,18 +149,8 @@ async def client(users: Users, mesh: Mesh) -> AsyncIterator[Client]:
 
 async def run_cli(env: dict[str, str], *args: str) -> tuple[int, str]:
     """``yoke ARGS`` as a process; its exit code and stdout + stderr."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "yoke.cli",
-        *args,
-        env={**os.environ, **env},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    out, _ = await asyncio.wait_for(process.communicate(), timeout=90)
-    assert process.returncode is not None
-    return process.returncode, out.decode(errors="replace")
+    code, out, err = await run_yoke(env, *args, timeout=90)
+    return code, out + err
 
 
 # --- least privilege -------------------------------------------------------------------------

@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import httpx
+
+
+@contextmanager
+def fresh_vhost(amqp_url: str, management_url: str, vhost: str) -> Iterator[str]:
+    """An AMQP URL on a new vhost where the URL's user may do anything; deleted after."""
+    parts = urlsplit(amqp_url)
+    auth = (parts.username or "guest", parts.password or "guest")
+    with httpx.Client(base_url=management_url, auth=auth, timeout=30) as api:
+        api.put(f"/api/vhosts/{vhost}").raise_for_status()
+        api.put(
+            f"/api/permissions/{vhost}/{auth[0]}",
+            json={"configure": ".*", "write": ".*", "read": ".*"},
+        ).raise_for_status()
+        yield urlunsplit(parts._replace(path="/" + quote(vhost, safe="")))
+        api.delete(f"/api/vhosts/{vhost}")
 
 
 class Management:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from tests.support.processes import ServiceProcess, eventually
@@ -16,6 +17,16 @@ from yoke.supervisor import SERVICES
 JoinFactory = Callable[..., Awaitable[tuple[str, Join]]]
 
 
+def service_env(amqp_url: str, mongodb_url: str) -> dict[str, str]:
+    """What every service a test starts runs with: its servers, two shards, quick retries."""
+    return {
+        "YOKE_AMQP_URL": amqp_url,
+        "YOKE_MONGODB_URL": mongodb_url,
+        "YOKE_SHARDS": "2",
+        "YOKE_RETRY_BACKOFF_SECONDS": "0.05",
+    }
+
+
 class Mesh:
     def __init__(
         self,
@@ -26,13 +37,7 @@ class Mesh:
         *,
         launch: dict[str, tuple[list[str], dict[str, str]]] | None = None,
     ) -> None:
-        self.env = {
-            **(env or {}),
-            "YOKE_AMQP_URL": amqp_url,
-            "YOKE_MONGODB_URL": mongodb_url,
-            "YOKE_SHARDS": "2",
-            "YOKE_RETRY_BACKOFF_SECONDS": "0.05",
-        }
+        self.env = {**(env or {}), **service_env(amqp_url, mongodb_url)}
         self.log_dir = log_dir
         # Per service: other arguments to python (a test-support wrapper) and extra environment.
         self.launch = launch or {}
@@ -59,6 +64,25 @@ class Mesh:
 
     def stop_all(self) -> dict[str, int]:
         return {name: process.stop() for name, process in self.processes.items()}
+
+
+@asynccontextmanager
+async def running_mesh(
+    amqp_url: str,
+    mongodb_url: str,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+    *,
+    launch: dict[str, tuple[list[str], dict[str, str]]] | None = None,
+    killed: Collection[str] = (),
+) -> AsyncIterator[Mesh]:
+    """The five services, healthy; after, each but the ``killed`` ones (read at the end) must
+    have shut down cleanly on SIGTERM."""
+    mesh = Mesh(amqp_url, mongodb_url, log_dir, env, launch=launch)
+    await mesh.start_all()
+    yield mesh
+    codes = mesh.stop_all()
+    assert all(code == 0 for name, code in codes.items() if name not in killed), codes
 
 
 async def say(client: Client, forum_id: str, text: str, who: str = "alice") -> str:
