@@ -390,7 +390,13 @@ class SubscriptionRunner:
         log.warning("webhook %s: line %s dead-lettered: %s", subscription.id, line.id, reason)
 
     async def _save(self, cursor: Cursor) -> None:
-        """The cursor, written by its one writer (this lease's holder) as a whole."""
+        """The cursor, written by its one writer (this lease's holder) as a whole.
+
+        Not once the lease is gone (a POST may outlast it): another replica holds the
+        subscription by then, and this older cursor would move its progress back (it would
+        send its lines again, after later ones)."""
+        if not self.worker.leases.holds(self.subscription.id):
+            return
         fields = cursor.model_dump(mode="python", by_alias=True, exclude={"id"})
         await collection(self.worker.store, CURSORS).update_one(
             {"_id": cursor.id}, {"$set": fields}
