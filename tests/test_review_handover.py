@@ -1,7 +1,8 @@
 """A shard whose lane lost its queued jobs can still be handed over (pure logic, fakes).
 
-A lane drops the jobs queued behind one that raised (a dead letter whose publish failed after
-its retries: the broker away). The gate used to count those jobs as held for ever, so the
+A lane used to drop the jobs queued behind one that raised (a dead letter whose publish failed
+after its retries: the broker away; now waited out, see test_dead_letter_outage). The gate
+counted those jobs as held for ever, so the
 hand-over of their shard waited on ``gate.idle()`` for ever: its channel was never closed and
 the new owner stayed idle behind single active consumer.
 """

@@ -179,8 +179,10 @@ class Dispatcher:
             return  # left unacked: the next consumer of the queue gets it
         except Malformed as error:
             log.warning("dead-lettering malformed delivery: %s", error, extra=extra)
-            await self._dead_letter(message, "malformed", str(error), previous + attempts)
-            EVENTS_HANDLED.labels(self.service, event_type, "dead_lettered").inc()
+            if await self._dead_letter_patiently(
+                message, "malformed", str(error), previous + attempts, stopping, extra
+            ):
+                EVENTS_HANDLED.labels(self.service, event_type, "dead_lettered").inc()
             return
         except Exception as error:
             reason = str(error) if isinstance(error, DeadLetter) else repr(error)
@@ -191,11 +193,35 @@ class Dispatcher:
                 extra=extra,
                 exc_info=not isinstance(error, DeadLetter),
             )
-            await self._dead_letter(message, "failed", reason, previous + attempts)
-            EVENTS_HANDLED.labels(self.service, event_type, "dead_lettered").inc()
+            if await self._dead_letter_patiently(
+                message, "failed", reason, previous + attempts, stopping, extra
+            ):
+                EVENTS_HANDLED.labels(self.service, event_type, "dead_lettered").inc()
             return
         EVENTS_HANDLED.labels(self.service, event_type, "ok").inc()
         await _ack(message)
+
+    async def _dead_letter_patiently(
+        self,
+        message: AbstractIncomingMessage,
+        reason: str,
+        error: str,
+        attempts: int,
+        stopping: asyncio.Event | None,
+        extra: dict[str, str | None],
+    ) -> bool:
+        """Dead-letter the delivery, waiting out a broker outage in its lane (so nothing of its
+        conversation overtakes it); ``False`` when stopping first (it stays unacked)."""
+        try:
+            await self.policy.run(
+                lambda: self._dead_letter(message, reason, error, attempts),
+                stopping=stopping or self.stopping,
+                describe="dead-lettering",
+                extra=extra,
+            )
+        except Stopping:
+            return False
+        return True
 
     async def _dead_letter(
         self, message: AbstractIncomingMessage, reason: str, error: str, attempts: int

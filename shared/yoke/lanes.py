@@ -7,10 +7,13 @@ delivery's callback as its own task, so without lanes two lines of one conversat
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 
 Job = Callable[[], Awaitable[None]]
+
+log = logging.getLogger(__name__)
 
 
 class Lanes:
@@ -43,7 +46,14 @@ class Lanes:
         try:
             while queue and not self._closing:
                 job = queue[0]
-                await job()
+                try:
+                    await job()
+                except Exception:
+                    # A job handles its own failures (retry, dead letter); one that still
+                    # raises is a bug. Say so now, and keep the conversation's later jobs:
+                    # dropping them would leave their deliveries unacked on a live channel
+                    # while newer ones start a fresh lane ahead of them.
+                    log.exception("a job of lane %s failed", key)
                 queue.popleft()
         finally:
             del self._queues[key]
