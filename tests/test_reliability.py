@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.support.broker import Management
-from tests.support.mesh import Mesh, agent_lines, lines_until, say
+from tests.support.mesh import Mesh, agent_lines, lines_until, running_mesh, say
 from tests.support.processes import eventually
 from yoke import topology
 from yoke.bus import Bus
@@ -41,7 +41,7 @@ def _poisoned(name: str, extra: dict[str, str] | None = None) -> tuple[list[str]
 async def mesh(
     amqp_url: str, module_mongodb_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Mesh]:
-    mesh = Mesh(
+    async with running_mesh(
         amqp_url,
         module_mongodb_url,
         Path(tmp_path_factory.mktemp("mesh")),
@@ -53,11 +53,8 @@ async def mesh(
                 {"YOKE_TEST_POISON": "INGEST-JAM", "YOKE_TEST_POISON_AGENT": POISONED_AGENT},
             ),
         },
-    )
-    await mesh.start_all()
-    yield mesh
-    codes = mesh.stop_all()
-    assert all(code == 0 for code in codes.values()), codes
+    ) as mesh:
+        yield mesh
 
 
 @pytest.fixture(scope="module")
