@@ -95,6 +95,9 @@ async def watch(child: Child, stopping: asyncio.Event) -> None:
             pass
         child.restarts += 1
         await start(child)
+        if stopping.is_set() and child.process is not None:
+            # Told to stop while it was starting: ``run`` stopped only the children it knew.
+            child.process.terminate()
 
 
 async def run(
