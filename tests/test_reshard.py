@@ -12,10 +12,11 @@ import aio_pika
 import pytest
 
 from tests.support.processes import eventually, free_port
+from yoke import topology
 from yoke.bus import Bus
 from yoke.ids import derive_id
 from yoke.models import Envelope, Message, MessagePosted, TextPart
-from yoke.reshard import TOPOLOGY, ShardCountChanged, shard_queues
+from yoke.reshard import TOPOLOGY, ShardCountChanged, check_shard_count, shard_queues
 from yoke.service import Service
 from yoke.settings import Settings
 from yoke.store import Store
@@ -162,3 +163,40 @@ async def test_an_interrupted_reshard_is_refused_until_run_again(
     recording(svc)
     await svc.start(health=False)
     await svc.stop()
+
+
+async def test_replicas_starting_together_do_not_refuse_each_others_half_declared_shards(
+    amqp_url: str, mongodb_url: str
+) -> None:
+    """Replicas starting at once on a new broker: one may look while another is still
+    declaring the shard queues. A partial, growing set is a declaration under way, not a
+    changed shard count (it used to exit 78, which ``yoke up`` does not restart)."""
+    name, shards = f"racer{free_port()}", 8
+    bus = Bus(amqp_url, name="test-reshard-race")
+    await bus.connect()
+    store = Store(mongodb_url)
+    try:
+        connection = await aio_pika.connect(amqp_url)
+        try:
+            channel = await connection.channel()
+
+            async def declare(indexes: range, pause: float) -> None:
+                for index in indexes:
+                    await channel.declare_queue(
+                        topology.shard_queue(name, index), **topology.QUORUM_QUEUE
+                    )
+                    await asyncio.sleep(pause)
+
+            await declare(range(3), 0)  # another replica is part-way through
+            rest = asyncio.create_task(declare(range(3, shards), 0.2))
+            await check_shard_count(bus, store, name, shards)
+            await rest
+            await check_shard_count(bus, store, name, shards)
+            # A count that stays different is still refused.
+            with pytest.raises(ShardCountChanged, match=f"holds {shards} shard queues"):
+                await check_shard_count(bus, store, name, shards + 4)
+        finally:
+            await connection.close()
+    finally:
+        await bus.close()
+        await store.close()

@@ -1,8 +1,9 @@
-"""A webhook dead letter names its URL without the URL's password.
+"""A webhook dead letter names its receiver by origin only: no password, path or query.
 
 Letters are shown to every token whose scope holds their forum (the console) and printed by
-``yoke webhook list``; a receiver's basic-auth password in the subscription URL must not reach
-them (the subscription itself keeps it, to deliver).
+``yoke webhook list``; a receiver's basic-auth password in the subscription URL, or a secret
+kept in its path or query (Slack-style hooks), must not reach them (the subscription itself
+keeps the whole URL, to deliver; its id names it).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ async def test_a_dead_letter_shows_no_url_password(
 ) -> None:
     forum = await create_forum(store, "letters")
     # Nobody listens there, and the retry window is zero: the first failure is a dead letter.
-    url = f"http://hook-user:hunter2-secret@127.0.0.1:{free_port()}/hook"
+    port = free_port()
+    url = f"http://hook-user:hunter2-secret@127.0.0.1:{port}/hook/T0/pathsecret42?k=querysecret42"
     subscription = await add_webhook(store, forum.id, url)
     settings = Settings(amqp_url=amqp_url, mongodb_url=mongodb_url, webhook_retry_window_seconds=0)
     worker = WebhookWorker(settings, store)
@@ -64,5 +66,7 @@ async def test_a_dead_letter_shows_no_url_password(
         await bus.close()
     [letter] = await dead_letters(store, [forum.id])
     assert letter.subscription_id == subscription.id
-    assert "hunter2-secret" not in letter.model_dump_json()
-    assert letter.url.startswith("http://hook-user:") and letter.url.endswith("/hook")
+    shown = letter.model_dump_json()
+    for secret in ("hunter2-secret", "pathsecret42", "querysecret42"):
+        assert secret not in shown, shown
+    assert letter.url == f"http://127.0.0.1:{port}/…"

@@ -64,6 +64,7 @@ from yoke.webhooks import (
     ensure_webhook_indexes,
     list_webhooks,
     load_cursor,
+    shown_url,
     sign,
 )
 
@@ -378,9 +379,11 @@ class SubscriptionRunner:
             forum_id=subscription.forum_id,
             message_id=line.id,
             seq=line.seq,
-            # Letters are shown to the forum's tokens (the console): never a URL's password.
-            url=redact(subscription.url),
-            reason=redact(reason)[:ERROR_CHARS],
+            # Letters are shown to the forum's tokens (the console): the receiver's origin only.
+            url=shown_url(subscription.url),
+            reason=redact(reason.replace(subscription.url, shown_url(subscription.url)))[
+                :ERROR_CHARS
+            ],
             status=status,
             attempts=attempts,
         )

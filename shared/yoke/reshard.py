@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 
 TOPOLOGY = "topology"
 MAX_SHARDS = 1024
+# A smaller shard set than configured must hold still this many probes, this far apart, to be
+# refused (a replica declaring the queues right now makes it grow instead).
+SETTLE_PROBES = 4
+SETTLE_SECONDS = 1.0
 DRAIN_BATCH = 256
 DRAIN_WAIT_SECONDS = 30.0
 # Added by RabbitMQ on redelivery or dead-lettering: a moved message starts afresh.
@@ -97,6 +101,24 @@ async def shard_queues(connection: AbstractConnection, service: str) -> list[Sha
     return found
 
 
+async def _settled_shard_count(amqp_url: str, service: str, shards: int) -> int:
+    """How many shard queues the service has, once that number holds still.
+
+    Replicas starting together race: one may count while another is still declaring, and a
+    partial set that keeps growing toward ``shards`` is that, not a changed shard count. A
+    different count has to stay the same for ``SETTLE_PROBES`` probes to count.
+    """
+    async with connection_to(amqp_url) as connection:
+        present = len(await shard_queues(connection, service))
+        same = 1
+        while 0 < present < shards and same < SETTLE_PROBES:
+            await asyncio.sleep(SETTLE_SECONDS)
+            again = len(await shard_queues(connection, service))
+            same = same + 1 if again == present else 1
+            present = again
+    return present
+
+
 async def check_shard_count(bus: Bus, store: Store, service: str, shards: int) -> None:
     """Refuse to start (before declaring anything) when the shard count changed.
 
@@ -110,8 +132,7 @@ async def check_shard_count(bus: Bus, store: Store, service: str, shards: int) -
             f"with every service stopped, run `yoke reshard {target}` again"
         )
     else:
-        async with connection_to(bus.url) as connection:
-            present = len(await shard_queues(connection, service))
+        present = await _settled_shard_count(bus.url, service, shards)
         if not present or present == shards:
             return
         problem = (

@@ -136,6 +136,18 @@ async def ensure_webhook_indexes(store: Store) -> None:
     await letters.create_index([("forumId", ASCENDING)], name="forum")
 
 
+def shown_url(url: str) -> str:
+    """``url`` as a dead letter may show it: its origin only. A receiver's password, or a secret
+    kept in its path or query (Slack-style hooks), stays in the subscription, named by its id."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    port = f":{parts.port}" if parts.port else ""
+    rest = "/…" if (parts.path not in ("", "/") or parts.query) else "/"
+    return f"{parts.scheme}://{host}{port}{rest}"
+
+
 def check_url(url: str) -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
