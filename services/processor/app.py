@@ -13,9 +13,11 @@ by a model call of its own (DESIGN invariant 10).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Literal
 
 from yoke import topology
@@ -328,12 +330,19 @@ async def report_activity(context: Context, state: Literal["thinking", "tool", "
         )
 
 
-async def run_tools(context: Context, trigger: Message, calls: list[ToolCallPart]) -> None:
-    await report_activity(context, "tool")
+@contextlib.asynccontextmanager
+async def activity(context: Context, state: Literal["thinking", "tool"]) -> AsyncIterator[None]:
+    """Report ``state`` for the work inside, and ``idle`` once it ends however it ends."""
+    await report_activity(context, state)
     try:
-        await run_tool_round(context, trigger, calls)
+        yield
     finally:
         await report_activity(context, "idle")
+
+
+async def run_tools(context: Context, trigger: Message, calls: list[ToolCallPart]) -> None:
+    async with activity(context, "tool"):
+        await run_tool_round(context, trigger, calls)
 
 
 async def run_tool_round(context: Context, trigger: Message, calls: list[ToolCallPart]) -> None:
@@ -404,11 +413,8 @@ async def infer_once(context: Context, trigger: Message, transcript: list[Messag
     if spent:
         await post_notice(context, trigger, "budget", f"no answer: {spent}")
         return
-    await report_activity(context, "thinking")
-    try:
+    async with activity(context, "thinking"):
         await infer_and_post(context, trigger, transcript)
-    finally:
-        await report_activity(context, "idle")
 
 
 async def infer_and_post(context: Context, trigger: Message, transcript: list[Message]) -> None:
