@@ -120,7 +120,7 @@ start_ferretdb() {
         # shellcheck disable=SC2086
         pg_ctlcluster $cluster restart || die "could not restart PostgreSQL $cluster"
     fi
-    ferretdb_role_password >/dev/null
+    set_ferretdb_role_password
     su postgres -c "psql -qtAc \"SELECT 1 FROM pg_database WHERE datname='ferretdb'\"" | grep -q 1 \
         || su postgres -c "psql -qc \"CREATE DATABASE ferretdb OWNER ferretdb\""
     install_gin_twins
@@ -136,22 +136,26 @@ install_gin_twins() {
         >"$local_dir/ferretdb-indexes.log" 2>&1 || die "installing FerretDB's GIN index twins failed; see $local_dir/ferretdb-indexes.log"
 }
 
-# FerretDB's PostgreSQL role has a random password, kept in .local/ (git-ignored) and set on the
-# role whenever that file is new (so only while FerretDB is down); the repository holds none.
+# FerretDB's PostgreSQL role has a random password, kept in .local/ (git-ignored); the
+# repository holds none. Each start from this checkout sets it on the role (FerretDB is down
+# then), so the file stays right even after another checkout of the project set its own.
 pg_password_file="$local_dir/postgresql-ferretdb.password"
 ferretdb_role_password() {
     if [ ! -s "$pg_password_file" ]; then
         (umask 077 && head -c 24 /dev/urandom | base64 | tr -d '\n' | tr '+/' '-_' >"$pg_password_file")
-        local verb=CREATE
-        if su postgres -c "psql -qtAc \"SELECT 1 FROM pg_roles WHERE rolname='ferretdb'\"" | grep -q 1; then
-            verb=ALTER
-        fi
-        # Through stdin, not the command line: the password never shows in the process list.
-        printf "\\set pw '%s'\n%s ROLE ferretdb LOGIN PASSWORD :'pw';\n" "$(cat "$pg_password_file")" "$verb" \
-            | su postgres -c "psql -q -v ON_ERROR_STOP=1" >/dev/null \
-            || { rm -f "$pg_password_file"; die "could not set the password of PostgreSQL's ferretdb role"; }
     fi
     cat "$pg_password_file"
+}
+
+set_ferretdb_role_password() {
+    local verb=CREATE
+    if su postgres -c "psql -qtAc \"SELECT 1 FROM pg_roles WHERE rolname='ferretdb'\"" | grep -q 1; then
+        verb=ALTER
+    fi
+    # Through stdin, not the command line: the password never shows in the process list.
+    printf "\\set pw '%s'\n%s ROLE ferretdb LOGIN PASSWORD :'pw';\n" "$(ferretdb_role_password)" "$verb" \
+        | su postgres -c "psql -q -v ON_ERROR_STOP=1" >/dev/null \
+        || die "could not set the password of PostgreSQL's ferretdb role"
 }
 
 launch_ferretdb() { # binary
