@@ -15,8 +15,8 @@ from typing import cast
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
 
+from tests.support.deliveries import Delivery
 from tests.support.processes import eventually
-from tests.test_review_handover import Delivery
 from yoke.bus import Bus
 from yoke.consumer import Dispatcher, Malformed, Route, key_from_header
 from yoke.errors import RetryPolicy, Transient

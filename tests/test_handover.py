@@ -9,35 +9,15 @@ nothing of the shard is left in the lanes.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import cast
 
 from aio_pika.abc import AbstractIncomingMessage
 from pymongo.errors import AutoReconnect
 
-from yoke import topology
+from tests.support.deliveries import Delivery
 from yoke.bus import Bus
 from yoke.consumer import Dispatcher, Gate, Route, key_from_header
 from yoke.errors import RetryPolicy
-
-
-@dataclass
-class Delivery:
-    """Just what the dispatcher reads of a delivery, and whether it was acked."""
-
-    message_id: str
-    conversation: str
-    acked: bool = False
-    headers: dict[str, Any] = field(default_factory=dict)
-    routing_key: str = "conversation.message.posted.x"
-    exchange: str = "yoke.test.shards"
-    body: bytes = b"{}"
-
-    def __post_init__(self) -> None:
-        self.headers[topology.CONVERSATION_HEADER] = self.conversation
-
-    async def ack(self) -> None:
-        self.acked = True
 
 
 def _dispatcher() -> Dispatcher:

@@ -10,36 +10,14 @@ the new owner stayed idle behind single active consumer.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import cast
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from yoke import topology
+from tests.support.deliveries import Delivery
 from yoke.bus import Bus
 from yoke.consumer import Dispatcher, Gate, Malformed, Route, key_from_header
 from yoke.errors import RetryPolicy, Transient
-
-
-@dataclass
-class Delivery:
-    """Just what the dispatcher reads of a delivery, and whether it was acked."""
-
-    message_id: str
-    conversation: str
-    acked: bool = False
-    headers: dict[str, Any] = field(default_factory=dict)
-    routing_key: str = "conversation.message.posted.x"
-    exchange: str = "yoke.test.shards"
-    body: bytes = b"{}"
-    reply_to: str | None = None
-    correlation_id: str | None = None
-
-    def __post_init__(self) -> None:
-        self.headers[topology.CONVERSATION_HEADER] = self.conversation
-
-    async def ack(self) -> None:
-        self.acked = True
 
 
 class BrokerAway:
