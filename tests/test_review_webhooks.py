@@ -1,15 +1,26 @@
-"""A replica that lost a subscription's lease mid-POST never moves its cursor back.
+"""Webhook defects found in review, each pinned by a test that failed on the code before.
 
-Replica A POSTs a line; the receiver holds the request while A loses the store (its lease
-runs out) and replica B takes the subscription over and delivers that line and the next ones.
-When A's POST finally returns, A used to write the cursor it had (that first line) over B's:
-B then sent the later lines again, after lines it had already sent (out of order, twice).
+- A replica that lost a subscription's lease mid-POST never moves its cursor back. Replica A
+  POSTs a line; the receiver holds the request while A loses the store (its lease runs out)
+  and replica B takes the subscription over and delivers that line and the next ones. When
+  A's POST finally returned, A used to write the cursor it had over B's: B then sent the later
+  lines again, after lines it had already sent (out of order, twice).
+- A webhook dead letter names its receiver by origin only: no password, path or query.
+  Letters are shown to every token whose scope holds their forum (the console) and printed by
+  ``yoke webhook list``; a receiver's basic-auth password, or a secret kept in its path or
+  query (Slack-style hooks), must not reach them (the subscription keeps the whole URL, to
+  deliver; its id names it).
+- A stopping gateway hands its webhook subscriptions over within seconds, store or no store.
+  Releasing a held subscription deletes its lease buckets; with the store away each delete
+  used to wait out the driver's server selection (10 s) in turn, two buckets per
+  subscription, so a SIGTERM'd gateway took minutes to exit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -23,9 +34,21 @@ from yoke.models import Message, TextPart
 from yoke.posting import Poster
 from yoke.settings import Settings
 from yoke.store import Store
-from yoke.webhooks import add_webhook, ensure_webhook_indexes, load_cursor
+from yoke.webhooks import add_webhook, dead_letters, ensure_webhook_indexes, load_cursor
+
+
+@pytest.fixture
+async def store(mongodb_url: str) -> AsyncIterator[Store]:
+    store = Store(mongodb_url)
+    await store.ensure_indexes()
+    await ensure_webhook_indexes(store)
+    yield store
+    await store.close()
+
 
 LEASE_SECONDS = 2.0
+# What a stopping replica may take to leave with the store away (ownership's bound is 5 s).
+STOP_SECONDS = 8.0
 
 
 class HoldingReceiver:
@@ -69,15 +92,6 @@ class HoldingReceiver:
             pass
         finally:
             writer.close()
-
-
-@pytest.fixture
-async def store(mongodb_url: str) -> AsyncIterator[Store]:
-    store = Store(mongodb_url)
-    await store.ensure_indexes()
-    await ensure_webhook_indexes(store)
-    yield store
-    await store.close()
 
 
 async def test_a_replica_that_lost_the_lease_mid_post_leaves_the_cursor_alone(
@@ -145,3 +159,69 @@ async def test_a_replica_that_lost_the_lease_mid_post_leaves_the_cursor_alone(
         await away.close()
         await bus.close()
         await receiver.close()
+
+
+async def test_a_dead_letter_shows_no_url_password(
+    amqp_url: str, mongodb_url: str, store: Store
+) -> None:
+    forum = await create_forum(store, "letters")
+    # Nobody listens there, and the retry window is zero: the first failure is a dead letter.
+    port = free_port()
+    url = f"http://hook-user:hunter2-secret@127.0.0.1:{port}/hook/T0/pathsecret42?k=querysecret42"
+    subscription = await add_webhook(store, forum.id, url)
+    settings = Settings(amqp_url=amqp_url, mongodb_url=mongodb_url, webhook_retry_window_seconds=0)
+    worker = WebhookWorker(settings, store)
+    bus = Bus(amqp_url, name="test-letters")
+    await bus.connect()
+    await worker.start()
+    try:
+        await Poster(store, bus, "test").post(
+            Message(
+                id=new_id(),
+                conversation_id=forum.id,
+                author_actor_id="agent",
+                role="agent",
+                parts=[TextPart(text="an agent line")],
+            )
+        )
+
+        async def dead_lettered() -> bool:
+            return bool(await dead_letters(store, [forum.id]))
+
+        await eventually(dead_lettered, timeout=60, what="the line to be dead-lettered")
+    finally:
+        await worker.stop()
+        await bus.close()
+    [letter] = await dead_letters(store, [forum.id])
+    assert letter.subscription_id == subscription.id
+    shown = letter.model_dump_json()
+    for secret in ("hunter2-secret", "pathsecret42", "querysecret42"):
+        assert secret not in shown, shown
+    assert letter.url == f"http://127.0.0.1:{port}/…"
+
+
+async def test_stopping_with_the_store_away_takes_seconds(
+    amqp_url: str, mongodb_url: str, store: Store
+) -> None:
+    forums = [await create_forum(store, f"webhook stop {n}") for n in range(3)]
+    for forum in forums:
+        # Nothing is ever POSTed (the forums stay silent): the URL need not answer.
+        await add_webhook(store, forum.id, "http://127.0.0.1:9/hook")
+    worker = WebhookWorker(
+        Settings(amqp_url=amqp_url, mongodb_url=mongodb_url, webhook_lease_seconds=30), store
+    )
+    await worker.start()
+    away = Store(f"mongodb://127.0.0.1:{free_port()}/yoke")  # nobody listens there
+    try:
+
+        async def holds_all() -> bool:
+            return worker.leases.held() == len(forums)
+
+        await eventually(holds_all, timeout=30, what="the worker to hold every subscription")
+        worker.leases.store = away  # the store goes away
+        started = time.monotonic()
+        await worker.stop()
+        took = time.monotonic() - started
+    finally:
+        await away.close()
+    assert took < STOP_SECONDS, f"stopping took {took:.1f} s with the store away"
