@@ -48,8 +48,7 @@ CLUSTER_PLAN = Plan(
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RabbitCluster]:
-    if not rabbit_node.available():
-        pytest.skip(f"RabbitMQ's scripts are not installed in {rabbit_node.RABBITMQ_BIN}")
+    rabbit_node.require()
     cluster = RabbitCluster(Path(tmp_path_factory.mktemp("rabbit-cluster")), 3)
     started = time.monotonic()
     try:
@@ -129,7 +128,15 @@ class NodeFaults:
                 return all(set(q.get("online") or []) == everyone for q in queues)
 
             await eventually(all_online, timeout=120, what="every queue's members online again")
-        services = await self.service_connections()
+        services: dict[str, str] = {}
+
+        async def listed() -> bool:
+            # The management API lists a connection only after its next stats emission.
+            services.clear()
+            services.update(await self.service_connections())
+            return bool(services)
+
+        await eventually(listed, timeout=30, what="the services' connections listed")
         on = set(services.values())
         assert len(on) == 1, f"the services are connected to several nodes: {services}"
         node = next(n for n in self.cluster.nodes if n.node in on)

@@ -47,9 +47,12 @@ DEFAULT_PLUGINS = (
 BASE_CONFIG = ("consumer_timeout = 86400000", "loopback_users.guest = true")
 
 
-def available() -> bool:
-    """Whether RabbitMQ's own scripts are installed here (tests skip otherwise)."""
-    return (RABBITMQ_BIN / "rabbitmq-server").is_file() and (RABBITMQ_BIN / "rabbitmqctl").is_file()
+def require() -> None:
+    """Fail, naming what is missing, unless RabbitMQ's own scripts are installed here."""
+    for script in ("rabbitmq-server", "rabbitmqctl"):
+        assert (RABBITMQ_BIN / script).is_file(), (
+            f"{RABBITMQ_BIN / script} is missing: `make services` installs rabbitmq-server"
+        )
 
 
 def free_port() -> int:
