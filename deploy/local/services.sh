@@ -132,8 +132,9 @@ start_ferretdb() {
 # FerretDB's own indexes are never used by its queries; give each a GIN twin that is (see the
 # SQL file). Done on every start of a FerretDB this script runs, also when it is found running.
 install_gin_twins() {
-    su postgres -c "psql -d ferretdb -v ON_ERROR_STOP=1 -q -f '$root/deploy/local/ferretdb-gin-indexes.sql'" \
-        >"$local_dir/ferretdb-indexes.log" 2>&1 || die "installing FerretDB's GIN index twins failed; see $local_dir/ferretdb-indexes.log"
+    # On stdin (opened by us): the checkout may sit in a directory the postgres user cannot read.
+    su postgres -c "cd / && psql -d ferretdb -v ON_ERROR_STOP=1 -q" \
+        <"$root/deploy/local/ferretdb-gin-indexes.sql" >"$local_dir/ferretdb-indexes.log" 2>&1 || die "installing FerretDB's GIN index twins failed; see $local_dir/ferretdb-indexes.log"
 }
 
 # FerretDB's PostgreSQL role has a random password, kept in .local/ (git-ignored); the
