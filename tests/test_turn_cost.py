@@ -16,6 +16,7 @@ from collections import Counter
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from pymongo import ASCENDING
 
 from tests.support.mesh import Mesh, say
 from tests.support.processes import eventually
@@ -260,6 +261,22 @@ async def test_a_line_looked_up_by_seq_reads_only_itself(
             assert rows <= lookups, f"{rows} rows for {lookups} lookups (statistics {statistics})"
     finally:
         _psql(f"ALTER TABLE {schema}.{table} RESET (autovacuum_enabled)")
+
+
+async def test_services_starting_together_drop_the_old_bucket_index(mongodb_url: str) -> None:
+    """A store made before ``convBucket`` has the ``(conversationId, bucket)`` index: every
+    service drops it at start-up, and those starting together do not trip over each other."""
+    stores = [Store(mongodb_url) for _ in range(4)]
+    try:
+        await stores[0].messages.create_index(
+            [("conversationId", ASCENDING), ("bucket", ASCENDING)], name="conv_bucket"
+        )
+        await asyncio.gather(*(store.ensure_indexes() for store in stores))
+        indexes = await stores[0].messages.index_information()
+        assert "conv_bucket" not in indexes and "conv_bucket_key" in indexes, indexes
+    finally:
+        for store in stores:
+            await store.close()
 
 
 @pytest.mark.skipif(not _local_ferretdb(), reason="needs the local FerretDB's PostgreSQL")

@@ -23,6 +23,7 @@ from yoke.outbox import Outbox
 
 Doc = dict[str, Any]
 NAMESPACE_EXISTS = 48
+INDEX_NOT_FOUND = 27
 
 
 # What an actor instance's lane writes of its document (a join writes the rest).
@@ -140,7 +141,11 @@ class Store:
         await self.messages.create_index([("convBucket", ASCENDING)], name="conv_bucket_key")
         if "conv_bucket" in await self.messages.index_information():
             # Superseded by conv_bucket_key (see bucket_key); its mere presence misleads FerretDB.
-            await self.messages.drop_index("conv_bucket")
+            try:
+                await self.messages.drop_index("conv_bucket")
+            except OperationFailure as error:
+                if error.code != INDEX_NOT_FOUND:  # another service dropped it first
+                    raise
         await self.participants.create_index(
             [("conversationId", ASCENDING), ("actorId", ASCENDING)], unique=True, name="conv_actor"
         )
