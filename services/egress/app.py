@@ -105,8 +105,9 @@ class Egress:
     async def forward_backlog(self, join: Join, monologue_id: str) -> None:
         """Replies still in flight from the monologue a compaction left go out first.
 
-        Their events travel on another shard and may arrive after the new monologue's first
-        reply; forwarding them here keeps the forum in the order the agent wrote.
+        Their events travel on another shard, perhaps another replica's, and may arrive after
+        the new monologue's first reply; forwarding them here keeps the forum in the order the
+        agent wrote (the late copies are no-ops: derived ids).
         """
         if monologue_id in self._settled:
             return
