@@ -22,6 +22,7 @@ the ``rabbitmqctl`` calls made for it read or write ``/var/lib/rabbitmq/.erlang.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -256,6 +257,23 @@ class RabbitNode:
     def ctl(self, *args: str, timeout: float = 120, check: bool = True) -> str:
         """``rabbitmqctl -n <this node> ...`` with this node's cookie; its output."""
         return self._cli("rabbitmqctl", *args, timeout=timeout, check=check)
+
+    def quorum_status(self, vhost: str, queue: str) -> list[dict[str, Any]]:
+        """``rabbitmq-queues quorum_status``: one dict per member (``Raft State``, ``Term``,
+        ``Log Index``, ``Commit Index``, ...)."""
+        out = self._cli(
+            "rabbitmq-queues",
+            "quorum_status",
+            "-p",
+            vhost,
+            queue,
+            "--formatter",
+            "json",
+            timeout=30,
+            check=True,
+        )
+        members: list[dict[str, Any]] = json.loads(out)
+        return members
 
     def _cli(self, tool: str, *args: str, timeout: float, check: bool) -> str:
         command = [str(RABBITMQ_BIN / tool), "-n", self.node, *args]
