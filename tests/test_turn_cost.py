@@ -149,21 +149,24 @@ def _local_ferretdb() -> bool:
         return False
 
 
+def _history_line(conversation_id: str, index: int) -> Message:
+    """A person's line of old history (written straight to the store, as if long answered)."""
+    return Message(
+        id=f"history-{conversation_id}-{index}",
+        conversation_id=conversation_id,
+        author_actor_id="history",
+        role="user",
+        parts=[TextPart(text=f"old line {index}")],
+    )
+
+
 async def _fill(store: Store, poster: Poster, forum_id: str, lines: int) -> None:
     """History written straight to the store: people's lines, as if long answered."""
     semaphore = asyncio.Semaphore(8)
 
     async def write(index: int) -> None:
         async with semaphore:
-            await poster.post(
-                Message(
-                    id=f"history-{forum_id}-{index}",
-                    conversation_id=forum_id,
-                    author_actor_id="history",
-                    role="user",
-                    parts=[TextPart(text=f"old line {index}")],
-                )
-            )
+            await poster.post(_history_line(forum_id, index))
 
     for start in range(0, lines, 200):
         await asyncio.gather(*(write(i) for i in range(start, min(start + 200, lines))))
@@ -211,16 +214,9 @@ async def _rows_read_since(schema: str, before: Counter[str]) -> Counter[str]:
 
 
 async def _write_lines(store: Store, conversation_id: str, count: int) -> None:
-    for seq in range(1, count + 1):
-        await store.insert_message(
-            Message(
-                id=f"{conversation_id}-{seq}",
-                conversation_id=conversation_id,
-                author_actor_id="history",
-                role="user",
-                parts=[TextPart(text=f"line {seq}")],
-            )
-        )
+    """Lines 1..count, one at a time (seqs 1..count: nobody else writes there)."""
+    for index in range(1, count + 1):
+        await store.insert_message(_history_line(conversation_id, index))
 
 
 @pytest.mark.skipif(not _local_ferretdb(), reason="needs the local FerretDB's PostgreSQL")
