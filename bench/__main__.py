@@ -4,9 +4,10 @@ and the raw aio-pika relay, in one run, in a throwaway vhost and database.
 First the floor: a raw relay hop and one hop of the yoke bus, each with a warm-up, ``--events``
 events over ``--conversations`` closed loops, then ``--serial`` events one at a time (the raw
 side first, so the store's after-work cannot slow it). Then the five services start as real
-processes and the turn phases run (:mod:`bench.mesh_bench`): latency, throughput (also with
-one and with two processor replicas), growth, isolation and scale. The table is printed and
-written to ``bench/results.json``.
+processes and the turn phases run (:mod:`bench.mesh_bench`): latency, the HTTP gateway against
+the AMQP door (:mod:`bench.gateway`), throughput (also with one and with two processor
+replicas), growth, isolation and scale. The table is printed and written to
+``bench/results.json``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from bench import bus_hop, raw_relay, report
 from bench.child import PROFILE_ENV
 from bench.cpu import servers_cpu, servers_delta
+from bench.gateway import GatewayBench
 from bench.loop import Side, closed_loop
 from bench.mesh_bench import Figures, MeshBench
 from bench.sandbox import Sandbox, management_url_for, sandbox
@@ -46,6 +48,7 @@ SIZES: tuple[tuple[str, float, float, type, str], ...] = (
     ("serial", 200, 50, int, "hop events sent one at a time after the loaded phase; 0 skips"),
     ("turns", 200, 20, int, "turns one at a time in one forum (turn latency)"),
     ("turn-warmup", 10, 3, int, "unmeasured turns before the latency phase"),
+    ("gateway-turns", 200, 20, int, "turns one at a time through the HTTP gateway and AMQP"),
     ("forums", 200, 10, int, "forums posting at once (throughput)"),
     ("forum-turns", 5, 2, int, "turns each forum posts, one after another (throughput)"),
     ("growth-lines", 5000, 200, int, "lines of history in the long forum (growth)"),
@@ -76,7 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "against the same without it; (5) scale, RSS of each service with --joins joined "
             "idle forums, and how long the joins took; (6) where a turn's time and CPU go "
             "(per hop, per service, RabbitMQ/FerretDB/PostgreSQL) and the ratios to a raw "
-            "aio-pika relay hop and one bus hop, measured first in the same run. Uses "
+            "aio-pika relay hop and one bus hop, measured first in the same run; (7) the "
+            "HTTP gateway as a process beside the mesh, --gateway-turns turns one at a time: "
+            "POST -> 202, POST -> the answer on an open /stream and POST -> its webhook "
+            "delivery, against the AMQP door's Client.submit and its turn, interleaved. Uses "
             "YOKE_AMQP_URL / YOKE_MONGODB_URL (and YOKE_RABBITMQ_MANAGEMENT_URL) when set; "
             "works in a fresh vhost and database that it removes afterwards. Prints a table "
             "with targets and pass/miss, writes it as JSON, asserts nothing."
@@ -97,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             default=None,
             help=f"{text} (default {default:g}, --quick {quick:g})",
         )
-    for phase in ("hop", "replicas", "growth", "isolation", "scale"):
+    for phase in ("hop", "gateway", "replicas", "growth", "isolation", "scale"):
         parser.add_argument(
             f"--skip-{phase}", action="store_true", help=f"leave the {phase} phase out"
         )
@@ -155,6 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "conversations",
         "shards",
         "turns",
+        "gateway_turns",
         "forums",
         "forum_turns",
         "growth_turns",
@@ -365,6 +372,8 @@ async def measure_turns(
         async with asyncio.timeout(START_WITHIN * 2):
             await mesh.start()
         results["turnLatency"], _ = await mesh.latency()
+        if not args.skip_gateway:
+            results["gateway"] = await GatewayBench(mesh).run()
         results["throughput"] = await mesh.throughput()
         if not args.skip_replicas:
             results["replicas"] = await mesh.replicas()

@@ -18,6 +18,7 @@ SECTIONS = (
     "rawRelay",
     "busHop",
     "turnLatency",
+    "gateway",
     "throughput",
     "replicas",
     "growth",
@@ -132,6 +133,31 @@ def turn_rows(results: Figures) -> list[Figures]:
     return rows
 
 
+def gateway_lines(gateway: Figures) -> list[str]:
+    """The HTTP door's series, each beside the AMQP door's it is compared with."""
+    if "post" not in gateway:
+        return []
+    title = f"HTTP gateway, {gateway['turns']} turns one at a time (ms)"
+    header = f"{title:<44}{'p50':>7}{'p90':>9}{'p99':>9}{'max':>9}{'x AMQP p50':>12}"
+    lines = ["", header]
+    rows = (
+        ("POST -> 202 (httpx, kept alive)", "post", "accept"),
+        ("  AMQP Client.submit -> accepted", "amqpSubmit", None),
+        ("POST -> answer on /stream", "postToStream", "answer"),
+        ("  AMQP submit -> answer on yoke.events", "amqpTurn", None),
+        ("POST -> webhook delivery", "postToWebhook", None),
+    )
+    for label, key, ratio_name in rows:
+        figures = gateway[key]
+        ratio = gateway["ratios"].get(ratio_name) if ratio_name else None
+        lines.append(
+            f"  {label:<42}{figures['p50Ms']:>7.1f}{figures['p90Ms']:>9.1f}"
+            f"{figures['p99Ms']:>9.1f}{figures['maxMs']:>9.1f}"
+            + (f"{ratio:>11.2f}x" if ratio is not None else "")
+        )
+    return lines
+
+
 def render(results: Figures) -> str:
     lines: list[str] = []
     header = (
@@ -157,6 +183,7 @@ def render(results: Figures) -> str:
         lines += ["", "Where a turn's time goes (one at a time; ms, p50 / p99):"]
         for name, figures in stages.items():
             lines.append(f"  {name:<48}{figures['p50Ms']:>9.1f}{figures['p99Ms']:>9.1f}")
+    lines += gateway_lines(results["gateway"])
     cpu_latency = results["turnLatency"].get("cpuMsPerTurn") or {}
     cpu_load = results["throughput"].get("cpuMsPerTurn") or {}
     if cpu_latency or cpu_load:

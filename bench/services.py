@@ -1,6 +1,7 @@
 """The five services as real OS processes (``python -m services.<name>``), each with a metrics
 port of its own, so the bench measures turns through the mesh a deployment runs, and can read
-each process's RSS and CPU from ``/proc``.
+each process's RSS and CPU from ``/proc``. The HTTP gateway starts the same way (its API,
+/healthz and /metrics share one port).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from bench.cpu import process_cpu
-from yoke.supervisor import SERVICES
+from yoke.supervisor import GATEWAY, SERVICES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,9 +50,12 @@ class ServiceProcess:
         self.port = free_port()
         self.log_path = log_dir / (f"{name}.log" if not replica else f"{name}-{replica}.log")
         self._log = self.log_path.open("ab")
+        ports = {"YOKE_METRICS_PORT": str(self.port)}
+        if name == GATEWAY:  # no metrics port: /healthz and /metrics are on its API's
+            ports |= {"YOKE_GATEWAY_PORT": str(self.port), "YOKE_GATEWAY_HOST": "127.0.0.1"}
         self.popen = subprocess.Popen(
             [sys.executable, "-m", f"services.{name}"],
-            env={**env, "YOKE_METRICS_PORT": str(self.port), "YOKE_REPLICA": str(replica)},
+            env={**env, **ports, "YOKE_REPLICA": str(replica)},
             cwd=ROOT,
             stdout=self._log,
             stderr=self._log,
@@ -60,6 +64,11 @@ class ServiceProcess:
     @property
     def pid(self) -> int:
         return self.popen.pid
+
+    @property
+    def url(self) -> str:
+        """Its HTTP port's base URL (the gateway's API; the others' /healthz and /metrics)."""
+        return f"http://127.0.0.1:{self.port}"
 
     def cpu(self) -> float:
         return process_cpu(self.pid)

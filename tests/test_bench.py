@@ -20,6 +20,7 @@ SMALLEST = [
     "--conversations=5",
     "--turns=5",
     "--turn-warmup=1",
+    "--gateway-turns=3",
     "--forums=3",
     "--forum-turns=1",
     "--growth-lines=20",
@@ -34,6 +35,7 @@ SECTIONS = (
     "rawRelay",
     "busHop",
     "turnLatency",
+    "gateway",
     "throughput",
     "replicas",
     "growth",
@@ -70,6 +72,10 @@ def test_the_smallest_bench_measures_every_phase(
     assert [s for s in SECTIONS if figures.get(s, {"skipped": True}) == {"skipped": True}] == []
     assert figures["turnLatency"]["turns"] == 5
     assert figures["throughput"]["turns"] == 3
+    gateway = figures["gateway"]  # each door's series, every answer seen where it goes
+    series = ("post", "amqpSubmit", "postToStream", "amqpTurn", "postToWebhook")
+    assert [gateway[name]["count"] for name in series] == [3] * 5, gateway
+    assert gateway["exitCode"] == 0 and set(gateway["ratios"]) == {"accept", "answer"}
     replicas = figures["replicas"]  # 1 vs 2 processor replicas over the bench's 4 shards
     assert replicas["one"]["turns"] == 3 and replicas["two"]["turns"] == 3, replicas
     assert sorted(replicas["shardsOwnedWithTwo"]) == [2, 2] and replicas["secondExitCode"] == 0
