@@ -97,8 +97,14 @@ class GatewayBench:
             timeout=self.patience,
         )
         try:
+            begin = time.perf_counter()
             await gateway.wait_healthy(START_WITHIN)
+            healthy = time.perf_counter()
             await stream.open(within=30)
+            self.progress(
+                f"gateway: healthy in {healthy - begin:.1f}s, stream open"
+                f" {time.perf_counter() - healthy:.1f}s later"
+            )
             if args.turn_warmup:
                 await self.rounds(api, stream, "gateway warmup", args.turn_warmup)
             rounds = await self.rounds(api, stream, "gateway", args.gateway_turns)

@@ -83,7 +83,9 @@ class StreamReader:
         self._task = asyncio.create_task(self._read())
         opened = asyncio.create_task(self._opened.wait())
         try:
-            done, _ = await asyncio.wait({self._task, opened}, timeout=within)
+            done, _ = await asyncio.wait(
+                {self._task, opened}, timeout=within, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             opened.cancel()
         if self._task in done:
