@@ -18,7 +18,11 @@ import httpx
 import yaml
 from prometheus_client import REGISTRY
 
-import yoke.metrics  # noqa: F401  (registers every yoke_ series)
+# Imported to register their yoke_ series: the gateway's webhooks, the services' metrics
+# and shard ownership.
+import services.gateway.webhooks  # noqa: F401
+import yoke.metrics
+import yoke.ownership  # noqa: F401
 from tests.support.processes import ServiceProcess, free_port
 from yoke import topology
 from yoke.settings import DEFAULT_METRICS_PORTS, Settings

@@ -1,10 +1,12 @@
 """Monitoring proven against a real Prometheus (Debian's 2.42, as ``make monitoring`` runs it).
 
-A Prometheus of the test's own scrapes the mesh's five processes and RabbitMQ every second
-while a scenario exercises every dashboard panel; then every PromQL expression of the Grafana
-dashboard runs through the HTTP API (windows shortened) and must show data. The alert rules
-pass ``promtool check rules`` and their unit tests, and one alert is checked live: a killed
-service's YokeServiceDown fires once its ``for`` (shortened here) has passed.
+A Prometheus of the test's own scrapes the mesh's five processes, a second followup replica,
+the HTTP gateway and RabbitMQ every second while a scenario exercises every dashboard panel
+(webhooks delivered to a receiver here; the second replica stopped, its shard handed back);
+then every PromQL expression of the Grafana dashboard runs through the HTTP API (windows
+shortened) and must show data. The alert rules pass ``promtool check rules`` and their unit
+tests, and one alert is checked live: a killed service's YokeServiceDown fires once its
+``for`` (shortened here) has passed.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ import yaml
 from prometheus_client import REGISTRY
 
 from tests.support.fake_openai import FakeOpenAI, completion, failure, openai_env
+from tests.support.gateway_process import assert_stopped_cleanly, start_gateway
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, running_mesh, say
-from tests.support.processes import eventually, free_port
+from tests.support.processes import ServiceProcess, eventually, free_port
 from tests.support.prometheus import Prometheus, binary
+from tests.support.webhook_receiver import Receiver
 from yoke.client import Client
 from yoke.ids import new_id
 from yoke.joins import ScriptedCall, ScriptedOutput
@@ -39,6 +43,7 @@ from yoke.models import Message, TextPart
 from yoke.monitoring import local_config
 from yoke.outbox import Outbox
 from yoke.store import Store
+from yoke.webhooks import add_webhook, ensure_webhook_indexes
 
 pytestmark = pytest.mark.slow
 
@@ -72,12 +77,22 @@ FILLED_BY = {
     "model's notices",
     "Doom loops refused": "the doom loop (a fixture-script agent repeating one clock call)",
     "Outbox: oldest unpublished message (s)": "every writer (0 while publishes are confirmed)",
+    "Webhook deliveries by outcome": "the webhook forum's echo answers, delivered to a receiver",
+    "Webhook delivery latency p95 (s)": "the webhook forum's deliveries",
+    "Shards owned per replica": "every sharded service; the followup replicas 0 and 1",
+    "Shard hand-overs": "followup replica 1 stopped: replica 0 gains its shard",
 }
 # Panels a demo's echo agent must fill too: fixture models are recorded like any model.
 ECHO_PANELS = {"LLM latency p95 (s)", "LLM requests by outcome", "Tokens per second"}
 POISON = "POISON"
 # Services the tests kill (their exit code is not a clean shutdown's).
 KILLED: set[str] = set()
+# The service with a second replica, stopped during the scenario (its shard handed back).
+REPLICATED = "followup"
+# The gateway's webhook worker looks for new subscriptions every 2 s; short leases as in
+# tests/test_webhooks.py.
+GATEWAY_ENV = {"YOKE_WEBHOOK_LEASE_SECONDS": "2", "YOKE_WEBHOOK_BACKOFF_SECONDS": "0.2"}
+WEBHOOK_PATH = "/monitoring"
 
 
 def load(path: Path) -> Any:
@@ -247,8 +262,58 @@ async def mesh(
 
 
 @pytest.fixture(scope="module")
+async def gateway(
+    amqp_url: str, module_mongodb_url: str, mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[ServiceProcess]:
+    """The HTTP gateway beside the mesh: its webhook worker fills the webhook panels."""
+    log_dir = Path(tmp_path_factory.mktemp("gateway"))
+    process, _ = start_gateway(amqp_url, module_mongodb_url, log_dir, **GATEWAY_ENV)
+    try:
+        await process.wait_healthy()
+        yield process
+    finally:
+        code = process.stop()
+    assert_stopped_cleanly(process, code)
+
+
+@pytest.fixture(scope="module")
+async def receiver() -> AsyncIterator[Receiver]:
+    server = Receiver()
+    await server.start()
+    yield server
+    await server.close()
+
+
+async def shards_owned(process: ServiceProcess) -> float:
+    return sample(await process.metrics(), "yoke_shards_owned", service=REPLICATED)
+
+
+@pytest.fixture(scope="module")
+async def second_replica(mesh: Mesh) -> AsyncIterator[ServiceProcess]:
+    """Replica 1 of REPLICATED, owning one of its two shards; the scenario stops it."""
+    process = ServiceProcess(
+        ["-m", f"services.{REPLICATED}"],
+        {**mesh.env, "YOKE_REPLICA": "1"},
+        mesh.log_dir / f"{REPLICATED}-1.log",
+    )
+    try:
+        await process.wait_healthy()
+        first = mesh.processes[REPLICATED]
+
+        async def shared() -> bool:
+            return await shards_owned(first) == 1 and await shards_owned(process) == 1
+
+        await eventually(shared, timeout=30, what=f"{REPLICATED}'s two shards, one each")
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
 async def prometheus(
     mesh: Mesh,
+    gateway: ServiceProcess,
+    second_replica: ServiceProcess,
     servers: tuple[str, str, str],
     amqp_url: str,
     tmp_path_factory: pytest.TempPathFactory,
@@ -267,7 +332,10 @@ async def prometheus(
         rule_files=[str(directory / "alerts.yml")],
         scrape_interval=SCRAPE,
         targets={
-            "yoke": [f"127.0.0.1:{process.port}" for process in mesh.processes.values()],
+            "yoke": [
+                f"127.0.0.1:{process.port}"
+                for process in (*mesh.processes.values(), gateway, second_replica)
+            ],
             "rabbitmq": [rabbitmq],
             "rabbitmq-queues": [rabbitmq],
         },
@@ -279,7 +347,7 @@ async def prometheus(
     server = Prometheus(config, directory)
     try:
         await server.wait_ready()
-        expected = len(mesh.processes) + 2
+        expected = len(mesh.processes) + 4  # the gateway, replica 1, RabbitMQ twice
 
         async def all_up() -> bool:
             targets = await server.targets()
@@ -375,6 +443,42 @@ async def compaction(store: Store, client: Client, new_join: JoinFactory, mesh: 
     raise AssertionError("no compaction after 15 long lines")
 
 
+async def webhook_deliveries(
+    store: Store, client: Client, new_join: JoinFactory, receiver: Receiver
+) -> None:
+    """A forum with a webhook: its echo answers are POSTed to the receiver."""
+    forum_id, _ = await new_join()
+    await ensure_webhook_indexes(store)
+    await add_webhook(store, forum_id, receiver.url(WEBHOOK_PATH))
+    for index in range(3):
+        await say(client, forum_id, f"webhook turn {index}")
+        await lines_until(store, forum_id, lambda lines, n=index + 1: len(agent_lines(lines)) == n)
+
+    async def delivered() -> bool:
+        return len(receiver.delivered(WEBHOOK_PATH)) >= 3
+
+    await eventually(delivered, timeout=60, what="3 webhook deliveries", interval=0.2)
+
+
+async def shard_handed_back(mesh: Mesh, second_replica: ServiceProcess) -> None:
+    """Replica 1 stops (SIGTERM, cleanly): replica 0 gains its shard."""
+    first = mesh.processes[REPLICATED]
+
+    def gained(metrics: str) -> float:
+        return sample(metrics, "yoke_shard_handovers_total", direction="gained")
+
+    before = gained(await first.metrics())
+    # Off the event loop: the receiver and the other scenario parts run in it meanwhile.
+    code = await asyncio.to_thread(second_replica.stop)
+    assert code == 0, second_replica.log_path.read_text(errors="replace")[-3000:]
+
+    async def handed_back() -> bool:
+        metrics = await first.metrics()
+        return gained(metrics) > before and await shards_owned(first) == 2
+
+    await eventually(handed_back, timeout=30, what=f"{REPLICATED} replica 0 owning both shards")
+
+
 async def test_every_dashboard_panel_shows_data(
     prometheus: Prometheus,
     store: Store,
@@ -382,6 +486,8 @@ async def test_every_dashboard_panel_shows_data(
     new_join: JoinFactory,
     fake_openai: FakeOpenAI,
     mesh: Mesh,
+    receiver: Receiver,
+    second_replica: ServiceProcess,
 ) -> None:
     started = time.time()
     await asyncio.gather(
@@ -390,6 +496,8 @@ async def test_every_dashboard_panel_shows_data(
         doom_loop(store, client, new_join),
         poisoned_line(client, new_join, mesh),
         compaction(store, client, new_join, mesh),
+        webhook_deliveries(store, client, new_join, receiver),
+        shard_handed_back(mesh, second_replica),
     )
     queries = panel_queries()
     assert {title for title, _, _ in queries} == set(FILLED_BY)  # every panel is accounted for

@@ -92,8 +92,10 @@ SUBSCRIPTIONS_HELD = Gauge(
     "yoke_webhook_subscriptions_held", "Webhook subscriptions this gateway process delivers."
 )
 OUTCOMES = ("delivered", "retried", "refused", "dead_lettered")
+# Every outcome's series from the start: a series born at its first value shows no rate for it.
 for _outcome in OUTCOMES:
     DELIVERIES.labels(_outcome)
+    ATTEMPT_SECONDS.labels(_outcome)
 
 # Subscriptions and leases are looked at this often (and sooner for short leases).
 REFRESH_SECONDS = 2.0
