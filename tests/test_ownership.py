@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 
-from yoke.ownership import assign
+from prometheus_client import REGISTRY
+
+from yoke.ownership import Ownership, assign
 
 
 def _owners(assignment: dict[str, list[int]]) -> dict[int, str]:
@@ -62,3 +65,20 @@ def test_a_change_moves_about_only_the_shards_that_must_move() -> None:
         extra_on_join += _moved(before, joined) - must
     assert extra_on_leave / trials < 1.5, extra_on_leave / trials
     assert extra_on_join / trials < 1.5, extra_on_join / trials
+
+
+async def test_hand_over_counters_start_at_zero_in_both_directions() -> None:
+    """A series born at its first value shows no rate in Prometheus: the first hand-overs of a
+    replica would be missing from the dashboard's "Shard hand-overs" panel."""
+    Ownership(
+        "ownership-metrics-test",
+        [],
+        bus=None,  # type: ignore[arg-type]  # not used before start(); only the metrics matter
+        replicas=None,
+        consumer=None,  # type: ignore[arg-type]
+        prefetch=1,
+        lock=asyncio.Lock(),
+    )
+    for direction in ("gained", "released"):
+        labels = {"service": "ownership-metrics-test", "direction": direction}
+        assert REGISTRY.get_sample_value("yoke_shard_handovers_total", labels) == 0.0, direction

@@ -161,6 +161,8 @@ class Ownership:
         self.live: list[str] = []
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
+        for direction in ("gained", "released"):  # at zero: a first hand-over shows as a rate
+            HANDOVERS.labels(service, direction)
 
     # --- registry ------------------------------------------------------------------------
 
