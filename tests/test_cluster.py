@@ -28,7 +28,7 @@ from tests.chaos.faults import OWN_CONNECTION_PREFIX, Faults
 from tests.chaos.harness import Plan, Servers, run_chaos
 from tests.support import rabbit_node
 from tests.support.processes import eventually
-from tests.support.rabbit_node import RabbitCluster, RabbitNode
+from tests.support.rabbit_node import RabbitCluster, RabbitNode, RabbitNodeError
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +102,12 @@ class NodeFaults:
     async def caught_up(self) -> bool:
         """Every quorum queue has one leader, and followers of its term near its commit index."""
         for queue in await self.quorum_queues():
-            members = await asyncio.to_thread(self.watcher.quorum_status, self.vhost, queue["name"])
+            try:
+                members = await asyncio.to_thread(
+                    self.watcher.quorum_status, self.vhost, queue["name"]
+                )
+            except (RabbitNodeError, ValueError):  # a member not answering yet: not caught up
+                return False
             leaders = [m for m in members if m.get("Raft State") == "leader"]
             if len(leaders) != 1 or len(members) != len(self.cluster.nodes):
                 return False
