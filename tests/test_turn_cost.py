@@ -202,8 +202,8 @@ STATISTICS_QUIET_SECONDS = 11
 async def _rows_read_since(schema: str, before: Counter[str]) -> Counter[str]:
     """Rows read per table since ``before``, once PostgreSQL has published all of them."""
     delta = _rows_read(schema) - before
-    quiet_since = deadline = time.monotonic()
-    deadline += 60
+    quiet_since = time.monotonic()
+    deadline = quiet_since + 60
     while time.monotonic() - quiet_since < STATISTICS_QUIET_SECONDS and time.monotonic() < deadline:
         await asyncio.sleep(1)
         now = _rows_read(schema) - before

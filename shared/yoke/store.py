@@ -139,13 +139,11 @@ class Store:
         )
         await self.messages.create_index([("outbox", ASCENDING)], name="outbox")
         await self.messages.create_index([("convBucket", ASCENDING)], name="conv_bucket_key")
-        if "conv_bucket" in await self.messages.index_information():
-            # Superseded by conv_bucket_key (see bucket_key); its mere presence misleads FerretDB.
-            try:
-                await self.messages.drop_index("conv_bucket")
-            except OperationFailure as error:
-                if error.code != INDEX_NOT_FOUND:  # another service dropped it first
-                    raise
+        try:  # superseded by conv_bucket_key (see bucket_key): its presence misleads FerretDB
+            await self.messages.drop_index("conv_bucket")
+        except OperationFailure as error:
+            if error.code != INDEX_NOT_FOUND:  # gone already, or another service dropped it
+                raise
         await self.participants.create_index(
             [("conversationId", ASCENDING), ("actorId", ASCENDING)], unique=True, name="conv_actor"
         )
