@@ -20,6 +20,7 @@ from pymongo import AsyncMongoClient
 from tests.support.broker import fresh_vhost
 from tests.support.fake_openai import FakeOpenAI
 from tests.support.mesh import JoinFactory, Mesh, running_mesh
+from tests.support.webhook_receiver import Receiver
 from yoke.bus import Bus
 from yoke.client import Client
 from yoke.joins import Join, create_agent, create_forum, join_conversation
@@ -186,3 +187,12 @@ def new_join(store: Store, poster: Poster, mesh: Mesh) -> JoinFactory:
         return forum_id, join
 
     return make
+
+
+@pytest.fixture(scope="module")
+async def receiver() -> AsyncIterator[Receiver]:
+    """A webhook receiver on a free local port (tests/support/webhook_receiver.py)."""
+    server = Receiver()
+    await server.start()
+    yield server
+    await server.close()

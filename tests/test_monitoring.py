@@ -31,7 +31,7 @@ import yaml
 from prometheus_client import REGISTRY
 
 from tests.support.fake_openai import FakeOpenAI, completion, failure, openai_env
-from tests.support.gateway_process import assert_stopped_cleanly, start_gateway
+from tests.support.gateway_process import gateway_process
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, running_mesh, say
 from tests.support.processes import ServiceProcess, eventually, free_port
 from tests.support.prometheus import Prometheus, binary
@@ -267,21 +267,9 @@ async def gateway(
 ) -> AsyncIterator[ServiceProcess]:
     """The HTTP gateway beside the mesh: its webhook worker fills the webhook panels."""
     log_dir = Path(tmp_path_factory.mktemp("gateway"))
-    process, _ = start_gateway(amqp_url, module_mongodb_url, log_dir, **GATEWAY_ENV)
-    try:
-        await process.wait_healthy()
+    running = gateway_process(amqp_url, module_mongodb_url, log_dir, **GATEWAY_ENV)
+    async with running as (process, _):
         yield process
-    finally:
-        code = process.stop()
-    assert_stopped_cleanly(process, code)
-
-
-@pytest.fixture(scope="module")
-async def receiver() -> AsyncIterator[Receiver]:
-    server = Receiver()
-    await server.start()
-    yield server
-    await server.close()
 
 
 async def shards_owned(process: ServiceProcess) -> float:

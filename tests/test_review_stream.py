@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from urllib.parse import quote, urlsplit
 
 import httpx
@@ -54,6 +55,22 @@ async def gateway_app(amqp_url: str, mongodb_url: str) -> AsyncIterator[tuple[Fa
         await asyncio.wait_for(serving, timeout=30)
 
 
+async def _forum_with_token(store: Store, title: str, token: str) -> tuple[str, str]:
+    """A forum and a token scoped to it: (the forum's id, the token's secret)."""
+    await ensure_token_indexes(store)
+    forum = await create_forum(store, title)
+    _, secret = await create_token(store, token, [forum.id])
+    return forum.id, secret
+
+
+def _stream(
+    http: httpx.AsyncClient, forum_id: str, secret: str
+) -> AbstractAsyncContextManager[httpx.Response]:
+    return http.stream(
+        "GET", f"/v1/forums/{forum_id}/stream", headers={"Authorization": f"Bearer {secret}"}
+    )
+
+
 async def test_a_stream_that_fails_lets_its_forum_go(
     gateway_app: tuple[FastAPI, str], mongodb_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -61,23 +78,19 @@ async def test_a_stream_that_fails_lets_its_forum_go(
     state: Gateway = app.state.gateway
     store = Store(mongodb_url)
     try:
-        await ensure_token_indexes(store)
-        forum = await create_forum(store, "failing stream")
-        _, secret = await create_token(store, "review-stream", [forum.id])
+        forum_id, secret = await _forum_with_token(store, "failing stream", "review-stream")
     finally:
         await store.close()
     # A quiet stream reads the forum's head soon, and that read fails: the store is away.
     monkeypatch.setattr(stream_module, "IDLE_SECONDS", 0.3)
     async with (
         httpx.AsyncClient(base_url=url, timeout=30) as http,
-        http.stream(
-            "GET", f"/v1/forums/{forum.id}/stream", headers={"Authorization": f"Bearer {secret}"}
-        ) as response,
+        _stream(http, forum_id, secret) as response,
     ):
         assert response.status_code == 200
         chunks = response.aiter_bytes()
         assert (await anext(chunks)).startswith(b"retry:")
-        assert state.hub.watching(forum.id) == 1
+        assert state.hub.watching(forum_id) == 1
 
         async def store_away(conversation_id: str) -> int:
             raise AutoReconnect("connection refused (the test's store outage)")
@@ -89,7 +102,7 @@ async def test_a_stream_that_fails_lets_its_forum_go(
                 pass
 
     async def let_go() -> bool:
-        return state.hub.watching(forum.id) == 0
+        return state.hub.watching(forum_id) == 0
 
     await eventually(let_go, timeout=10, what="the failed stream to unsubscribe its forum")
 
@@ -104,17 +117,11 @@ async def test_a_revoked_token_stream_ends_and_sends_nothing_more(
     bus = Bus(amqp_url, name="test-revoke")
     await bus.connect()
     try:
-        await ensure_token_indexes(store)
-        forum = await create_forum(store, "revoked stream")
-        _, secret = await create_token(store, "review-revoked", [forum.id])
+        forum_id, secret = await _forum_with_token(store, "revoked stream", "review-revoked")
         poster = Poster(store, bus, "test")
         async with (
             httpx.AsyncClient(base_url=url, timeout=30) as http,
-            http.stream(
-                "GET",
-                f"/v1/forums/{forum.id}/stream",
-                headers={"Authorization": f"Bearer {secret}"},
-            ) as response,
+            _stream(http, forum_id, secret) as response,
         ):
             assert response.status_code == 200
             chunks = response.aiter_bytes()
@@ -124,7 +131,7 @@ async def test_a_revoked_token_stream_ends_and_sends_nothing_more(
             await poster.post(
                 Message(
                     id=new_id(),
-                    conversation_id=forum.id,
+                    conversation_id=forum_id,
                     author_actor_id="someone",
                     parts=[TextPart(text="after the revoke")],
                 )
@@ -149,9 +156,7 @@ async def test_a_stream_its_client_closes_unbinds_its_forum(
     state: Gateway = app.state.gateway
     store = Store(mongodb_url)
     try:
-        await ensure_token_indexes(store)
-        forum = await create_forum(store, "closed stream")
-        _, secret = await create_token(store, "review-closed", [forum.id])
+        forum_id, secret = await _forum_with_token(store, "closed stream", "review-closed")
     finally:
         await store.close()
     parts = urlsplit(amqp_url)
@@ -163,21 +168,17 @@ async def test_a_stream_its_client_closes_unbinds_its_forum(
             base_url=servers[2], auth=(parts.username or "guest", parts.password or "guest")
         ) as api:
             found = (await api.get(bindings_path)).json()
-        return [b["routing_key"] for b in found if forum.id in b["routing_key"]]
+        return [b["routing_key"] for b in found if forum_id in b["routing_key"]]
 
     for _ in range(3):
         async with (
             httpx.AsyncClient(base_url=url, timeout=30) as http,
-            http.stream(
-                "GET",
-                f"/v1/forums/{forum.id}/stream",
-                headers={"Authorization": f"Bearer {secret}"},
-            ) as response,
+            _stream(http, forum_id, secret) as response,
         ):
             assert (await anext(response.aiter_bytes())).startswith(b"retry:")
             assert len(await forum_keys()) == 2
 
     async def unbound() -> bool:
-        return state.hub.watching(forum.id) == 0 and not await forum_keys()
+        return state.hub.watching(forum_id) == 0 and not await forum_keys()
 
     await eventually(unbound, timeout=15, what="the closed streams to unbind their forum")

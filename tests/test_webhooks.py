@@ -88,14 +88,6 @@ async def gateways(
         assert_stopped_cleanly(process, code)
 
 
-@pytest.fixture(scope="module")
-async def receiver() -> AsyncIterator[Receiver]:
-    server = Receiver()
-    await server.start()
-    yield server
-    await server.close()
-
-
 @pytest.fixture
 async def subscriptions(store: Store, gateways: Gateways) -> AsyncIterator[list[Subscription]]:
     """Subscriptions a test adds; removed after it, so each test sees only its own."""

@@ -45,6 +45,25 @@ def assert_stopped_cleanly(
 
 
 @asynccontextmanager
+async def gateway_process(
+    amqp_url: str,
+    mongodb_url: str,
+    log_dir: Path,
+    *,
+    exits: tuple[int, ...] = CLEAN_EXITS,
+    **env: str,
+) -> AsyncIterator[tuple[ServiceProcess, str]]:
+    """A healthy gateway and its URL; stopped after with SIGTERM, which must end it cleanly."""
+    process, url = start_gateway(amqp_url, mongodb_url, log_dir, **env)
+    try:
+        await process.wait_healthy()
+        yield process, url
+    finally:
+        code = process.stop()
+    assert_stopped_cleanly(process, code, exits)
+
+
+@asynccontextmanager
 async def running_gateway(
     amqp_url: str,
     mongodb_url: str,
@@ -53,14 +72,9 @@ async def running_gateway(
     exits: tuple[int, ...] = CLEAN_EXITS,
     **env: str,
 ) -> AsyncIterator[str]:
-    """A healthy gateway's URL; stopped after with SIGTERM, which must end it cleanly."""
-    process, url = start_gateway(amqp_url, mongodb_url, log_dir, **env)
-    try:
-        await process.wait_healthy()
+    """A healthy gateway's URL (see :func:`gateway_process`)."""
+    async with gateway_process(amqp_url, mongodb_url, log_dir, exits=exits, **env) as (_, url):
         yield url
-    finally:
-        code = process.stop()
-    assert_stopped_cleanly(process, code, exits)
 
 
 async def metric(url: str, name: str, **labels: str) -> float:
