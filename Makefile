@@ -31,7 +31,7 @@ env:
 	@python3 deploy/make_env.py .env
 
 run: env services
-	@$(PY) -m yoke.demo
+	@$(PY) -m yoke.cli.demo
 
 test: services browser
 	-@deploy/local/monitoring.sh install  # (without it only tests/test_monitoring.py fails)

@@ -23,8 +23,8 @@ from yoke.bus import Bus
 from yoke.ids import derive_id, new_id
 from yoke.logs import configure_logging
 from yoke.models import Envelope, Message, MessageMeta, MessagePosted, TextPart
-from yoke.posting import Poster
-from yoke.service import Service
+from yoke.runtime.posting import Poster
+from yoke.runtime.service import Service
 from yoke.settings import Settings
 from yoke.store import Store
 

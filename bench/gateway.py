@@ -22,7 +22,7 @@ from bench.mesh_bench import Figures, MeshBench
 from bench.services import ServiceProcess
 from bench.stats import percentile
 from bench.turns import ACCEPTED, START
-from yoke.supervisor import GATEWAY
+from yoke.cli.supervisor import GATEWAY
 from yoke.tokens import create_token, ensure_token_indexes
 from yoke.webhooks import add_webhook, ensure_webhook_indexes
 

@@ -17,9 +17,9 @@ from typing import Any
 
 from yoke.bus import Bus
 from yoke.ids import derive_id
-from yoke.joins import ensure_participant, join_id, participant_id
 from yoke.models import Actor, Message, MessageMeta, TextPart
-from yoke.posting import Poster
+from yoke.runtime.joins import ensure_participant, join_id, participant_id
+from yoke.runtime.posting import Poster
 from yoke.store import Store
 
 PERSON_EXTERNAL_ID = "bench:person"

@@ -24,8 +24,8 @@ from bench.services import ServiceProcess, Services
 from bench.turns import Tracker, TurnRun, Turns
 from yoke.bus import Bus
 from yoke.client import Client
-from yoke.joins import create_agent, create_forum, join_conversation
-from yoke.posting import Poster
+from yoke.runtime.joins import create_agent, create_forum, join_conversation
+from yoke.runtime.posting import Poster
 from yoke.store import Store
 
 Progress = Callable[[str], None]

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from bench.cpu import process_cpu
-from yoke.supervisor import GATEWAY, SERVICES
+from yoke.cli.supervisor import GATEWAY, SERVICES
 
 ROOT = Path(__file__).resolve().parents[1]
 

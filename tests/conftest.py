@@ -23,8 +23,8 @@ from tests.support.mesh import JoinFactory, Mesh, running_mesh
 from tests.support.webhook_receiver import Receiver
 from yoke.bus import Bus
 from yoke.client import Client
-from yoke.joins import Join, create_agent, create_forum, join_conversation
-from yoke.posting import Poster
+from yoke.runtime.joins import Join, create_agent, create_forum, join_conversation
+from yoke.runtime.posting import Poster
 from yoke.store import Store
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"

@@ -10,7 +10,7 @@ import pytest
 from tests.support.fake_openai import FakeOpenAI, completion, failure, openai_env
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from yoke.client import Client
-from yoke.joins import ScriptedCall, ScriptedOutput
+from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import ToolResultPart
 from yoke.store import Store
 

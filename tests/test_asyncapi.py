@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from yoke.asyncapi import asyncapi_document, render
+from yoke.cli.asyncapi import asyncapi_document, render
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,11 +25,11 @@ from tests.support.fake_openai import FakeOpenAI, completion, openai_env
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until
 from tests.support.processes import eventually, free_port
 from yoke import topology
-from yoke.asyncapi import asyncapi_document
-from yoke.cli_publishers import Management, management_of
+from yoke.cli.asyncapi import asyncapi_document
+from yoke.cli.publishers import Management, management_of
 from yoke.client import Client
-from yoke.joins import create_forum
 from yoke.models import Envelope, MessagePosted, ToolCallPart, ToolResultPart
+from yoke.runtime.joins import create_forum
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow

@@ -15,9 +15,10 @@ import pytest
 from tests.support import faults
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import ServiceProcess, eventually
-from yoke.actor import instance_state_id
 from yoke.client import Client
-from yoke.compaction import (
+from yoke.models import Message, Part, TextPart, ToolCallPart, ToolResultPart
+from yoke.runtime.actor import instance_state_id
+from yoke.runtime.compaction import (
     PROCEDURES,
     SWAP_STEPS,
     SWAPPING,
@@ -26,8 +27,7 @@ from yoke.compaction import (
     needs_compaction,
     split_for_compaction,
 )
-from yoke.joins import PROCESSOR, Join, ProcessorConfig, join_id
-from yoke.models import Message, Part, TextPart, ToolCallPart, ToolResultPart
+from yoke.runtime.joins import PROCESSOR, Join, ProcessorConfig, join_id
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow
@@ -36,20 +36,20 @@ pytestmark = pytest.mark.slow
 THRESHOLD = 120
 KEEP = 2
 
-# Right after each step of the swap, in order (yoke.compaction.SWAP_STEPS); the repoint step
+# Right after each step of the swap, in order (yoke.runtime.compaction.SWAP_STEPS); the repoint step
 # is the runtime's ActorContext.repoint (where today's code lost the join), and after the last
 # step there is nothing left to resume.
 FAULT_POINTS = [
-    "after:yoke.compaction:record_intent",
-    "after:yoke.compaction:open_monologue",
-    "after:yoke.compaction:write_summary",
-    "after:yoke.compaction:write_context",
-    "after:yoke.compaction:arm_wake",
-    "after:yoke.actor:ActorContext.repoint",
-    "after:yoke.compaction:rouse",
-    "after:yoke.compaction:move_participant",
-    "after:yoke.compaction:carry_over",
-    "after:yoke.compaction:announce",
+    "after:yoke.runtime.compaction:record_intent",
+    "after:yoke.runtime.compaction:open_monologue",
+    "after:yoke.runtime.compaction:write_summary",
+    "after:yoke.runtime.compaction:write_context",
+    "after:yoke.runtime.compaction:arm_wake",
+    "after:yoke.runtime.actor:ActorContext.repoint",
+    "after:yoke.runtime.compaction:rouse",
+    "after:yoke.runtime.compaction:move_participant",
+    "after:yoke.runtime.compaction:carry_over",
+    "after:yoke.runtime.compaction:announce",
 ]
 
 
@@ -77,7 +77,7 @@ def start_faulty_processor(mesh: Mesh, point: str) -> ServiceProcess:
 
 CASES = [(point, True) for point in FAULT_POINTS] + [
     # Nobody speaks until the swap is over: the wake-up left in the outbox alone finishes it.
-    ("after:yoke.actor:ActorContext.repoint", False)
+    ("after:yoke.runtime.actor:ActorContext.repoint", False)
 ]
 
 

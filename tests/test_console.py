@@ -27,7 +27,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from tests.support.gateway_process import running_gateway
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from yoke.client import Client
-from yoke.joins import ScriptedCall, ScriptedOutput
+from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.store import Store
 from yoke.tokens import create_token, ensure_token_indexes
 from yoke.webhooks import (

@@ -25,8 +25,8 @@ import yoke.metrics
 import yoke.ownership  # noqa: F401
 from tests.support.processes import ServiceProcess, free_port
 from yoke import topology
+from yoke.cli.supervisor import GATEWAY, SERVICES
 from yoke.settings import DEFAULT_METRICS_PORTS, Settings
-from yoke.supervisor import GATEWAY, SERVICES
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,7 +25,7 @@ from yoke import topology
 from yoke.bus import Bus
 from yoke.ids import new_id
 from yoke.models import Message, TextPart
-from yoke.posting import Poster
+from yoke.runtime.posting import Poster
 from yoke.store import Store
 
 RECORDER = ["tests/support/recorder.py"]

@@ -8,10 +8,7 @@ import re
 import sys
 import time
 
-from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
-from tests.support.processes import ServiceProcess, eventually
-from yoke.client import Client
-from yoke.followup import (
+from services.followup.scheduler import (
     FOLLOWUP_ACTOR_ID,
     FOLLOWUPS,
     PROCEDURES,
@@ -19,9 +16,12 @@ from yoke.followup import (
     nudge_id,
     schedule_id,
 )
-from yoke.join_config import FollowUpConfig, JoinConfig
-from yoke.joins import Join, join_id, participant_id
+from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
+from tests.support.processes import ServiceProcess, eventually
+from yoke.client import Client
 from yoke.models import Message
+from yoke.runtime.join_config import FollowUpConfig, JoinConfig
+from yoke.runtime.joins import Join, join_id, participant_id
 from yoke.store import Store
 
 NUDGE = "Nobody answered; follow up briefly."

@@ -32,19 +32,14 @@ from tests.support.gateway_process import running_gateway, start_gateway
 from tests.support.mesh import JoinFactory, Mesh, lines_until
 from tests.support.processes import ROOT, eventually, free_port
 from yoke.bus import Bus
+from yoke.cli.supervisor import GATEWAY, SERVICES
 from yoke.client import Client
 from yoke.ids import new_id
-from yoke.joins import (
-    ScriptedCall,
-    ScriptedOutput,
-    create_agent,
-    create_forum,
-    join_conversation,
-)
+from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, MessageMeta, TextPart
-from yoke.posting import Poster
+from yoke.runtime.joins import create_agent, create_forum, join_conversation
+from yoke.runtime.posting import Poster
 from yoke.store import Store
-from yoke.supervisor import GATEWAY, SERVICES
 from yoke.tokens import create_token, ensure_token_indexes
 
 pytestmark = pytest.mark.slow

@@ -13,13 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from services.guardian.guardian import COLLECTION, GUARDIAN_ACTOR_ID
 from tests.support.fake_openai import openai_env
 from tests.support.mesh import JoinFactory, Mesh, lines_until, running_mesh, say
 from tests.support.processes import ServiceProcess, eventually, free_port
 from tests.support.slow_guardian import RUNS
 from yoke.client import Client
-from yoke.guardian import COLLECTION, GUARDIAN_ACTOR_ID
-from yoke.join_config import (
+from yoke.llm.base import ScriptedCall, ScriptedOutput
+from yoke.models import Message, ToolCallPart
+from yoke.runtime.join_config import (
     GuardianConfig,
     JoinConfig,
     LlmPolicy,
@@ -28,8 +30,7 @@ from yoke.join_config import (
     load_join_config,
     save_join_config,
 )
-from yoke.joins import Join, ScriptedCall, ScriptedOutput, join_id
-from yoke.models import Message, ToolCallPart
+from yoke.runtime.joins import Join, join_id
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow

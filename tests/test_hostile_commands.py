@@ -25,7 +25,7 @@ from yoke import topology
 from yoke.client import Client
 from yoke.dead_letters import list_dead_letters
 from yoke.ids import new_id
-from yoke.joins import create_forum
+from yoke.runtime.joins import create_forum
 from yoke.store import Store
 
 DATA = json.loads((Path(__file__).parent / "data" / "hostile_commands.json").read_text())

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from yoke.inference import InferenceRequest, ScriptedProvider
-from yoke.inference_loop import run_inference_loop
-from yoke.joins import ScriptedCall, ScriptedOutput
+from yoke.llm.base import InferenceRequest, ScriptedCall, ScriptedOutput
+from yoke.llm.fixtures import ScriptedProvider
+from yoke.llm.loop import run_inference_loop
 from yoke.models import Message, TextPart, ToolResultPart
-from yoke.tools import BUILTIN_TOOLS
+from yoke.tools.builtin import BUILTIN_TOOLS
 
 
 def request() -> InferenceRequest:

@@ -16,9 +16,9 @@ from tests.support.mesh import Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
 from yoke.client import Client
 from yoke.ids import derive_id
-from yoke.join_config import JOIN_CONFIGS, JoinConfig, load_join_config
-from yoke.joins import PROCESSOR, create_agent, create_forum, join_id
 from yoke.models import Message
+from yoke.runtime.join_config import JOIN_CONFIGS, JoinConfig, load_join_config
+from yoke.runtime.joins import PROCESSOR, create_agent, create_forum, join_id
 from yoke.store import Store
 
 

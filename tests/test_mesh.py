@@ -18,12 +18,9 @@ from tests.support.processes import eventually
 from yoke import topology
 from yoke.bus import Bus
 from yoke.client import Client
-from yoke.joins import (
-    ScriptedCall,
-    ScriptedOutput,
-    leave_conversation,
-)
+from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import ToolResultPart
+from yoke.runtime.joins import leave_conversation
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow

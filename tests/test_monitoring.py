@@ -36,11 +36,11 @@ from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, runn
 from tests.support.processes import ServiceProcess, eventually, free_port
 from tests.support.prometheus import Prometheus, binary
 from tests.support.webhook_receiver import Receiver
+from yoke.cli.monitoring import local_config
 from yoke.client import Client
 from yoke.ids import new_id
-from yoke.joins import ScriptedCall, ScriptedOutput
+from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, TextPart
-from yoke.monitoring import local_config
 from yoke.outbox import Outbox
 from yoke.store import Store
 from yoke.webhooks import add_webhook, ensure_webhook_indexes
@@ -172,7 +172,7 @@ def test_the_local_configuration_passes_promtool(tmp_path: Path) -> None:
     out = tmp_path / "prometheus.yml"
     subprocess.run(
         [
-            *(sys.executable, "-m", "yoke.monitoring"),
+            *(sys.executable, "-m", "yoke.cli.monitoring"),
             *("--source", str(PROMETHEUS_DIR / "prometheus.yml"), "--rules", str(ALERTS)),
             *("--out", str(out), "--replicas", "2"),
         ],

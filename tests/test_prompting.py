@@ -13,10 +13,11 @@ import pytest
 
 from tests.support.chat_rules import first_violation
 from tests.support.fake_openai import FakeOpenAI, completion
-from yoke.inference import EchoProvider, InferenceRequest, ProviderFailed, newest_user_text
+from yoke.llm.base import InferenceRequest, ProviderFailed, newest_user_text
+from yoke.llm.fixtures import EchoProvider
+from yoke.llm.openai_provider import OpenAIProvider
+from yoke.llm.prompting import NO_RESULT, to_chat_messages
 from yoke.models import Message, MessageMeta, Part, TextPart, ToolCallPart, ToolResultPart
-from yoke.openai_provider import OpenAIProvider
-from yoke.prompting import NO_RESULT, to_chat_messages
 from yoke.settings import Settings
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)

@@ -20,13 +20,13 @@ from tests.support.mesh import Mesh, agent_lines, lines_until, running_mesh, say
 from tests.support.processes import eventually
 from yoke import topology
 from yoke.bus import Bus
+from yoke.cli.supervisor import SERVICES
 from yoke.client import Client
 from yoke.dead_letters import list_dead_letters, replay_dead_letters
-from yoke.joins import create_agent, create_forum, join_conversation, leave_conversation
 from yoke.models import Message
-from yoke.posting import Poster
+from yoke.runtime.joins import create_agent, create_forum, join_conversation, leave_conversation
+from yoke.runtime.posting import Poster
 from yoke.store import Store
-from yoke.supervisor import SERVICES
 
 pytestmark = pytest.mark.slow
 

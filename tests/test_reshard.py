@@ -17,7 +17,7 @@ from yoke.bus import Bus
 from yoke.ids import derive_id
 from yoke.models import Envelope, Message, MessagePosted, TextPart
 from yoke.reshard import TOPOLOGY, ShardCountChanged, check_shard_count, shard_queues
-from yoke.service import Service
+from yoke.runtime.service import Service
 from yoke.settings import Settings
 from yoke.store import Store
 

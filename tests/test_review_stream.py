@@ -25,9 +25,9 @@ from services.gateway.deps import Gateway
 from tests.support.processes import eventually, free_port
 from yoke.bus import Bus
 from yoke.ids import new_id
-from yoke.joins import create_forum
 from yoke.models import Message, TextPart
-from yoke.posting import Poster
+from yoke.runtime.joins import create_forum
+from yoke.runtime.posting import Poster
 from yoke.settings import Settings
 from yoke.store import Store
 from yoke.tokens import create_token, ensure_token_indexes, revoke_token

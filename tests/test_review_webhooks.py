@@ -29,9 +29,9 @@ from services.gateway.webhooks import WebhookWorker
 from tests.support.processes import eventually, free_port
 from yoke.bus import Bus
 from yoke.ids import new_id
-from yoke.joins import create_forum
 from yoke.models import Message, TextPart
-from yoke.posting import Poster
+from yoke.runtime.joins import create_forum
+from yoke.runtime.posting import Poster
 from yoke.settings import Settings
 from yoke.store import Store
 from yoke.webhooks import add_webhook, dead_letters, ensure_webhook_indexes, load_cursor

@@ -30,15 +30,15 @@ from tests.chaos.verdict import account
 from tests.support.mesh import service_env
 from tests.support.processes import ROOT, ServiceProcess, eventually
 from yoke.bus import Bus
+from yoke.cli.supervisor import ReplicasError, parse_replicas
 from yoke.client import Client
 from yoke.ids import new_id
-from yoke.joins import create_agent, create_forum, join_conversation
 from yoke.models import Message, SubmitReply
 from yoke.ownership import EXPIRES_SECONDS, REPLICAS, dead_here
-from yoke.posting import Poster
+from yoke.runtime.joins import create_agent, create_forum, join_conversation
+from yoke.runtime.posting import Poster
 from yoke.settings import Settings
 from yoke.store import Store
-from yoke.supervisor import ReplicasError, parse_replicas
 
 pytestmark = pytest.mark.slow
 

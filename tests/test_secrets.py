@@ -30,8 +30,7 @@ from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import ServiceProcess, eventually, free_port
 from yoke import topology
 from yoke.client import Client
-from yoke.health import HealthServer
-from yoke.joins import ScriptedCall, ScriptedOutput, create_forum
+from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import ToolResultPart
 from yoke.provisioning import (
     ProvisioningError,
@@ -40,6 +39,8 @@ from yoke.provisioning import (
     with_passwords,
 )
 from yoke.redact import redact
+from yoke.runtime.health import HealthServer
+from yoke.runtime.joins import create_forum
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow

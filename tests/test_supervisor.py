@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from yoke import supervisor
+from yoke.cli import supervisor
+from yoke.cli.supervisor import Child, watch
 from yoke.errors import EXIT_MISCONFIGURED
-from yoke.supervisor import Child, watch
 
 
 async def test_a_misconfigured_service_is_not_restarted() -> None:

@@ -26,8 +26,8 @@ from tests.support.processes import ROOT, eventually, free_port
 from tests.support.rabbit_node import RabbitNode
 from tests.support.tls_servers import Certificates, TLSFerretDB, ferretdb_binary, tls_ferretdb
 from yoke.errors import EXIT_MISCONFIGURED, is_transient
-from yoke.joins import create_forum
 from yoke.models import Message
+from yoke.runtime.joins import create_forum
 from yoke.store import Store
 from yoke.tls import verification_failure
 

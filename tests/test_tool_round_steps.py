@@ -7,9 +7,9 @@ import uuid
 from typing import Any
 
 from services.processor.app import open_round, step, tool_results_id
-from yoke.actor import ActorContext
-from yoke.joins import ProcessorConfig, ProcessorState
 from yoke.models import Message, MessageMeta, Part, TextPart, ToolCallPart, ToolResultPart
+from yoke.runtime.actor import ActorContext
+from yoke.runtime.joins import ProcessorConfig, ProcessorState
 from yoke.settings import Settings
 from yoke.store import Store
 

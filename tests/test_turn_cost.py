@@ -22,9 +22,9 @@ from tests.support.mesh import Mesh, say
 from tests.support.processes import eventually
 from yoke.client import Client
 from yoke.ids import derive_id
-from yoke.joins import create_agent, create_forum, join_conversation, join_id
 from yoke.models import Message, TextPart
-from yoke.posting import Poster
+from yoke.runtime.joins import create_agent, create_forum, join_conversation, join_id
+from yoke.runtime.posting import Poster
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow

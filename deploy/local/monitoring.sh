@@ -56,7 +56,7 @@ start() {
         return 0
     fi
     port_open "$port" && die "something else answers on 127.0.0.1:$port (set YOKE_PROMETHEUS_PORT)"
-    "$python" -m yoke.monitoring \
+    "$python" -m yoke.cli.monitoring \
         --source "$root/deploy/prometheus/prometheus.yml" \
         --rules "$root/deploy/prometheus/alerts.yml" \
         --replicas "${YOKE_REPLICAS:-1}" \

@@ -11,10 +11,8 @@ import logging
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from yoke.compaction import chain_of
 from yoke.consumer import key_from_header
 from yoke.ids import derive_id
-from yoke.joins import Join, join_id, participant_id
 from yoke.lru import LRUCache
 from yoke.models import (
     AgentForumJoined,
@@ -24,7 +22,9 @@ from yoke.models import (
     MonologueCompacted,
     TextPart,
 )
-from yoke.service import Service
+from yoke.runtime.compaction import chain_of
+from yoke.runtime.joins import Join, join_id, participant_id
+from yoke.runtime.service import Service
 from yoke.store import Store
 
 log = logging.getLogger(__name__)

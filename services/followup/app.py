@@ -1,4 +1,4 @@
-"""Follow-up: nudges an agent that spoke last in a forum when nobody answered (yoke.followup).
+"""Follow-up: nudges an agent that spoke last in a forum when nobody answered (``scheduler``).
 
 Forum lines arrive as ``conversation.message.posted`` (monologue lines are ignored from a
 cache); a scheduler task in the same process fires what is due once the service serves.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from yoke.followup import FollowUps
+from services.followup.scheduler import FollowUps
 from yoke.models import MessagePosted
-from yoke.service import Service
+from yoke.runtime.service import Service
 
 log = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ from yoke.models import (
     unstorable,
 )
 from yoke.redact import redact
-from yoke.service import describe_validation_error
+from yoke.runtime.service import describe_validation_error
 from yoke.settings import Settings
 from yoke.store import Store
 from yoke.tokens import ensure_token_indexes, token_in_force

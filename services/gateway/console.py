@@ -26,9 +26,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from services.gateway.deps import ApiError, ForumDep, TokenDep, gateway
-from yoke.compaction import chain_of
 from yoke.dead_letters import list_dead_letters
 from yoke.models import Conversation, Participant
+from yoke.runtime.compaction import chain_of
 from yoke.store import Store
 from yoke.tokens import Token
 from yoke.webhooks import dead_letters

@@ -1,4 +1,4 @@
 from services.guardian.app import register
-from yoke.service import run_service
+from yoke.runtime.service import run_service
 
 run_service("guardian", register)

@@ -1,9 +1,9 @@
-"""The guardian service: wiring only; the watching and steering live in :mod:`yoke.guardian`."""
+"""The guardian service: wiring only; the watching and steering live in :mod:`.guardian`."""
 
 from __future__ import annotations
 
-from yoke import guardian
-from yoke.service import Service
+from services.guardian import guardian
+from yoke.runtime.service import Service
 
 
 def register(service: Service) -> None:

@@ -16,11 +16,8 @@ from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
 from yoke import topology
-from yoke.actor import ActorContext, ActorDefinition, ActorRuntime
-from yoke.compaction import carry_tail, copy_target
 from yoke.consumer import Malformed
 from yoke.ids import derive_id
-from yoke.joins import INGESTION, IngestionConfig, IngestionState, ensure_participant_id
 from yoke.metrics import COMMANDS
 from yoke.models import (
     MAX_ID_CHARS,
@@ -32,7 +29,10 @@ from yoke.models import (
     SubmitReply,
     TextPart,
 )
-from yoke.service import Service, describe_validation_error
+from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
+from yoke.runtime.compaction import carry_tail, copy_target
+from yoke.runtime.joins import INGESTION, IngestionConfig, IngestionState, ensure_participant_id
+from yoke.runtime.service import Service, describe_validation_error
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
 from services.processor.app import register
-from yoke.service import run_service
+from yoke.runtime.service import run_service
 
 run_service("processor", register)

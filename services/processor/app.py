@@ -21,17 +21,9 @@ from collections.abc import AsyncIterator
 from typing import Literal
 
 from yoke import topology
-from yoke.actor import ActorContext, ActorDefinition, ActorRuntime
-from yoke.compaction import call_ids, compact, result_ids
 from yoke.ids import derive_id
-from yoke.inference import InferenceRequest, ProviderFailed, cost_of, provider_for
-from yoke.joins import (
-    PROCESSOR,
-    SYSTEM_ACTOR_ID,
-    ProcessorConfig,
-    ProcessorState,
-    load_processor_config,
-)
+from yoke.llm.base import InferenceRequest, ProviderFailed
+from yoke.llm.providers import cost_of, provider_for
 from yoke.metrics import (
     DOOM_LOOPS,
     LLM_COST,
@@ -52,8 +44,19 @@ from yoke.models import (
     ToolResultPart,
     Usage,
 )
-from yoke.service import Service
-from yoke.tools import Tool, resolve_tools, run_tool_calls
+from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
+from yoke.runtime.compaction import call_ids, compact, result_ids
+from yoke.runtime.joins import (
+    PROCESSOR,
+    SYSTEM_ACTOR_ID,
+    ProcessorConfig,
+    ProcessorState,
+    load_processor_config,
+)
+from yoke.runtime.service import Service
+from yoke.tools.base import Tool
+from yoke.tools.builtin import resolve_tools
+from yoke.tools.run import run_tool_calls
 
 log = logging.getLogger(__name__)
 

@@ -19,3 +19,7 @@ def derive_id(kind: str, *causes: str) -> str:
     """A stable id for the effect ``kind`` of ``causes``: equal inputs, equal ids."""
     digest = hashlib.sha256("\x1f".join((kind, *causes)).encode()).hexdigest()
     return digest[:32]
+
+
+# The author of lines the mesh itself writes: tool results, notices.
+SYSTEM_ACTOR_ID = "system"

@@ -7,7 +7,7 @@ from contextvars import ContextVar
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from yoke.tools import BUILTIN_TOOLS
+from yoke.tools.builtin import BUILTIN_TOOLS
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -121,7 +121,7 @@ GUARDIAN_RUNNER_SECONDS = Histogram(
 # values, one series each, for as long as the process lives.
 
 OTHER = "other"
-# The built-in fixture providers' models (``yoke.inference``): the only ``fixture-`` names that
+# The built-in fixture providers' models (``yoke.llm.fixtures``): the only ``fixture-`` names that
 # ever reach a label, since any other ``fixture-`` model fails before a request is made.
 FIXTURE_MODELS = frozenset({"fixture-echo", "fixture-script"})
 SPARE_MODELS = 50

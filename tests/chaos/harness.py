@@ -31,14 +31,14 @@ from tests.chaos.verdict import Accounting, FaultKind, FaultRecord, Report, acco
 from tests.support.processes import eventually, free_port
 from yoke import amqp_nodes, topology
 from yoke.bus import Bus
+from yoke.cli.supervisor import SERVICES
 from yoke.dead_letters import list_dead_letters
 from yoke.ids import new_id
-from yoke.joins import create_agent, create_forum, join_conversation
 from yoke.outbox import dead_after
-from yoke.posting import Poster
+from yoke.runtime.joins import create_agent, create_forum, join_conversation
+from yoke.runtime.posting import Poster
 from yoke.settings import Settings
 from yoke.store import Store
-from yoke.supervisor import SERVICES
 
 
 @dataclass(frozen=True)

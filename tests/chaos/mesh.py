@@ -20,9 +20,9 @@ import httpx
 from tests.chaos.faults import children_of, kill_9
 from tests.chaos.up import PORTS_VARIABLE, format_ports
 from tests.support.processes import ROOT, eventually
-from yoke.supervisor import SERVICES
+from yoke.cli.supervisor import SERVICES
 
-# The supervisor's own line when a child dies (``yoke.supervisor.watch``).
+# The supervisor's own line when a child dies (``yoke.cli.supervisor.watch``).
 EXITED = re.compile(r"^\[yoke up\] (\w+) exited with (-?\d+)", re.MULTILINE)
 
 

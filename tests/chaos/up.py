@@ -14,7 +14,7 @@ import asyncio
 import os
 import sys
 
-from yoke import supervisor
+from yoke.cli import supervisor
 
 PORTS_VARIABLE = "YOKE_CHAOS_METRICS_PORTS"
 

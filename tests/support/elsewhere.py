@@ -13,7 +13,7 @@ import importlib
 import socket
 import sys
 
-from yoke.service import run_service
+from yoke.runtime.service import run_service
 
 
 def main() -> None:

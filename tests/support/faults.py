@@ -1,6 +1,6 @@
 """Fault injection from test support: run a module with one of its functions made fatal.
 
-    YOKE_FAULT=after:yoke.compaction:move_participant python -m tests.support.faults \\
+    YOKE_FAULT=after:yoke.runtime.compaction:move_participant python -m tests.support.faults \\
         services.processor
 
 wraps the named function (``before:`` or ``after:``, then ``module:qualname``) so that the

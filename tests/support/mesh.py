@@ -7,11 +7,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from tests.support.processes import ServiceProcess, eventually
+from yoke.cli.supervisor import SERVICES
 from yoke.client import Client
-from yoke.joins import Join
 from yoke.models import Message
+from yoke.runtime.joins import Join
 from yoke.store import Store
-from yoke.supervisor import SERVICES
 
 # new_join(forum_id=None, name="echo", **join options) -> (forum id, join)
 JoinFactory = Callable[..., Awaitable[tuple[str, Join]]]

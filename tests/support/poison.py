@@ -14,9 +14,9 @@ import os
 import sys
 from typing import Any
 
-from yoke.actor import ActorContext, ActorDefinition
 from yoke.models import Message
-from yoke.service import run_service
+from yoke.runtime.actor import ActorContext, ActorDefinition
+from yoke.runtime.service import run_service
 
 
 class PoisonError(RuntimeError):

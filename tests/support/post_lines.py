@@ -8,7 +8,7 @@ import sys
 from yoke.bus import Bus
 from yoke.ids import new_id
 from yoke.models import Message, TextPart
-from yoke.posting import Poster
+from yoke.runtime.posting import Poster
 from yoke.settings import Settings
 from yoke.store import Store
 

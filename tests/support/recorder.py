@@ -13,7 +13,7 @@ import time
 
 from yoke.ids import derive_id
 from yoke.models import Message, MessagePosted, TextPart
-from yoke.service import Service, run_service
+from yoke.runtime.service import Service, run_service
 
 EFFECTS_PREFIX = "effects-"
 

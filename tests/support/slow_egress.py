@@ -14,7 +14,7 @@ import os
 
 from services.egress.app import Egress, register
 from yoke.models import MessagePosted
-from yoke.service import run_service
+from yoke.runtime.service import run_service
 
 
 def main() -> None:

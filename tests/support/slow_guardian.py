@@ -15,10 +15,10 @@ import os
 import sys
 import time
 
-from yoke.guardian import Guardian, Match, Watched, register
-from yoke.join_config import GuardianConfig
+from services.guardian.guardian import Guardian, Match, Watched, register
 from yoke.models import Message
-from yoke.service import Service, run_service
+from yoke.runtime.join_config import GuardianConfig
+from yoke.runtime.service import Service, run_service
 
 RUNS = "test_guardian_runs"
 

@@ -23,18 +23,16 @@ from pydantic import BaseModel
 
 from yoke.errors import DeadLetter, Stopping
 from yoke.failures import Failure
+from yoke.ids import SYSTEM_ACTOR_ID as SYSTEM_ACTOR_ID
 from yoke.ids import derive_id
 from yoke.lru import LRUCache
 from yoke.models import Message, MessageMeta, MessagePosted, TextPart
-from yoke.posting import Poster
-from yoke.service import Service
+from yoke.runtime.posting import Poster
+from yoke.runtime.service import Service
 from yoke.settings import Settings
 from yoke.store import Store
 
 log = logging.getLogger(__name__)
-
-# The author of lines the mesh itself writes: tool results, notices.
-SYSTEM_ACTOR_ID = "system"
 
 C = TypeVar("C", bound=BaseModel)
 S = TypeVar("S", bound=BaseModel)

@@ -9,11 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import partial
 
-from yoke.ids import derive_id
-from yoke.inference import InferenceRequest, Provider
-from yoke.joins import SYSTEM_ACTOR_ID
+from yoke.ids import SYSTEM_ACTOR_ID, derive_id
+from yoke.llm.base import InferenceRequest, Provider
 from yoke.models import Message, Part, TextPart, ToolCallPart
-from yoke.tools import run_tool_calls
+from yoke.tools.run import run_tool_calls
 
 MAX_ROUNDS = 8
 

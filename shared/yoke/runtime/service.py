@@ -20,13 +20,13 @@ from yoke import metrics, topology
 from yoke.bus import Bus, OnMessage
 from yoke.consumer import Dispatcher, Gate, Malformed, Route, event_type_of, key_from_header
 from yoke.errors import EXIT_MISCONFIGURED, Misconfigured, RetryPolicy
-from yoke.health import HealthServer
 from yoke.logs import configure_logging
 from yoke.metrics import EVENT_LAG_SECONDS
 from yoke.models import Envelope, EventPayload, MessagePosted, utcnow
 from yoke.ownership import REPLICAS, Ownership
-from yoke.posting import Poster
 from yoke.reshard import check_shard_count
+from yoke.runtime.health import HealthServer
+from yoke.runtime.posting import Poster
 from yoke.settings import Settings
 from yoke.store import Store
 from yoke.tls import refused_as_misconfigured

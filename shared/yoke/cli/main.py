@@ -12,23 +12,23 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from yoke import supervisor
 from yoke.bus import Bus
-from yoke.cli_publishers import register as register_publishers
-from yoke.cli_status import register as register_status
-from yoke.cli_tokens import register as register_tokens
-from yoke.cli_webhooks import register as register_webhooks
+from yoke.cli import supervisor
+from yoke.cli.publishers import register as register_publishers
+from yoke.cli.status import register as register_status
+from yoke.cli.tokens import register as register_tokens
+from yoke.cli.webhooks import register as register_webhooks
 from yoke.client import Client
 from yoke.dead_letters import list_dead_letters, replay_dead_letters
 from yoke.errors import EXIT_MISCONFIGURED, Misconfigured
-from yoke.join_config import JoinConfig
-from yoke.joins import create_agent, create_forum, join_conversation, leave_conversation
 from yoke.logs import configure_cli_logging
 from yoke.models import Message
-from yoke.posting import Poster
 from yoke.redact import redact
 from yoke.reshard import ReshardRefused, reshard
-from yoke.service import describe_validation_error
+from yoke.runtime.join_config import JoinConfig
+from yoke.runtime.joins import create_agent, create_forum, join_conversation, leave_conversation
+from yoke.runtime.posting import Poster
+from yoke.runtime.service import describe_validation_error
 from yoke.settings import Settings
 from yoke.store import Store
 from yoke.tls import refused_as_misconfigured
@@ -253,7 +253,7 @@ async def up(args: argparse.Namespace) -> None:
 
 
 async def asyncapi(args: argparse.Namespace) -> None:
-    from yoke.asyncapi import render
+    from yoke.cli.asyncapi import render
 
     sys.stdout.write(render())
 

@@ -19,10 +19,10 @@ from typing import Any
 import openai
 from openai import AsyncOpenAI
 
-from yoke.inference import InferenceRequest, InferenceResult, ProviderFailed
+from yoke.llm.base import InferenceRequest, InferenceResult, ProviderFailed
+from yoke.llm.prompting import to_chat_messages
 from yoke.metrics import LLM_LATENCY, LLM_REQUESTS, model_label
 from yoke.models import ToolCallPart, Usage
-from yoke.prompting import to_chat_messages
 from yoke.settings import Settings
 
 log = logging.getLogger(__name__)

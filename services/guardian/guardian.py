@@ -3,7 +3,7 @@
 Off unless the join's configuration has ``guardian``. Each agent line of a guarded monologue is
 checked against the join's policies in order; the first that matches runs an *ephemeral
 runner*: a rule or no-progress policy yields its fixed steering text, an LLM policy asks the
-guardian's model (:func:`~yoke.inference_loop.run_inference_loop`, a ``steer`` tool). A steer
+guardian's model (:func:`~yoke.llm.loop.run_inference_loop`, a ``steer`` tool). A steer
 becomes one instruction line in the agent's active monologue (``meta.instruction =
 "guardian"``), which the processor answers like any other line and knows nothing more about.
 
@@ -34,20 +34,11 @@ from datetime import UTC, datetime, timedelta
 from pydantic import BaseModel, Field, ValidationError
 from pymongo.errors import CollectionInvalid, OperationFailure
 
-from yoke.actor import instance_state_id
 from yoke.errors import Stopping
 from yoke.ids import derive_id, new_id
-from yoke.inference import InferenceRequest, provider_for
-from yoke.inference_loop import MAX_ROUNDS, run_inference_loop
-from yoke.join_config import (
-    GuardianConfig,
-    GuardianPolicy,
-    LlmPolicy,
-    NoProgressPolicy,
-    RulePolicy,
-    load_join_config,
-)
-from yoke.joins import PROCESSOR, join_id
+from yoke.llm.base import InferenceRequest
+from yoke.llm.loop import MAX_ROUNDS, run_inference_loop
+from yoke.llm.providers import provider_for
 from yoke.lru import LRUCache
 from yoke.metrics import (
     GUARDIAN_CHECKS,
@@ -64,10 +55,20 @@ from yoke.models import (
     ToolCallPart,
     ToolResultPart,
 )
+from yoke.runtime.actor import instance_state_id
+from yoke.runtime.join_config import (
+    GuardianConfig,
+    GuardianPolicy,
+    LlmPolicy,
+    NoProgressPolicy,
+    RulePolicy,
+    load_join_config,
+)
+from yoke.runtime.joins import PROCESSOR, join_id
+from yoke.runtime.service import Service
 from yoke.safe_regex import compile_safe, search
-from yoke.service import Service
 from yoke.store import NAMESPACE_EXISTS, Store
-from yoke.tools import Tool, ToolContext
+from yoke.tools.base import Tool, ToolContext
 
 log = logging.getLogger(__name__)
 

@@ -13,16 +13,9 @@ from typing import Any
 
 from pydantic import Field, JsonValue
 
-from yoke.actor import SYSTEM_ACTOR_ID as SYSTEM_ACTOR_ID
-from yoke.actor import create_instance_document, instance_state_id
 from yoke.ids import derive_id, new_id
-from yoke.join_config import (
-    JoinConfig,
-    load_versioned_join_config,
-    save_join_config,
-)
-from yoke.join_config import ScriptedCall as ScriptedCall
-from yoke.join_config import ScriptedOutput as ScriptedOutput
+from yoke.llm.base import ScriptedCall as ScriptedCall
+from yoke.llm.base import ScriptedOutput
 from yoke.models import (
     Actor,
     AgentForumJoined,
@@ -30,7 +23,10 @@ from yoke.models import (
     Participant,
     WireModel,
 )
-from yoke.posting import Poster
+from yoke.runtime.actor import SYSTEM_ACTOR_ID as SYSTEM_ACTOR_ID
+from yoke.runtime.actor import create_instance_document, instance_state_id
+from yoke.runtime.join_config import JoinConfig, load_versioned_join_config, save_join_config
+from yoke.runtime.posting import Poster
 from yoke.store import Store
 
 DEFAULT_MODEL = "fixture-echo"

@@ -9,35 +9,20 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, JsonValue, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from yoke.ids import new_id
+from yoke.llm.base import ScriptedOutput
 from yoke.models import WireModel
 from yoke.safe_regex import compile_safe
 from yoke.store import Store
-from yoke.tools import BUILTIN_TOOLS
+from yoke.tools.builtin import BUILTIN_TOOLS
 
 
 class StrictWireModel(WireModel):
     """Unknown fields are an error: a typo in a configuration file must not pass silently."""
 
     model_config = ConfigDict(extra="forbid")
-
-
-class ScriptedCall(StrictWireModel):
-    name: str
-    input: dict[str, JsonValue] = Field(default_factory=dict)
-
-
-class ScriptedOutput(StrictWireModel):
-    """One step of the ``fixture-script`` model: text and/or tool calls."""
-
-    text: str | None = None
-    tool_calls: list[ScriptedCall] = Field(default_factory=list)
-    input_tokens: int = 0
-    output_tokens: int = 0
-    # On the last entry: play it again for every later step (a model stuck in a loop).
-    repeat: bool = False
 
 
 class FollowUpConfig(StrictWireModel):
@@ -137,7 +122,7 @@ VERSION_FIELD = "_version"
 
 
 async def load_join_config(store: Store, join_key: str) -> JoinConfig | None:
-    """The join's configuration (``join_key`` is :func:`yoke.joins.join_id`), if it has one."""
+    """The join's configuration (``join_key`` from ``joins.join_id``), if it has one."""
     found = await load_versioned_join_config(store, join_key)
     return found[1] if found is not None else None
 

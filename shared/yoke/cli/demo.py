@@ -8,11 +8,11 @@ import sys
 
 import httpx
 
-from yoke import supervisor
 from yoke.bus import Bus
+from yoke.cli import supervisor
 from yoke.ids import derive_id
-from yoke.joins import create_agent, create_forum, join_conversation
-from yoke.posting import Poster
+from yoke.runtime.joins import create_agent, create_forum, join_conversation
+from yoke.runtime.posting import Poster
 from yoke.settings import DEFAULT_METRICS_PORTS, Settings
 from yoke.store import Store
 

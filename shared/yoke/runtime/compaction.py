@@ -64,16 +64,9 @@ from datetime import datetime
 
 from pydantic import Field
 
-from yoke.actor import ActorContext, instance_state_id
 from yoke.ids import derive_id
-from yoke.inference import InferenceRequest, ProviderFailed, estimate_tokens, provider_for
-from yoke.joins import (
-    PROCESSOR,
-    SYSTEM_ACTOR_ID,
-    ProcessorConfig,
-    ProcessorState,
-    ensure_participant,
-)
+from yoke.llm.base import InferenceRequest, ProviderFailed, estimate_tokens
+from yoke.llm.providers import provider_for
 from yoke.metrics import COMPACTIONS
 from yoke.models import (
     Conversation,
@@ -87,7 +80,15 @@ from yoke.models import (
     WireModel,
     utcnow,
 )
-from yoke.posting import Poster
+from yoke.runtime.actor import ActorContext, instance_state_id
+from yoke.runtime.joins import (
+    PROCESSOR,
+    SYSTEM_ACTOR_ID,
+    ProcessorConfig,
+    ProcessorState,
+    ensure_participant,
+)
+from yoke.runtime.posting import Poster
 from yoke.store import Store
 
 log = logging.getLogger(__name__)

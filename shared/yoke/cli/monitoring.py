@@ -6,7 +6,7 @@ configuration is that file with every target's host replaced (the port kept), th
 given as local paths, and a scrape interval short enough to watch a demo. ``make monitoring``
 (``deploy/local/monitoring.sh``) and ``tests/test_monitoring.py`` both build theirs here.
 
-    python -m yoke.monitoring --source deploy/prometheus/prometheus.yml \
+    python -m yoke.cli.monitoring --source deploy/prometheus/prometheus.yml \
         --rules deploy/prometheus/alerts.yml --out .local/prometheus/prometheus.yml
 """
 

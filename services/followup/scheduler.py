@@ -35,10 +35,7 @@ from pymongo import ASCENDING
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import CollectionInvalid, OperationFailure
 
-from yoke.compaction import carry_tail
 from yoke.ids import derive_id
-from yoke.join_config import FollowUpConfig, JoinConfig, load_join_config
-from yoke.joins import ensure_participant, join_id, participant_id
 from yoke.lru import LRUCache
 from yoke.metrics import (
     FOLLOWUPS_CANCELLED,
@@ -47,7 +44,10 @@ from yoke.metrics import (
     FOLLOWUPS_SCHEDULED,
 )
 from yoke.models import Actor, Document, Message, MessageMeta, MessagePosted, TextPart, utcnow
-from yoke.posting import Poster
+from yoke.runtime.compaction import carry_tail
+from yoke.runtime.join_config import FollowUpConfig, JoinConfig, load_join_config
+from yoke.runtime.joins import ensure_participant, join_id, participant_id
+from yoke.runtime.posting import Poster
 from yoke.store import Store
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,3 @@
+from yoke.cli.main import main
+
+main()

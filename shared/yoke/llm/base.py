@@ -1,0 +1,94 @@
+"""What every model provider shares: the request, the result, the protocol and its one error.
+
+Nothing here knows the runtime, the bus or the store: a provider turns a transcript (and the
+tools it may call) into outputs plus token usage, and that is all.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Protocol
+
+from pydantic import ConfigDict, Field, JsonValue
+
+from yoke.models import Message, TextPart, ToolCallPart, ToolResultPart, Usage, WireModel
+from yoke.tools.base import Tool
+
+
+class ProviderFailed(Exception):
+    """The model could not answer (gave up after retries, or refused the request)."""
+
+
+@dataclass
+class InferenceRequest:
+    transcript: list[Message]
+    tools: dict[str, Tool]
+    # Prefix for ids of the tool calls this step makes: derived, so a redelivery repeats them.
+    call_id_prefix: str
+    instructions: str = ""
+    names: dict[str, str] = field(default_factory=dict)
+    now: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+
+@dataclass
+class InferenceResult:
+    text: str | None = None
+    tool_calls: list[ToolCallPart] = field(default_factory=list)
+    usage: Usage | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.text and not self.tool_calls
+
+
+class Provider(Protocol):
+    model: str
+
+    async def infer(self, request: InferenceRequest) -> InferenceResult: ...
+
+
+def newest_user_text(transcript: list[Message]) -> str | None:
+    for message in reversed(transcript):
+        if message.role == "user" and message.type == "message":
+            texts = [part.text for part in message.parts if isinstance(part, TextPart)]
+            if texts:
+                return "\n".join(texts)
+    return None
+
+
+def estimate_tokens(messages: list[Message]) -> int:
+    """About four characters a token, plus a little per message."""
+    characters = 0
+    for message in messages:
+        for part in message.parts:
+            if isinstance(part, TextPart):
+                characters += len(part.text)
+            elif isinstance(part, ToolCallPart):
+                characters += len(part.name) + len(json.dumps(part.input))
+            elif isinstance(part, ToolResultPart):
+                characters += len(part.output)
+    return characters // 4 + 4 * len(messages)
+
+
+class _Strict(WireModel):
+    """Unknown fields are an error: a typo in a script must not pass silently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ScriptedCall(_Strict):
+    name: str
+    input: dict[str, JsonValue] = Field(default_factory=dict)
+
+
+class ScriptedOutput(_Strict):
+    """One step of the ``fixture-script`` model: text and/or tool calls."""
+
+    text: str | None = None
+    tool_calls: list[ScriptedCall] = Field(default_factory=list)
+    input_tokens: int = 0
+    output_tokens: int = 0
+    # On the last entry: play it again for every later step (a model stuck in a loop).
+    repeat: bool = False

@@ -1,0 +1,1 @@
+"""The runtime every service stands on: process wiring, actor instances, posting, joins."""
