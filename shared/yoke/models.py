@@ -371,7 +371,16 @@ class SubmitMessage(WireModel):
 
 # Why the door rejected a command, for programs (the HTTP gateway maps them to statuses).
 RejectCode = Literal[
-    "invalid_body", "invalid_command", "too_large", "unknown_conversation", "not_a_forum"
+    "invalid_body",
+    "invalid_command",
+    "too_large",
+    "unknown_conversation",
+    "not_a_forum",
+    # tool.result.submit only (see SubmitToolResult)
+    "unknown_call",
+    "call_closed",
+    "wrong_tool",
+    "missing_user_id",
 ]
 
 
@@ -382,5 +391,27 @@ class SubmitReply(WireModel):
     error: str | None = None
     # With ``error``: ``invalid_body`` (not UTF-8 JSON, or nested too deeply),
     # ``invalid_command`` (a field is missing or wrong), ``too_large``, ``unknown_conversation``,
-    # ``not_a_forum``.
+    # ``not_a_forum``; for tool results ``unknown_call``, ``call_closed``, ``wrong_tool``,
+    # ``missing_user_id``.
     code: RejectCode | None = None
+
+
+class ToolCallRequest(WireModel):
+    """A call as a tool worker receives it on ``yoke.tool.NAME`` (AMQP ``message_id`` =
+    ``callId``). Delivered at least once: a worker uses ``idempotencyKey`` to tolerate a repeat.
+    """
+
+    call_id: str
+    tool: str
+    input: dict[str, JsonValue] = Field(default_factory=dict)
+    idempotency_key: str
+    deadline: datetime
+
+
+class SubmitToolResult(WireModel):
+    """``tool.result.submit``: a worker's answer on ``yoke.commands``, published with the AMQP
+    ``user_id`` of its own RabbitMQ user (the door trusts no other proof of who answers)."""
+
+    call_id: CommandId
+    output: Annotated[str, BeforeValidator(_storable)]
+    is_error: bool = False

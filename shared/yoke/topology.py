@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pamqp.common import FieldTable
@@ -23,6 +24,18 @@ FORUM_ROUTE_EXCHANGE = "yoke.forum.route"
 PUBLIC_KIND = "forum"
 
 SUBMIT_COMMAND = "conversation.message.submit"
+# A tool worker's answer to a call (keyed by its callId: results have no conversationId).
+TOOL_RESULT_COMMAND = "tool.result.submit"
+
+# Tool workers: each worker tool NAME has the queue yoke.tool.NAME (quorum, competing consumers,
+# declared by the mesh only) and the RabbitMQ user tool-NAME, which may read only that queue and
+# write only to yoke.commands. No other publisher may have a name starting with "tool-".
+TOOL_QUEUE_PREFIX = "yoke.tool."
+TOOL_USER_PREFIX = "tool-"
+
+# Set by ingestion's command router from the AMQP user_id that RabbitMQ verified, after it has
+# dropped every x-yoke-* header the publisher set: the only name a handler trusts for who spoke.
+USER_HEADER = "x-yoke-user"
 
 # The consistent-hash exchanges hash this header: the conversation (or, for agent.* events, the
 # forum) a delivery belongs to. Every event we publish carries it.
@@ -144,6 +157,32 @@ SERVICE_PERMISSIONS = {
     "write": r"^(yoke\..*|amq\.default)$",
     "read": r"^yoke\..*",
 }
+
+
+def tool_queue(tool: str) -> str:
+    """Where a worker tool's calls wait for its workers."""
+    return f"{TOOL_QUEUE_PREFIX}{tool}"
+
+
+def tool_user(tool: str) -> str:
+    """The RabbitMQ user a worker of ``tool`` connects as."""
+    return f"{TOOL_USER_PREFIX}{tool}"
+
+
+def tool_worker_permissions(tool: str) -> dict[str, str]:
+    """Read its own call queue, write commands, configure nothing (it never declares)."""
+    return {
+        "configure": "^$",
+        "write": r"^yoke\.commands$",
+        "read": f"^{re.escape(tool_queue(tool))}$",
+    }
+
+
+def tool_queue_arguments() -> FieldTable:
+    """Quorum, competing consumers (no single active consumer); each call expires at its
+    deadline (per-message expiration), and a call that crashed workers this many times is
+    dropped (its deadline ends it in the store)."""
+    return {"x-queue-type": "quorum", "x-delivery-limit": DELIVERY_LIMIT}
 
 
 # Every declaration of a shard or intake queue uses exactly these (a mismatch is refused).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
@@ -29,3 +29,15 @@ class Tool:
 
     def json_schema(self) -> dict[str, Any]:
         return self.input_model.model_json_schema()
+
+
+class ToolSpec(Protocol):
+    """What a model is shown of a tool: a ``Tool`` run here, or a catalog entry run elsewhere."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def description(self) -> str: ...
+
+    def json_schema(self) -> dict[str, Any]: ...

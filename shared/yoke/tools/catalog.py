@@ -1,0 +1,97 @@
+"""The catalog's model: every tool an agent may name, from whichever source offers it.
+
+One document per tool name in the store's ``tool_catalog`` collection (``_id`` = the name),
+written by whatever hosts the source (every process for the built-ins and plugins, the
+processes that connect to an MCP server for its tools, ``yoke tools add-worker`` for a
+worker). The processor, the guardian's runner, join validation and ``yoke tools list`` all
+read this one catalog. Two sources offering one name: the first registered keeps it (a unique
+insert decides), the other is listed ``unavailable``.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import Field
+
+from yoke.models import Document, WireModel
+
+CATALOG = "tool_catalog"
+# What the OpenAI API accepts as a function name.
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+# An MCP server's name: its tools are NAME__TOOL, so NAME itself holds no underscore.
+MCP_SERVER_NAME = re.compile(r"^[a-zA-Z0-9-]{1,30}$")
+MCP_SEPARATOR = "__"
+DEFAULT_WORKER_TIMEOUT_SECONDS = 300.0
+
+ToolSource = Literal["builtin", "plugin", "mcp", "worker"]
+ToolStatus = Literal["ready", "unavailable"]
+
+
+class CatalogEntry(Document):
+    """``id`` is the tool's name, as agents and models use it."""
+
+    description: str = ""
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    source: ToolSource
+    # Which one of its source: ``builtin``, a plugin's entry point, an MCP server's name, or
+    # the worker tool's own name.
+    origin: str
+    timeout_seconds: float = 30.0
+    status: ToolStatus = "ready"
+    reason: str | None = None
+    updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+    @property
+    def name(self) -> str:
+        return self.id
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready"
+
+    def json_schema(self) -> dict[str, Any]:
+        return self.input_schema
+
+
+class McpServer(Document):
+    """An MCP server the operator registered (``yoke tools add-mcp``); ``id`` is its name.
+
+    Exactly one of ``command`` (stdio: the mesh starts it) and ``url`` (streamable HTTP).
+    """
+
+    command: list[str] | None = None
+    url: str | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+    # Environment variables the stdio server gets besides the allow-listed ones.
+    env: dict[str, str] = Field(default_factory=dict)
+    timeout_seconds: float = 30.0
+    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+
+MCP_SERVERS = "mcp_servers"
+
+
+class ToolListing(WireModel):
+    """One line of ``yoke tools list --json``."""
+
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    source: ToolSource
+    origin: str
+    status: ToolStatus
+    reason: str | None = None
+
+
+def mcp_tool_name(server: str, tool: str) -> str:
+    return f"{server}{MCP_SEPARATOR}{tool}"
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a tool's name (None when it can)."""
+    if TOOL_NAME.fullmatch(name) is None:
+        return f"tool name {name!r} must match {TOOL_NAME.pattern} (what the OpenAI API accepts)"
+    return None
