@@ -1,4 +1,4 @@
-"""A bridge reads forum lines and nothing of any agent's monologue (issue 14, DESIGN §3).
+"""A bridge reads forum lines and nothing of any agent's monologue (see docs/publishing.md).
 
 The bridge's user is made by ``yoke publisher create``; it then binds the widest key it can on
 every exchange of the vhost (the list comes from the management API, so an exchange added

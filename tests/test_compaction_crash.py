@@ -1,8 +1,8 @@
 """A processor killed inside a compaction: the swap resumes and no forum line is lost or repeated.
 
-DESIGN invariant 9. For each fault point the processor runs under ``tests.support.faults``,
-which kills it (``os._exit``) right after one step of the monologue swap; it is then started
-again normally while people keep talking.
+docs/architecture.md, invariant 9. For each fault point the processor runs under
+``tests.support.faults``, which kills it (``os._exit``) right after one step of the monologue swap;
+it is then started again normally while people keep talking.
 """
 
 from __future__ import annotations

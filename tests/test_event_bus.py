@@ -1,7 +1,7 @@
 """The event bus and store against real servers, with consumers as separate OS processes.
 
-DESIGN §2 invariants 1-5: FIFO per conversation, parallel across conversations, no lost events,
-exactly-once effects, bounded failure.
+docs/architecture.md, invariants 1-5: FIFO per conversation, parallel across conversations, no lost
+events, exactly-once effects, bounded failure.
 """
 
 from __future__ import annotations

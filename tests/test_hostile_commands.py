@@ -1,6 +1,6 @@
 """Hostile submit commands at the door: each is answered ``rejected`` naming its problem.
 
-DESIGN §3 (AMQP): malformed, oversized or unknown-conversation commands are rejected with an
+Malformed, oversized or unknown-conversation commands are rejected with an
 error that names the problem; nothing is written and nothing crashes. Without ``reply_to`` the
 rejection goes to the dead-letter queue with its reason. The cases are data, in
 ``tests/data/hostile_commands.json``; only the ingestion service runs, as a real process.

@@ -1,6 +1,6 @@
-"""Prompts are always valid (DESIGN invariant 10): any interleaving of people's lines, tool calls
-and tool results becomes a chat that obeys OpenAI's order rules, checked by the same rule
-function the fake OpenAI server enforces."""
+"""Prompts are always valid (docs/architecture.md, invariant 10): any interleaving of people's
+lines, tool calls and tool results becomes a chat that obeys OpenAI's order rules, checked by the
+same rule function the fake OpenAI server enforces."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Lines typed while a tool runs (DESIGN invariant 10), in the running mesh: an OpenAI-model agent
-against the fake OpenAI server, which refuses prompts that break the order rules with a 400."""
+"""Lines typed while a tool runs (docs/architecture.md, invariant 10), in the running mesh: an
+OpenAI-model agent against the fake OpenAI server, which refuses prompts that break the order rules
+with a 400."""
 
 from __future__ import annotations
 

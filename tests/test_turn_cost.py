@@ -1,4 +1,5 @@
-"""What one turn costs (DESIGN invariant 11): store operations, deliveries, and rows read.
+"""What one turn costs (docs/architecture.md, invariant 11): store operations, deliveries, and rows
+read.
 
 A turn is one person's line in a forum with one echo agent, through the five real services, up
 to the agent's answer in the forum and the deliveries that follow it. Counted from each

@@ -7,11 +7,11 @@ pending there, and the agent's next line supersedes its own earlier schedule; ot
 lines do not count as an answer (the hop cap bounds agents nudging agents).
 
 Every schedule ends in exactly one *decision*, fired or cancelled, recorded by a unique insert
-(DESIGN invariant 8) under an id derived from the schedule: two follow-up processes, a restart
-while one is pending, a cancel racing a firing, all end with one winner. A firing is a
-resumable procedure (invariant 9): decision first, then the nudge (its id derived from the
-schedule, so posting it again is a no-op), then both documents are closed; whoever finds a
-decision "fired" that is not done finishes it.
+(docs/architecture.md, invariant 8) under an id derived from the schedule: two follow-up processes,
+a restart while one is pending, a cancel racing a firing, all end with one winner. A firing is a
+resumable procedure (invariant 9): decision first, then the nudge (its id derived from the schedule,
+so posting it again is a no-op), then both documents are closed; whoever finds a decision "fired"
+that is not done finishes it.
 
 The scheduler never scans: FerretDB 1.x pushes down only top-level equality, so each schedule
 carries the integer second it is due in (rounded up) and the minute of that second, and a
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 CONFIG_SECONDS = 10.0
 
 FOLLOWUPS = "followups"
-# Decisions are procedure records (DESIGN invariant 9), next to compaction's swaps.
+# Decisions are procedure records (docs/architecture.md, invariant 9), next to compaction's swaps.
 PROCEDURES = "procedures"
 INSTRUCTION = "follow-up"
 # The author of nudges: a system actor of its own, so prompts and history name it.

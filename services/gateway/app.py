@@ -231,8 +231,8 @@ async def list_messages(
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="at most this many")] = 100,
 ) -> JSONResponse:
     store = gateway(request).store
-    # Bounded by seq (DESIGN invariant 11): the head by indexed lookups, then at most ``limit``
-    # lines by their buckets; never a read of the whole forum.
+    # Bounded by seq (docs/architecture.md, invariant 11): the head by indexed lookups, then at most
+    # ``limit`` lines by their buckets; never a read of the whole forum.
     head = await store.last_seq(forum.id)
     lines = await store.history(forum.id, after_seq=after, up_to_seq=min(after + limit, head))
     return JSONResponse({"messages": [line.to_wire() for line in lines]})

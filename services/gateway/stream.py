@@ -1,10 +1,10 @@
 """Live forum streams: one queue per gateway process, bound per forum while someone watches it.
 
-Events are wake-ups (DESIGN invariant 1): they may come late, twice or out of order, and one
-lost to a reconnect is simply absent. So a stream keeps a cursor (the last seq it sent) and
-sends lines strictly in seq order, reading from the store whatever it has not seen an event
-for: a gap before an event, everything after ``Last-Event-ID`` on a reconnect, and the head
-now and then while the forum is quiet. Every read is a bounded range by seq (invariant 11).
+Events are wake-ups (docs/architecture.md, invariant 1): they may come late, twice or out of order,
+and one lost to a reconnect is simply absent. So a stream keeps a cursor (the last seq it sent) and
+sends lines strictly in seq order, reading from the store whatever it has not seen an event for: a
+gap before an event, everything after ``Last-Event-ID`` on a reconnect, and the head now and then
+while the forum is quiet. Every read is a bounded range by seq (invariant 11).
 
 Only forum events reach the queue: it is bound by routing key to the forum ids being watched
 (``conversation.message.posted.<forum>``, ``agent.activity.<forum>``), so a monologue's lines

@@ -1,10 +1,10 @@
 """The webhook delivery worker: each subscription's agent lines POSTed in forum order.
 
-Progress is the subscription's cursor in MongoDB (:class:`yoke.webhooks.Cursor`), not a held
-AMQP delivery: a receiver may fail for an hour, and RabbitMQ would close a channel that held a
-delivery that long. Events are wake-ups only (acked on arrival); the worker reads the forum's
-lines after the cursor from the store by seq (bounded ranges, DESIGN invariant 11), so a lost
-wake-up costs at most one poll interval and a restart resumes where the cursor stands.
+Progress is the subscription's cursor in MongoDB (:class:`yoke.webhooks.Cursor`), not a held AMQP
+delivery: a receiver may fail for an hour, and RabbitMQ would close a channel that held a delivery
+that long. Events are wake-ups only (acked on arrival); the worker reads the forum's lines after the
+cursor from the store by seq (bounded ranges: docs/architecture.md, invariant 11), so a lost wake-up
+costs at most one poll interval and a restart resumes where the cursor stands.
 
 - **At least once, in order.** One subscription delivers one line at a time, and the cursor
   moves past a line only once it is delivered, refused (a 4xx) or dead-lettered. A crash
@@ -17,12 +17,12 @@ wake-up costs at most one poll interval and a restart resumes where the cursor s
   are not followed) are dead-lettered at once and not retried.
 - **Isolation.** Each subscription runs as its own task with its own request timeout: a
   receiver that hangs holds up only its own subscription.
-- **One replica per subscription** (DESIGN invariant 8). Replicas hold subscriptions by leases
-  made of unique inserts, one document per time bucket of ``YOKE_WEBHOOK_LEASE_SECONDS``: the
-  holder of the current bucket claims the next one ahead of time, so nobody else can; others
-  only ever try the current bucket, which they win once a holder has died and its buckets
-  have run out (within two buckets; within one when it stops and lets go). The cursor is
-  updated only by the holder: one writer.
+- **One replica per subscription** (docs/architecture.md, invariant 8). Replicas hold subscriptions
+  by leases made of unique inserts, one document per time bucket of ``YOKE_WEBHOOK_LEASE_SECONDS``:
+  the holder of the current bucket claims the next one ahead of time, so nobody else can; others
+  only ever try the current bucket, which they win once a holder has died and its buckets have run
+  out (within two buckets; within one when it stops and lets go). The cursor is updated only by the
+  holder: one writer.
 """
 
 from __future__ import annotations

@@ -7,18 +7,18 @@ guardian's model (:func:`~yoke.llm.loop.run_inference_loop`, a ``steer`` tool). 
 becomes one instruction line in the agent's active monologue (``meta.instruction =
 "guardian"``), which the processor answers like any other line and knows nothing more about.
 
-- Never two runners per join at once (its old and new monologue after a compaction, other
-  guardian processes): a runner holds a lease made of two unique inserts, one per time bucket
-  (DESIGN invariant 8), and is bounded well inside one bucket, so two holders never overlap;
-  a check waits for the holder to finish; a crashed holder's lease lapses with its buckets.
+- Never two runners per join at once (its old and new monologue after a compaction, other guardian
+  processes): a runner holds a lease made of two unique inserts, one per time bucket
+  (docs/architecture.md, invariant 8), and is bounded well inside one bucket, so two holders never
+  overlap; a check waits for the holder to finish; a crashed holder's lease lapses with its buckets.
 - The cooldown is durable: written only under the lease, so it has one writer at a time.
 - A check finishes with a unique "checked" record: a redelivery, or another guardian that got
   the same event, does not ask the model twice. Steering and notice ids derive from the
   trigger line and the policy, so each is written once.
 - Nothing a model does makes the handler fail: a failing runner leaves a ``notice`` and the
   agent goes on. The agent's answer to a steering line is never checked (no steering loops).
-- Reads stay small (DESIGN invariant 11): lines are read back one ``seq`` at a time by
-  equality, through a bounded per-monologue cache, never by a range or a sort.
+- Reads stay small (docs/architecture.md, invariant 11): lines are read back one ``seq`` at a time
+  by equality, through a bounded per-monologue cache, never by a range or a sort.
 """
 
 from __future__ import annotations
@@ -628,7 +628,7 @@ class Guardian:
         return document is not None and _aware(document["until"]) > _now()
 
     async def start_cooldown(self, join_key: str, seconds: float) -> None:
-        """Written only under the join's lease: one writer at a time (DESIGN invariant 8)."""
+        """Written only under the join's lease: one writer at a time, so the update is safe."""
         cooldown_id = derive_id("guardian-cooldown", join_key)
         await self.documents.replace_one(
             {"_id": cooldown_id},

@@ -1,1 +1,1 @@
-"""Processor: one short LLM or tool step per monologue message (the seed's decision tree)."""
+"""Processor: one short LLM or tool step per monologue message (its decision tree in app.py)."""

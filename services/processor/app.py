@@ -5,9 +5,9 @@
 - user text            -> (compaction hook) -> infer once -> post the outputs
 
 It never loops within a delivery and never decides what people see (egress does). The step's
-transcript ends at its trigger (DESIGN invariant 1), so queued lines are each answered once.
-A line that lands while the agent's tools run is answered by the step after their results, not
-by a model call of its own (DESIGN invariant 10).
+transcript ends at its trigger (docs/architecture.md, invariant 1), so queued lines are each
+answered once. A line that lands while the agent's tools run is answered by the step after their
+results, not by a model call of its own (docs/architecture.md, invariant 10).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def call_signature(call: ToolCallPart) -> str:
 
 
 def is_step_trigger(config: ProcessorConfig, state: ProcessorState, message: Message) -> bool:
-    """The seed's filter: not forum traffic, not legacy ``reply``, no ``notice``; and of the
+    """The step filter: not forum traffic, not legacy ``reply``, no ``notice``; and of the
     agent's own lines only those that call tools (its text is for egress, not a step)."""
     return (
         message.conversation_id != config.source_conversation_id
@@ -119,7 +119,8 @@ async def step(context: Context, trigger: Message) -> None:
         await answer_slash_command(context, trigger)
         return
     if trigger.meta.agent_hops >= context.config.hop_cap:
-        # DESIGN invariant 6: agents answering agents stop at the cap; people are never capped.
+        # Agents answering agents stop at the cap, so two cannot ping-pong forever; people are
+        # never capped (docs/architecture.md, invariant 6).
         log.info(
             "not answering: agentHops %d reached the cap %d",
             trigger.meta.agent_hops,
@@ -185,8 +186,9 @@ def wants_model_answer(config: ProcessorConfig, line: Message) -> bool:
 
 async def context_window(context: Context, trigger: Message) -> list[Message]:
     """The step's transcript: from the context start (``/reset``) up to its trigger, and at
-    most the last ``YOKE_CONTEXT_LINES`` lines (DESIGN invariant 11: a step reads as much at
-    the 5,000th line as at the 50th; compaction carries the older lines as a summary)."""
+    most the last ``YOKE_CONTEXT_LINES`` lines (docs/architecture.md, invariant 11: a step
+    reads as much at the 5,000th line as at the 50th; compaction carries the older lines as a
+    summary)."""
     return await context.store.history(
         trigger.conversation_id,
         after_seq=max(

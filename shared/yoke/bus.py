@@ -1,6 +1,6 @@
 """RabbitMQ through aio-pika: topology, publishing with confirms, and consuming channels.
 
-Topology is declared idempotently by every process that needs it (DESIGN §3 AMQP):
+Topology is declared idempotently by every process that needs it:
 ``yoke.events`` and ``yoke.commands`` (topic), a dead-letter exchange and queue, and per
 service a consistent-hash exchange feeding ``shards`` quorum queues with single active consumer.
 """
@@ -97,7 +97,11 @@ class Bus:
         )
 
     async def close(self) -> None:
-        """Close consumer channels first (never basic.cancel: see DESIGN §4), then the rest."""
+        """Close consumer channels first, then the rest.
+
+        Never basic.cancel: a cancelled consumer's unacked deliveries can be requeued after the
+        next consumer started, out of order; a closed channel returns them in order.
+        """
         for subscription in self.subscriptions:
             if not subscription.channel.is_closed:
                 await subscription.channel.close()
@@ -160,9 +164,9 @@ class Bus:
     ) -> list[str]:
         """The service's route and consistent-hash exchanges and its shard queues.
 
-        yoke.events feeds the service's headers exchange, which passes on only the events that
-        match one of ``interests`` (DESIGN §3 keeps the public routing keys as they are), and
-        that feeds the consistent-hash exchange over the shard queues. Returns the queue names.
+        yoke.events feeds the service's headers exchange, which passes on only the events that match
+        one of ``interests`` (bridges rely on the public routing keys staying as they are), and that
+        feeds the consistent-hash exchange over the shard queues. Returns the queue names.
         """
         channel = self._channel()
         events = self._exchanges[topology.EVENTS_EXCHANGE]
@@ -296,7 +300,7 @@ class Bus:
         return [p for s in self.subscriptions if (p := s.problem()) is not None]
 
     async def unsubscribe(self, subscription: Subscription) -> None:
-        """Stop consuming a queue by closing its channel (a shard handed over: DESIGN §4).
+        """Stop consuming a queue by closing its channel (a shard handed over).
 
         Unacked deliveries go back to the queue in order, and single active consumer makes
         the next consumer active. A channel the broker already lost is simply forgotten.
@@ -313,7 +317,7 @@ class Bus:
         """Consume ``subscription``'s queue again on a fresh channel (after a lost consumer).
 
         The old channel is closed, not cancelled: its unacked deliveries go back to the queue
-        and return, in order, to whoever consumes it (DESIGN §4).
+        and return, in order, to whoever consumes it (a cancel could requeue them out of order).
         """
         old = subscription.channel
         if not old.is_closed:

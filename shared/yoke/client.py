@@ -1,6 +1,6 @@
 """An outside system's view of the mesh: submit lines through ``yoke.commands``, watch replies.
 
-This is all a bridge needs (DESIGN §3 AMQP); the CLI's ``post`` and ``chat`` are built on it.
+This is all a bridge needs (docs/publishing.md); the CLI's ``post`` and ``chat`` are built on it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """From a delivery to a handler: lanes, bounded retries, dead letters, acks.
 
-DESIGN invariants 3 and 5: deliveries run serially per conversation key and concurrently
-across keys; a transient failure (see :mod:`yoke.errors`) is waited out with the delivery held;
-a handler that keeps failing for good is dead-lettered with its error after a bounded number of
-attempts and its conversation goes on; malformed input is dead-lettered at once.
+docs/architecture.md, invariants 3 and 5: deliveries run serially per conversation key and
+concurrently across keys; a transient failure (see :mod:`yoke.errors`) is waited out with the
+delivery held; a handler that keeps failing for good is dead-lettered with its error after a bounded
+number of attempts and its conversation goes on; malformed input is dead-lettered at once.
 """
 
 from __future__ import annotations
@@ -267,5 +267,5 @@ async def _ack(message: AbstractIncomingMessage) -> None:
         await message.ack()
     except Exception as error:
         # The channel it came on is gone (reconnect): the broker redelivers it, and handlers
-        # are idempotent (DESIGN invariant 4).
+        # are idempotent (docs/architecture.md, invariant 4).
         log.warning("could not ack delivery %s: %r", message.message_id, error)

@@ -1,4 +1,4 @@
-"""The failure taxonomy every handler's errors are sorted by (DESIGN invariant 5).
+"""The failure taxonomy every handler's errors are sorted by (docs/architecture.md, invariant 5).
 
 - **transient**: the world is briefly unavailable (the store or broker unreachable, a timeout,
   a model's 429/5xx). Retried with capped backoff for as long as it lasts; the delivery stays

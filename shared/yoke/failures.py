@@ -1,7 +1,8 @@
 """A line an actor instance failed on for good: recorded once, passed over, replayable.
 
-DESIGN invariant 5: the record is a unique insert under an id derived from the instance and
-the line, so a redelivery records nothing twice; it stays ``open`` until a replay handles it.
+docs/architecture.md, invariant 5: the record is a unique insert under an id derived from the
+instance and the line, so a redelivery records nothing twice; it stays ``open`` until a replay
+handles it.
 """
 
 from __future__ import annotations

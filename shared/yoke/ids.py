@@ -1,7 +1,7 @@
 """The one place ids are made: random for new things, derived for effects of a cause.
 
-Derived ids make redelivery harmless (DESIGN invariant 4): the same cause always yields the same
-id, and the unique ``_id`` index turns the second write into a no-op.
+Derived ids make redelivery harmless (docs/architecture.md, invariant 4): the same cause yields the
+same id, and the unique ``_id`` index turns the second write into a no-op.
 """
 
 from __future__ import annotations

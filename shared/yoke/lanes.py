@@ -1,7 +1,8 @@
 """Per-key lanes: work for one key runs serially in arrival order, different keys concurrently.
 
-This is what keeps FIFO per conversation inside a process (DESIGN invariant 3): aiormq runs each
-delivery's callback as its own task, so without lanes two lines of one conversation would race.
+This is what keeps FIFO per conversation inside a process (docs/architecture.md, invariant 3):
+aiormq runs each delivery's callback as its own task, so without lanes two lines of one conversation
+would race.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The one schema: pydantic models for wire events, commands and stored documents.
 
-Field names are snake_case in Python and camelCase on the wire and in MongoDB (DESIGN §3).
+Field names are snake_case in Python and camelCase on the wire and in MongoDB.
 Stored documents keep their ``id`` as MongoDB's ``_id``.
 """
 
@@ -136,7 +136,7 @@ class Usage(WireModel):
 
 
 class Message(Document):
-    """A line of a conversation, exactly as DESIGN §3 "Message shape"."""
+    """A line of a conversation: the shape of the wire, the store and ``yoke history --json``."""
 
     conversation_id: str
     seq: int = 0
@@ -257,7 +257,7 @@ class Envelope(WireModel):
 
 # --- commands ----------------------------------------------------------------------------
 
-# Limits on what outside systems may send (DESIGN §3 AMQP): a command past them is rejected
+# Limits on what outside systems may send: a command past them is rejected
 # with a reason naming the field, before anything is written.
 MAX_ID_CHARS = 128
 MAX_KEY_CHARS = 256

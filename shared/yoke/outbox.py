@@ -1,7 +1,7 @@
 """Which written messages may still lack their event, without an update per message.
 
-DESIGN invariant 2: a message is stored before its event is published, and a crash in between
-must not lose the event. Recording "published" on every message would cost an update per
+docs/architecture.md, invariant 2: a message is stored before its event is published, and a crash in
+between must not lose the event. Recording "published" on every message would cost an update per
 message (a read-modify-write on FerretDB), so instead:
 
 - each process is a *writer* with an id of its own; every message it stores carries that id

@@ -1,13 +1,13 @@
 """Which of its service's shards a replica consumes, and handing one over without a gap in order.
 
-DESIGN invariant 3: replicas of a service share its shards. Each replica registers itself in
-MongoDB's ``replicas`` collection (its own document, written only by itself: invariant 8) and
-beats every second; one silent for :data:`EXPIRES_SECONDS` is taken for gone. Every replica
-reads the live set each round and computes the same assignment from it alone
-(:func:`assign`: rendezvous hashing with bounded load), so they agree without talking.
+Replicas of a service share its shards (docs/architecture.md, invariant 3). Each replica registers
+itself in MongoDB's ``replicas`` collection (its own document, written only by itself: invariant 8)
+and beats every second; one silent for :data:`EXPIRES_SECONDS` is taken for gone. Every replica
+reads the live set each round and computes the same assignment from it alone (:func:`assign`:
+rendezvous hashing with bounded load), so they agree without talking.
 
 A shard a replica gains is consumed at once; single active consumer keeps it idle while the
-previous owner still holds the queue. A shard it loses is handed over (DESIGN §4): its gate
+previous owner still holds the queue. A shard it loses is handed over: its gate
 stops letting deliveries into the lanes, what the lanes already hold for it is finished and
 acked (work waiting out a failure gives up, unacked), and then its channel is closed (never a
 consumer cancel), which returns what was never started to the queue in order and makes the

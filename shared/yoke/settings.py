@@ -17,7 +17,7 @@ DEFAULT_METRICS_PORTS = {
 
 
 class Settings(BaseSettings):
-    """``YOKE_*`` environment variables with the defaults DESIGN §3 promises."""
+    """``YOKE_*`` environment variables with the defaults the README promises."""
 
     model_config = SettingsConfigDict(env_prefix="YOKE_", extra="ignore")
 

@@ -1,7 +1,7 @@
 """MongoDB repositories (pymongo's async client), written for FerretDB 1.x as much as MongoDB.
 
-No transactions, change streams or TTL indexes; and since FerretDB's updates are not atomic
-under concurrency (DESIGN invariant 8), anything contended is decided by a unique insert.
+No transactions, change streams or TTL indexes; and since FerretDB's updates are not atomic under
+concurrency (docs/architecture.md, invariant 8), anything contended is decided by a unique insert.
 """
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ class Store:
         Returns the stored message and whether this call wrote it (``False``: a message with
         this id already existed, as when a redelivered event repeats an effect). The seq is
         owned by whoever inserts it first under the unique ``(conversationId, seq)`` index; a
-        lost race costs one more insert at the next seq (DESIGN invariant 8).
+        lost race costs one more insert at the next seq (updates are not atomic on FerretDB).
         """
         conversation_id = message.conversation_id
         if not self.outbox.registered:

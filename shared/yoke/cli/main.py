@@ -1,4 +1,4 @@
-"""The ``yoke`` command line (DESIGN §3): ids printed bare, JSON as one line."""
+"""The ``yoke`` command line: ids printed bare (so scripts can capture them), JSON as one line."""
 
 from __future__ import annotations
 

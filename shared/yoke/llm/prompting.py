@@ -4,7 +4,7 @@ Agent lines become assistant turns (text and tool calls), tool results become to
 people are named by display name (never by id), injected instructions are marked as such,
 and notices are left out. The system prompt carries the agent's instructions and the time.
 Whatever order lines were written in, the chat obeys the provider's tool-call order rules
-(DESIGN invariant 10).
+(docs/architecture.md, invariant 10).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The actor runtime: the Python form of the seeds' ``defineProcessorActor``.
+"""The actor runtime: a processor actor is a config, a state, a filter and a handler.
 
 An actor declares a pydantic config schema, a pydantic state schema (persisted in MongoDB), a
 trigger filter and an async handler. Each *instance* (say, one per forum join) watches one
@@ -9,7 +9,7 @@ conversation and walks its messages in ``seq`` order behind a watermark:
   raced in one conversation): the messages in between are read from MongoDB and handled first.
 
 So every message is handled once and in order whatever order its events arrive in
-(DESIGN invariants 1 and 4), and the state holds a number, not a growing list.
+(docs/architecture.md, invariants 1 and 4), and the state holds a number, not a growing list.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class ActorContext(Generic[C, S]):
     settings: Settings
 
     def effect_id(self, kind: str, *extra: str) -> str:
-        """A deterministic id for an effect of the trigger message (DESIGN invariant 4)."""
+        """The trigger's effect id: equal on a redelivery, so the unique index drops the repeat."""
         return derive_id(kind, self.instance_id, self.trigger.id, *extra)
 
     async def post(self, message: Message) -> Message:

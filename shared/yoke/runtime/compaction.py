@@ -7,10 +7,10 @@ Carried lines name their original in ``meta.carriedFrom`` (egress never forwards
 carried copy of a forum line keeps the id ingestion would give it there, so any number of
 writers carrying the same lines in seq order write each once, in order.
 
-The swap writes many documents, so it is a resumable procedure (DESIGN invariant 9). Its intent
-is recorded first, under an id derived from the new monologue (itself derived from the old one
-and the trigger), and every step is idempotent. Two places decide where lines go, and they move
-one at a time: the processor's state (``watch``: which monologue it answers; one writer, its
+The swap writes many documents, so it is a resumable procedure (docs/architecture.md, invariant 9).
+Its intent is recorded first, under an id derived from the new monologue (itself derived from the
+old one and the trigger), and every step is idempotent. Two places decide where lines go, and they
+move one at a time: the processor's state (``watch``: which monologue it answers; one writer, its
 lane) and the forum participant's ``metadata.monologueId`` (where ingestion copies). The old
 monologue's lane does the steps up to the repoint; the new monologue's first step (the carried
 trigger, the "wake-up") does the rest before answering it.

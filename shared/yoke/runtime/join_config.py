@@ -2,7 +2,8 @@
 
 camelCase like the wire, every field optional (an absent field keeps the agent's or the
 mesh's default). Stored in a document of its own (written only by joins), so that joining
-again with other options never races a step's state save (DESIGN invariant 8).
+again with other options never races a step's state save (an update is safe only on a
+document with one writer: docs/architecture.md, invariant 8).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``post()``: the one way a message is written, and the outbox sweeper behind it.
 
-DESIGN invariants 1 and 2: the message is stored before its event is published with a
+docs/architecture.md, invariants 1 and 2: the message is stored before its event is published with a
 confirm; a crash in between leaves it to the outbox (:mod:`yoke.outbox`), never lost.
 """
 
@@ -69,7 +69,7 @@ class Poster:
         self.store.outbox.confirmed(message.id)
 
     def keeper(self) -> OutboxKeeper:
-        """The background work that keeps DESIGN invariant 2 (see :mod:`yoke.outbox`)."""
+        """What republishes the events a crash left unconfirmed (see :mod:`yoke.outbox`)."""
         return OutboxKeeper(
             self.store.outbox,
             self.store.db["writers"],
