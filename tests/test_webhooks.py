@@ -30,7 +30,7 @@ from yoke.store import Store
 from yoke.webhooks import (
     DEAD_LETTERS,
     LEASES,
-    Subscription,
+    WebhookSubscription,
     add_webhook,
     collection,
     ensure_webhook_indexes,
@@ -89,18 +89,20 @@ async def gateways(
 
 
 @pytest.fixture
-async def subscriptions(store: Store, gateways: Gateways) -> AsyncIterator[list[Subscription]]:
+async def subscriptions(
+    store: Store, gateways: Gateways
+) -> AsyncIterator[list[WebhookSubscription]]:
     """Subscriptions a test adds; removed after it, so each test sees only its own."""
     await ensure_webhook_indexes(store)
-    made: list[Subscription] = []
+    made: list[WebhookSubscription] = []
     yield made
     for subscription in made:
         await remove_webhook(store, subscription.id)
 
 
 async def subscribe(
-    store: Store, made: list[Subscription], forum_id: str, url: str
-) -> Subscription:
+    store: Store, made: list[WebhookSubscription], forum_id: str, url: str
+) -> WebhookSubscription:
     subscription = await add_webhook(store, forum_id, url)
     made.append(subscription)
     return subscription
@@ -187,7 +189,7 @@ async def test_a_receiver_failing_with_503_gets_every_line_in_order_once_it_reco
     new_join: JoinFactory,
     receiver: Receiver,
     store: Store,
-    subscriptions: list[Subscription],
+    subscriptions: list[WebhookSubscription],
     gateways: Gateways,
 ) -> None:
     forum_id, _ = await new_join()
@@ -222,7 +224,7 @@ async def test_a_4xx_is_not_retried(
     new_join: JoinFactory,
     receiver: Receiver,
     store: Store,
-    subscriptions: list[Subscription],
+    subscriptions: list[WebhookSubscription],
 ) -> None:
     forum_id, _ = await new_join()
     receiver.answer("/refusing", 400, 410)
@@ -253,7 +255,7 @@ async def test_a_hanging_receiver_does_not_delay_another_forum(
     new_join: JoinFactory,
     receiver: Receiver,
     store: Store,
-    subscriptions: list[Subscription],
+    subscriptions: list[WebhookSubscription],
 ) -> None:
     stuck_forum, _ = await new_join()
     other_forum, _ = await new_join()
@@ -279,7 +281,7 @@ async def test_a_receiver_failing_past_the_retry_window_has_its_lines_dead_lette
     new_join: JoinFactory,
     receiver: Receiver,
     store: Store,
-    subscriptions: list[Subscription],
+    subscriptions: list[WebhookSubscription],
     gateways: Gateways,
 ) -> None:
     forum_id, _ = await new_join()
@@ -320,7 +322,7 @@ async def test_two_gateway_replicas_deliver_a_subscription_once_and_take_over_fr
     new_join: JoinFactory,
     receiver: Receiver,
     store: Store,
-    subscriptions: list[Subscription],
+    subscriptions: list[WebhookSubscription],
     gateways: Gateways,
 ) -> None:
     await gateways.start()

@@ -57,7 +57,7 @@ from yoke.webhooks import (
     Cursor,
     DeadLetter,
     Delivery,
-    Subscription,
+    WebhookSubscription,
     collection,
     deliverable,
     delivery_id,
@@ -199,7 +199,7 @@ class Leases:
 class SubscriptionRunner:
     """Delivers one subscription while this process holds it."""
 
-    def __init__(self, worker: WebhookWorker, subscription: Subscription) -> None:
+    def __init__(self, worker: WebhookWorker, subscription: WebhookSubscription) -> None:
         self.worker = worker
         self.subscription = subscription
         self.woken = asyncio.Event()

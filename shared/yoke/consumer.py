@@ -18,7 +18,7 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from yoke import topology
 from yoke.bus import Bus
-from yoke.errors import DeadLetter, Permanent, RetryPolicy, Stopping
+from yoke.errors import Permanent, RetryPolicy, SetAside, Stopping
 from yoke.lanes import Lanes
 from yoke.metrics import (
     DEAD_LETTERS,
@@ -173,7 +173,7 @@ class Dispatcher:
                 describe="handler",
                 extra=extra,
                 on_retry=retried,
-                give_up_at_once=(Malformed, DeadLetter),
+                give_up_at_once=(Malformed, SetAside),
             )
         except Stopping:
             return  # left unacked: the next consumer of the queue gets it
@@ -185,13 +185,13 @@ class Dispatcher:
                 EVENTS_HANDLED.labels(self.service, event_type, "dead_lettered").inc()
             return
         except Exception as error:
-            reason = str(error) if isinstance(error, DeadLetter) else repr(error)
+            reason = str(error) if isinstance(error, SetAside) else repr(error)
             log.error(
                 "handler failed for good after %d attempts, dead-lettering: %s",
                 attempts,
                 reason,
                 extra=extra,
-                exc_info=not isinstance(error, DeadLetter),
+                exc_info=not isinstance(error, SetAside),
             )
             if await self._dead_letter_patiently(
                 message, "failed", reason, previous + attempts, stopping, extra

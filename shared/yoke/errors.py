@@ -52,8 +52,9 @@ class Misconfigured(Exception):
 EXIT_MISCONFIGURED = 78
 
 
-class DeadLetter(Permanent):
-    """Already retried and recorded: dead-letter the delivery now, with this reason."""
+class SetAside(Permanent):
+    """Lines already retried, recorded and passed over: dead-letter the delivery now (no more
+    retries), with this reason, for an operator's replay."""
 
 
 class Stopping(Exception):

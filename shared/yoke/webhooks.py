@@ -43,7 +43,7 @@ class WebhookError(Exception):
     """A webhook command that cannot be carried out (the message says why)."""
 
 
-class Subscription(Document):
+class WebhookSubscription(Document):
     """One forum's agent lines, POSTed to ``url`` and signed with ``secret``."""
 
     forum_id: str
@@ -157,12 +157,12 @@ def check_url(url: str) -> str:
     return url
 
 
-async def add_webhook(store: Store, forum_id: str, url: str) -> Subscription:
+async def add_webhook(store: Store, forum_id: str, url: str) -> WebhookSubscription:
     """A new subscription with a fresh secret; it delivers the forum's lines from now on."""
     forum = await store.get_conversation(forum_id)
     if forum is None or forum.kind != "forum":
         raise WebhookError(f"unknown forum {forum_id}")
-    subscription = Subscription(
+    subscription = WebhookSubscription(
         id=new_id(),
         forum_id=forum_id,
         url=check_url(url),
@@ -175,11 +175,11 @@ async def add_webhook(store: Store, forum_id: str, url: str) -> Subscription:
     return subscription
 
 
-async def list_webhooks(store: Store) -> list[Subscription]:
+async def list_webhooks(store: Store) -> list[WebhookSubscription]:
     """Every subscription (a few per forum at most: read whole, off the path of a turn)."""
     found = await collection(store, SUBSCRIPTIONS).find({}).to_list()
     return sorted(
-        (Subscription.from_document(document) for document in found),
+        (WebhookSubscription.from_document(document) for document in found),
         key=lambda s: (s.created_at, s.id),
     )
 

@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
 
-from yoke.errors import DeadLetter, Stopping
+from yoke.errors import SetAside, Stopping
 from yoke.failures import Failure
 from yoke.ids import SYSTEM_ACTOR_ID as SYSTEM_ACTOR_ID
 from yoke.ids import derive_id
@@ -155,7 +155,7 @@ class ActorRuntime:
                 set_aside += await self._advance(definition, document, event)
         if set_aside:
             # Recorded, noticed and passed over already: the letter is for an operator's replay.
-            raise DeadLetter("; ".join(set_aside))
+            raise SetAside("; ".join(set_aside))
 
     async def _advance(
         self, definition: ActorDefinition[Any, Any], document: dict[str, Any], event: MessagePosted
