@@ -16,6 +16,12 @@ $(STAMP): pyproject.toml
 		>$(VENV)/install.log 2>&1 || (cat $(VENV)/install.log; exit 1)
 	@touch $(STAMP)
 
+# The suite's tool plugins (tests/test_plugins.py), reinstalled only when their files change.
+PLUGINS := $(dir $(wildcard tests/plugins/*/pyproject.toml))
+$(VENV)/.plugins: $(wildcard $(addsuffix pyproject.toml,$(PLUGINS)) $(addsuffix */*.py,$(PLUGINS))) | $(STAMP)
+	@$(PY) -m pip install -q $(PLUGINS) >>$(VENV)/install.log 2>&1 || (cat $(VENV)/install.log; exit 1)
+	@touch $@
+
 services: install
 	@deploy/local/services.sh start
 
@@ -33,7 +39,7 @@ env:
 run: env services
 	@$(PY) -m yoke.cli.demo
 
-test: services browser
+test: services browser $(VENV)/.plugins
 	-@deploy/local/monitoring.sh install  # (without it only tests/test_monitoring.py fails)
 	@$(PY) -m pytest $(PYTEST_ARGS)
 
