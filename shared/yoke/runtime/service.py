@@ -1,6 +1,7 @@
 """A service process: wiring of store, bus, handlers, health, sweeper and clean shutdown.
 
-Services (``services/<name>``) only register handlers; everything operational lives here.
+Services (``services/<name>``) only register handlers and background work
+(:meth:`Service.background`); everything operational lives here.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ CONSUMER_CHECK_SECONDS = 2.0
 # How long a stopping service lets the outbox keeper finish its round.
 SWEEPER_STOP_SECONDS = 10.0
 EventHandler = Callable[[EventPayload], Awaitable[None]]
+# Background work: called once the service consumes, cancelled when it stops.
+Work = Callable[[], Awaitable[None]]
 # Added by RabbitMQ on redelivery and dead-lettering: not carried over by the command router.
 _BROKER_HEADERS = frozenset(
     {
@@ -103,7 +106,12 @@ class Service:
         self._consuming = False
         self._health: HealthServer | None = None
         self._sweeper: asyncio.Task[None] | None = None
-        self._watchdog: asyncio.Task[None] | None = None
+        self._work: dict[str, Work] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        # Why background work ended early (its crash): /healthz says it until a restart.
+        self._crashed: dict[str, str] = {}
+        self._started = False
+        self.background("consumer watchdog", self._watch_consumers)
 
     # --- registration ------------------------------------------------------------------
 
@@ -148,6 +156,20 @@ class Service:
         self._intakes.append((exchange, binding, Route("", key_of, self._router(binding, key_of))))
         self._commands[binding] = handle
 
+    def background(self, name: str, work: Work) -> None:
+        """Run ``work()`` for the service's lifetime: from the moment it consumes (work that
+        publishes needs the broker) until it stops, when it is cancelled and awaited.
+
+        A crash is logged with ``name`` and keeps ``/healthz`` unhealthy (``<name> stopped:
+        <error>``) rather than leaving a process that serves without it: restarting is the
+        remedy. Work that returns by itself is simply done.
+        """
+        if self._started:
+            raise RuntimeError(f"background work {name!r}: register it before the service starts")
+        if name in self._work:
+            raise ValueError(f"background work {name!r} is registered already")
+        self._work[name] = work
+
     def _router(
         self, command: str, key_of: Callable[[AbstractIncomingMessage], str]
     ) -> Callable[[AbstractIncomingMessage], Awaitable[None]]:
@@ -181,8 +203,10 @@ class Service:
             port = self.settings.metrics_port_for(self.name)
             self._health = HealthServer(port, self.problems, host=self.settings.metrics_host)
             await self._health.start()
-        self._sweeper = asyncio.create_task(
-            self.poster.run_sweeper(self.settings.outbox_grace_seconds, self.stopping)
+        self._started = True
+        self._sweeper = self._launch(
+            "outbox sweeper",
+            lambda: self.poster.run_sweeper(self.settings.outbox_grace_seconds, self.stopping),
         )
         prefetch = self.settings.prefetch
         if self._event_handlers or self._commands:
@@ -206,7 +230,8 @@ class Service:
         if self.ownership is not None:
             await self.ownership.start()
         self._consuming = True
-        self._watchdog = asyncio.create_task(self._watch_consumers())
+        for name, work in self._work.items():
+            self._tasks[name] = self._launch(name, work)
         owned = self.ownership.shards() if self.ownership is not None else []
         log.info(
             "%s consuming %d of its %d shards %s",
@@ -216,6 +241,21 @@ class Service:
             owned,
         )
 
+    def _launch(self, name: str, work: Work) -> asyncio.Task[None]:
+        async def run() -> None:
+            await work()
+
+        def ended(task: asyncio.Task[None]) -> None:
+            if task.cancelled() or task.exception() is None:
+                return
+            error = task.exception()
+            log.error("%s stopped", name, exc_info=error)
+            self._crashed[name] = f"{name} stopped: {error!r}"[:300]
+
+        task = asyncio.create_task(run(), name=f"{self.name}: {name}")
+        task.add_done_callback(ended)
+        return task
+
     def _shard_consumer(self, queue: str, gate: Gate) -> OnMessage:
         return self.dispatcher.on_message(Route(queue, self.lane_key, self._handle_event, gate))
 
@@ -223,10 +263,10 @@ class Service:
         """Stop taking deliveries, finish the in-flight ones, then close channels (not cancel)."""
         self.stopping.set()
         self._consuming = False
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog
+        for task in self._tasks.values():
+            task.cancel()
+        # Awaited (not merely cancelled): nothing of theirs runs once the connections close.
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         if self.ownership is not None:
             # Out of the live set first: the others subscribe to our shards while we drain,
             # and become their active consumers as our channels close.
@@ -257,7 +297,7 @@ class Service:
         """Why this process is not fully serving (empty when healthy): ``/healthz`` says these."""
         if not self._consuming:
             return ["not consuming yet" if not self.stopping.is_set() else "stopping"]
-        problems = self.bus.problems()
+        problems = [*self._crashed.values(), *self.bus.problems()]
         try:
             async with asyncio.timeout(2):
                 await self.store.ping()
