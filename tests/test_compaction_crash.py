@@ -27,7 +27,8 @@ from yoke.runtime.compaction import (
     needs_compaction,
     split_for_compaction,
 )
-from yoke.runtime.joins import PROCESSOR, Join, ProcessorConfig, join_id
+from yoke.runtime.instances import PROCESSOR, ProcessorConfig
+from yoke.runtime.joins import Join, join_id
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow

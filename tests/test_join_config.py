@@ -17,8 +17,9 @@ from tests.support.processes import eventually
 from yoke.client import Client
 from yoke.ids import derive_id
 from yoke.models import Message
+from yoke.runtime.instances import PROCESSOR
 from yoke.runtime.join_config import JOIN_CONFIGS, JoinConfig, load_join_config
-from yoke.runtime.joins import PROCESSOR, create_agent, create_forum, join_id
+from yoke.runtime.joins import create_agent, create_forum, join_id
 from yoke.store import Store
 
 

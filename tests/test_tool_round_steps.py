@@ -9,7 +9,7 @@ from typing import Any
 from services.processor.app import open_round, step, tool_results_id
 from yoke.models import Message, MessageMeta, Part, TextPart, ToolCallPart, ToolResultPart
 from yoke.runtime.actor import ActorContext
-from yoke.runtime.joins import ProcessorConfig, ProcessorState
+from yoke.runtime.instances import ProcessorConfig, ProcessorState
 from yoke.settings import Settings
 from yoke.store import Store
 

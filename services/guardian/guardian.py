@@ -56,6 +56,7 @@ from yoke.models import (
     ToolResultPart,
 )
 from yoke.runtime.actor import instance_state_id
+from yoke.runtime.instances import PROCESSOR
 from yoke.runtime.join_config import (
     GuardianConfig,
     GuardianPolicy,
@@ -64,7 +65,7 @@ from yoke.runtime.join_config import (
     RulePolicy,
     load_join_config,
 )
-from yoke.runtime.joins import PROCESSOR, join_id
+from yoke.runtime.joins import join_id
 from yoke.runtime.service import Service
 from yoke.safe_regex import compile_safe, search
 from yoke.store import NAMESPACE_EXISTS, Store

@@ -31,7 +31,8 @@ from yoke.models import (
 )
 from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.runtime.compaction import carry_tail, copy_target
-from yoke.runtime.joins import INGESTION, IngestionConfig, IngestionState, ensure_participant_id
+from yoke.runtime.instances import INGESTION, IngestionConfig, IngestionState
+from yoke.runtime.joins import ensure_participant_id
 from yoke.runtime.service import Service, describe_validation_error
 
 log = logging.getLogger(__name__)

@@ -64,7 +64,7 @@ from datetime import datetime
 
 from pydantic import Field
 
-from yoke.ids import derive_id
+from yoke.ids import SYSTEM_ACTOR_ID, derive_id
 from yoke.llm.base import InferenceRequest, ProviderFailed, estimate_tokens
 from yoke.llm.providers import provider_for
 from yoke.metrics import COMPACTIONS
@@ -81,13 +81,8 @@ from yoke.models import (
     utcnow,
 )
 from yoke.runtime.actor import ActorContext, instance_state_id
-from yoke.runtime.joins import (
-    PROCESSOR,
-    SYSTEM_ACTOR_ID,
-    ProcessorConfig,
-    ProcessorState,
-    ensure_participant,
-)
+from yoke.runtime.instances import PROCESSOR, ProcessorConfig, ProcessorState
+from yoke.runtime.joins import ensure_participant
 from yoke.runtime.posting import Poster
 from yoke.store import Store
 

@@ -1,20 +1,19 @@
-"""Bootstrap: agents, forums and joins (the seeds' ``createAgent`` / ``joinConversation``).
+"""Bootstrap: agents, forums and joins.
 
 A join creates the agent's monologue and its participants, points the forum participant's
-``metadata.monologueId`` at the monologue, seeds the ingestion and processor instances, and
-announces ``agent.forum.joined``. Every id is derived, so joining twice returns the same join.
+``metadata.monologueId`` at the monologue, creates the ingestion and processor instances
+(:mod:`yoke.runtime.instances`) and announces ``agent.forum.joined``. Every id is derived, so
+joining twice returns the same join.
 """
 
 from __future__ import annotations
 
-import time
 from datetime import UTC, datetime
 from typing import Any
 
-from pydantic import Field, JsonValue
+from pydantic import JsonValue
 
-from yoke.ids import derive_id, new_id
-from yoke.llm.base import ScriptedCall as ScriptedCall
+from yoke.ids import SYSTEM_ACTOR_ID, derive_id, new_id
 from yoke.llm.base import ScriptedOutput
 from yoke.models import (
     Actor,
@@ -23,122 +22,20 @@ from yoke.models import (
     Participant,
     WireModel,
 )
-from yoke.runtime.actor import SYSTEM_ACTOR_ID as SYSTEM_ACTOR_ID
 from yoke.runtime.actor import create_instance_document, instance_state_id
+from yoke.runtime.instances import (
+    CONFIG_VERSION,
+    DEFAULT_MODEL,
+    INGESTION,
+    PROCESSOR,
+    IngestionConfig,
+    IngestionState,
+    ProcessorConfig,
+    ProcessorState,
+)
 from yoke.runtime.join_config import JoinConfig, load_versioned_join_config, save_join_config
 from yoke.runtime.posting import Poster
 from yoke.store import Store
-
-DEFAULT_MODEL = "fixture-echo"
-DEFAULT_HOP_CAP = 4
-
-INGESTION = "ingestion"
-PROCESSOR = "processor"
-
-
-class ProcessorConfig(WireModel):
-    """The processor's config, as in the seed's schema.
-
-    The join seeds the ids and the agent's defaults in the instance document; the tunables a
-    join sets (:class:`JoinConfig`) are read from the join's own document at every step and
-    win (:func:`load_processor_config`), so a later join changes them without touching the
-    state its lane saves.
-    """
-
-    source_conversation_id: str
-    forum_participant_id: str
-    agent_actor_id: str
-    monologue_id: str
-    agent_participant_id: str
-    model: str = DEFAULT_MODEL
-    tools: list[str] = Field(default_factory=list)
-    instructions: str = ""
-    hop_cap: int = Field(default=DEFAULT_HOP_CAP, ge=1)
-    script: list[ScriptedOutput] = Field(default_factory=list)
-    # Compaction: past this many estimated tokens, continue in a new monologue that holds a
-    # summary and the last ``compaction_keep`` lines. None: never.
-    compaction_threshold_tokens: int | None = Field(default=None, ge=1)
-    compaction_keep: int = Field(default=6, ge=0)
-    # Checked before each model call; None means no limit.
-    budget_tokens: int | None = Field(default=None, ge=0)
-    budget_usd: float | None = Field(default=None, ge=0)
-    # The join has a guardian: the agent's lines are routed to it (else it is not bothered).
-    guarded: bool = False
-
-    def with_join(self, join: JoinConfig | None) -> ProcessorConfig:
-        """This config with what the join sets; None fields of the join keep the defaults."""
-        if join is None:
-            return self
-        tunables = {name: getattr(join, name) for name in JOIN_TUNABLES}
-        update = {name: value for name, value in tunables.items() if value is not None}
-        return self.model_copy(update={**update, "guarded": join.guardian is not None})
-
-
-# JoinConfig fields that are the processor's (the rest belongs to follow-up and guardian).
-JOIN_TUNABLES = (
-    "model",
-    "tools",
-    "instructions",
-    "hop_cap",
-    "compaction_threshold_tokens",
-    "compaction_keep",
-    "budget_tokens",
-    "budget_usd",
-    "script",
-)
-
-
-# The instance document's note of its join configuration's version (see join_conversation).
-CONFIG_VERSION = "configVersion"
-# A cached join configuration is read again after this long whatever its version says.
-CONFIG_CACHE_SECONDS = 60.0
-
-
-async def load_processor_config(store: Store, document: dict[str, Any]) -> ProcessorConfig:
-    """The processor's config for one step: its instance's, overlaid with the join's.
-
-    The join's is read only when the version noted on the instance document (read anyway)
-    differs from the cached one's, or the cached one is old.
-    """
-    config = ProcessorConfig.model_validate(document["config"])
-    key = str(document["instanceId"])
-    version = document.get(CONFIG_VERSION)
-    cached = store.memo.get(f"join-config:{key}")
-    now = time.monotonic()
-    if (
-        version
-        and isinstance(cached, tuple)
-        and cached[0] == version
-        and now - cached[2] < CONFIG_CACHE_SECONDS
-    ):
-        return config.with_join(cached[1])
-    found = await load_versioned_join_config(store, key)
-    join = found[1] if found is not None else None
-    if found is not None and found[0]:
-        store.memo[f"join-config:{key}"] = (found[0], join, now)
-    return config.with_join(join)
-
-
-class ProcessorState(WireModel):
-    monologue_id: str
-    agent_participant_id: str
-    # Running totals of the join's model usage.
-    tokens_used: int = 0
-    cost_usd: float = 0.0
-    # Set by the /model slash command; wins over the configured model.
-    model: str | None = None
-    # Set by /reset: the model sees only lines from this seq on.
-    context_from_seq: int = 0
-
-
-class IngestionConfig(WireModel):
-    forum_id: str
-    agent_actor_id: str
-    forum_participant_id: str
-
-
-class IngestionState(WireModel):
-    pass
 
 
 class Join(WireModel):

@@ -1,0 +1,135 @@
+"""What a join's actor instances are configured with and keep: the processor's and ingestion's.
+
+A join writes one instance document per actor (:mod:`yoke.runtime.joins`); each holds its
+config (the ids of the join and the agent's defaults) and its state (what the lane saves after
+a step). The tunables a join sets live in the join's own document (:mod:`yoke.runtime.join_config`)
+and are overlaid on the processor's config at every step, so joining again never races a
+step's state save.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import Field
+
+from yoke.llm.base import ScriptedOutput
+from yoke.models import WireModel
+from yoke.runtime.join_config import JoinConfig, load_versioned_join_config
+from yoke.store import Store
+
+DEFAULT_MODEL = "fixture-echo"
+DEFAULT_HOP_CAP = 4
+
+# The actor names of the instances a join makes.
+INGESTION = "ingestion"
+PROCESSOR = "processor"
+
+
+class ProcessorConfig(WireModel):
+    """The processor's config: the join's ids and the agent's defaults, written by the join.
+
+    The tunables a join sets (:class:`JoinConfig`) are read from the join's own document at
+    every step and win (:func:`load_processor_config`), so a later join changes them without
+    touching the state its lane saves.
+    """
+
+    source_conversation_id: str
+    forum_participant_id: str
+    agent_actor_id: str
+    monologue_id: str
+    agent_participant_id: str
+    model: str = DEFAULT_MODEL
+    tools: list[str] = Field(default_factory=list)
+    instructions: str = ""
+    hop_cap: int = Field(default=DEFAULT_HOP_CAP, ge=1)
+    script: list[ScriptedOutput] = Field(default_factory=list)
+    # Compaction: past this many estimated tokens, continue in a new monologue that holds a
+    # summary and the last ``compaction_keep`` lines. None: never.
+    compaction_threshold_tokens: int | None = Field(default=None, ge=1)
+    compaction_keep: int = Field(default=6, ge=0)
+    # Checked before each model call; None means no limit.
+    budget_tokens: int | None = Field(default=None, ge=0)
+    budget_usd: float | None = Field(default=None, ge=0)
+    # The join has a guardian: the agent's lines are routed to it (else it is not bothered).
+    guarded: bool = False
+
+    def with_join(self, join: JoinConfig | None) -> ProcessorConfig:
+        """This config with what the join sets; None fields of the join keep the defaults."""
+        if join is None:
+            return self
+        tunables = {name: getattr(join, name) for name in JOIN_TUNABLES}
+        update = {name: value for name, value in tunables.items() if value is not None}
+        return self.model_copy(update={**update, "guarded": join.guardian is not None})
+
+
+# JoinConfig fields that are the processor's (the rest belongs to follow-up and guardian).
+JOIN_TUNABLES = (
+    "model",
+    "tools",
+    "instructions",
+    "hop_cap",
+    "compaction_threshold_tokens",
+    "compaction_keep",
+    "budget_tokens",
+    "budget_usd",
+    "script",
+)
+
+
+# The instance document's note of its join configuration's version (see join_conversation).
+CONFIG_VERSION = "configVersion"
+# A cached join configuration is read again after this long whatever its version says.
+CONFIG_CACHE_SECONDS = 60.0
+
+
+async def load_processor_config(store: Store, document: dict[str, Any]) -> ProcessorConfig:
+    """The processor's config for one step: its instance's, overlaid with the join's.
+
+    The join's is read only when the version noted on the instance document (read anyway)
+    differs from the cached one's, or the cached one is old.
+    """
+    config = ProcessorConfig.model_validate(document["config"])
+    key = str(document["instanceId"])
+    version = document.get(CONFIG_VERSION)
+    cached = store.memo.get(f"join-config:{key}")
+    now = time.monotonic()
+    if (
+        version
+        and isinstance(cached, tuple)
+        and cached[0] == version
+        and now - cached[2] < CONFIG_CACHE_SECONDS
+    ):
+        return config.with_join(cached[1])
+    found = await load_versioned_join_config(store, key)
+    join = found[1] if found is not None else None
+    if found is not None and found[0]:
+        store.memo[f"join-config:{key}"] = (found[0], join, now)
+    return config.with_join(join)
+
+
+class ProcessorState(WireModel):
+    """What the processor's lane saves after a step (one writer: the lane)."""
+
+    monologue_id: str
+    agent_participant_id: str
+    # Running totals of the join's model usage.
+    tokens_used: int = 0
+    cost_usd: float = 0.0
+    # Set by the /model slash command; wins over the configured model.
+    model: str | None = None
+    # Set by /reset: the model sees only lines from this seq on.
+    context_from_seq: int = 0
+
+
+class IngestionConfig(WireModel):
+    """Which forum ingestion copies from, for which agent, as which forum participant."""
+
+    forum_id: str
+    agent_actor_id: str
+    forum_participant_id: str
+
+
+class IngestionState(WireModel):
+    """Ingestion keeps nothing but its watermark (on the instance document)."""
