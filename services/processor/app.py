@@ -29,6 +29,7 @@ from yoke.metrics import (
     LLM_COST,
     LLM_TOKENS,
     NOTICES,
+    TOOL_CALLS,
     model_label,
     tool_label,
 )
@@ -51,12 +52,10 @@ from yoke.runtime.instances import (
     ProcessorState,
     load_processor_config,
 )
-from yoke.runtime.catalog import LocalTools, ToolCatalog
-from yoke.runtime.dispatch import ToolDispatch, deadline_after
-from yoke.runtime.open_calls import OpenCall, OpenCalls, open_call_id
 from yoke.runtime.service import Service
 from yoke.tools.base import Tool
-from yoke.tools.catalog import CatalogEntry
+from yoke.tools.builtin import resolve_tools
+from yoke.tools.run import run_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +68,6 @@ LOOP_WINDOW = 10
 LOOP_LINES = 4 * LOOP_WINDOW
 # An activity event never holds a step up longer than this (it is a courtesy to live views).
 ACTIVITY_PUBLISH_SECONDS = 2.0
-# An open call's deadline is its tool's timeout plus this.
-OPEN_CALL_GRACE_SECONDS = 1.0
-
-_dispatch: ToolDispatch | None = None
 
 
 def call_signature(call: ToolCallPart) -> str:
@@ -155,15 +150,6 @@ async def answer_tool_results(context: Context, trigger: Message) -> None:
             extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
         )
         return
-    still = unanswered(call_ids(transcript[round_index]), transcript[round_index + 1 :])
-    if still:
-        # The step of the round's last result answers (invariant 10: one model call a round).
-        log.info(
-            "not answering yet: %d call(s) of the round still wait for their results",
-            len(still),
-            extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
-        )
-        return
     waiting = [
         line
         for line in transcript[round_index + 1 : -1]
@@ -226,22 +212,15 @@ def call_line_index(transcript: list[Message], results: Message) -> int | None:
 
 
 def open_round(transcript: list[Message]) -> Message | None:
-    """The agent's latest tool-call line, when some of its calls have no result here yet."""
+    """The agent's latest tool-call line, when no result of its calls follows it here."""
     for index in range(len(transcript) - 1, -1, -1):
         line = transcript[index]
         called = call_ids(line)
         if line.role != "agent" or not called:
             continue
-        return line if unanswered(called, transcript[index + 1 :]) else None
+        answered = any(called & result_ids(later) for later in transcript[index + 1 :])
+        return None if answered else line
     return None
-
-
-def unanswered(called: set[str], later: list[Message]) -> set[str]:
-    """The call ids among ``called`` that no line of ``later`` answers."""
-    answered: set[str] = set()
-    for line in later:
-        answered |= result_ids(line)
-    return called - answered
 
 
 def tool_results_id(context: Context, call_line: Message) -> str:
@@ -250,26 +229,17 @@ def tool_results_id(context: Context, call_line: Message) -> str:
 
 
 async def results_on_their_way(context: Context, transcript: list[Message]) -> bool:
-    """Whether the trigger landed while a tool round was pending, and its results will come.
+    """Whether the trigger landed while a tool round was pending, and its results are written.
 
-    Steps run in seq order, so the round's own step is over: the results it ran itself are
-    either written after the trigger, and the step of the round's last result (whose
-    transcript holds the trigger) answers it; or the calls wait in the store (open calls),
-    whose results come later the same way; or they never will (the step failed for good),
-    and then the trigger is answered now rather than never: the prompt marks the lost results
-    as missing.
+    Steps run in seq order, so the round's own step is over: its results are either written
+    after the trigger, and their step (whose transcript holds the trigger) answers it, or they
+    never will be (the step failed for good), and then the trigger is answered now rather than
+    never; the prompt marks the lost results as missing.
     """
     call_line = open_round(transcript)
     if call_line is None:
         return False
-    if await context.store.get_message(tool_results_id(context, call_line)) is not None:
-        return True
-    missing = unanswered(call_ids(call_line), transcript)
-    open_calls = OpenCalls(context.store, context.poster)
-    for call_id in sorted(missing):
-        if await open_calls.exists(open_call_id(context.instance_id, call_line.id, call_id)):
-            return True
-    return False
+    return await context.store.get_message(tool_results_id(context, call_line)) is not None
 
 
 async def answer_slash_command(context: Context, trigger: Message) -> None:
@@ -320,7 +290,6 @@ async def post_agent_line(
 def repeated_calls(
     earlier: list[Message], calls: list[ToolCallPart], tools: dict[str, Tool]
 ) -> set[str]:
-    # ``tools``: this process's own tools, whose ``repeat_safe`` lets polling through.
     """Call ids the doom-loop guard refuses: a 4th identical call within the last 10 calls."""
     history = [
         p for m in earlier if m.role == "agent" for p in m.parts if isinstance(p, ToolCallPart)
@@ -380,52 +349,27 @@ async def run_tools(context: Context, trigger: Message, calls: list[ToolCallPart
         await run_tool_round(context, trigger, calls)
 
 
-def tools() -> ToolDispatch:
-    """This process's tool dispatch (made by :func:`register`)."""
-    if _dispatch is None:
-        raise RuntimeError("the processor's tools are not set up (register() was not called)")
-    return _dispatch
-
-
 async def run_tool_round(context: Context, trigger: Message, calls: list[ToolCallPart]) -> None:
-    """Run the round: what answers now goes in one results line; the rest waits in the store
-    and each of those calls gets a line of its own when it ends."""
-    dispatch = tools()
+    tools = resolve_tools(context.config.tools)
     earlier = await context.store.history(  # enough lines to hold the last LOOP_WINDOW calls
         trigger.conversation_id,
         after_seq=max(0, trigger.seq - 1 - LOOP_LINES),
         up_to_seq=trigger.seq - 1,
     )
-    refused = repeated_calls(earlier, calls, dispatch.local.runnable)
+    refused = repeated_calls(earlier, calls, tools)
     runnable = [call for call in calls if call.call_id not in refused]
-    meta = carried_meta(context, trigger)
-
-    def make_open(call: ToolCallPart, entry: CatalogEntry) -> OpenCall:
-        # A little past the tool's own bound, so the call's own timeout speaks first.
-        return OpenCall(
-            id=open_call_id(context.instance_id, trigger.id, call.call_id),
-            tool=call.name,
-            source=entry.source,
+    results = {
+        result.call_id: result
+        for result in await run_tool_calls(
+            runnable,
+            tools,
+            key_of=lambda call: context.effect_id("tool", call.call_id),
             conversation_id=trigger.conversation_id,
-            call_line_id=trigger.id,
-            model_call_id=call.call_id,
-            input=call.input,
-            timeout_seconds=entry.timeout_seconds,
-            deadline=deadline_after(entry.timeout_seconds + OPEN_CALL_GRACE_SECONDS),
-            meta=meta.model_copy(deep=True),
-            route=dict(context.route),
         )
-
-    results = await dispatch.run_round(
-        runnable,
-        context.config.tools,
-        key_of=lambda call: context.effect_id("tool", call.call_id),
-        conversation_id=trigger.conversation_id,
-        make_open=make_open,
-    )
+    }
     for call in calls:
         if call.call_id in refused:
-            DOOM_LOOPS.labels(tool_label(call.name, known=call.name in dispatch.local.runnable)).inc()
+            DOOM_LOOPS.labels(tool_label(call.name)).inc()
             results[call.call_id] = ToolResultPart(
                 call_id=call.call_id,
                 name=call.name,
@@ -433,8 +377,10 @@ async def run_tool_round(context: Context, trigger: Message, calls: list[ToolCal
                 f"these arguments in the last {LOOP_WINDOW} calls; try something else",
                 is_error=True,
             )
-    if not results:
-        return  # every call waits in the store
+        else:
+            outcome = "error" if results[call.call_id].is_error else "ok"
+            TOOL_CALLS.labels(tool_label(call.name), outcome).inc()
+    meta = carried_meta(context, trigger)
     meta.loop_guard = True if refused else None
     await context.post(
         Message(
@@ -442,7 +388,7 @@ async def run_tool_round(context: Context, trigger: Message, calls: list[ToolCal
             conversation_id=trigger.conversation_id,
             author_actor_id=SYSTEM_ACTOR_ID,
             role="user",
-            parts=[results[call.call_id] for call in calls if call.call_id in results],
+            parts=[results[call.call_id] for call in calls],
             meta=meta,
         )
     )
@@ -479,7 +425,7 @@ async def infer_and_post(context: Context, trigger: Message, transcript: list[Me
     config, state = context.config, context.state
     request = InferenceRequest(
         transcript=transcript,
-        tools=await tools().catalog.resolve(config.tools) if config.tools else {},
+        tools=resolve_tools(config.tools),
         call_id_prefix=context.effect_id("call"),
         instructions=config.instructions,
         names=await display_names(context, transcript),
