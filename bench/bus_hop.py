@@ -129,7 +129,7 @@ class BusHop:
 
 
 async def serve(settings: Settings) -> None:
-    """A real ``Service``: shard queues, lanes, the outbox sweeper; only health is off."""
+    """A real ``Service``: shard queues, lanes, the outbox sweep; only health is off."""
     service = Service(SERVICE, settings)
     samples = Samples()
     noop = service.store.db["bench_noop"]

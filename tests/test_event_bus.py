@@ -219,7 +219,7 @@ async def _all_seqs_handled(store: Store, plan: dict[str, list[str]]) -> bool:
     return all((c, s) in seen for c, texts in plan.items() for s in range(1, len(texts) + 1))
 
 
-async def test_outbox_sweeper_publishes_what_a_crashed_writer_left(
+async def test_outbox_sweep_publishes_what_a_crashed_writer_left(
     store: Store, spawn: Callable[..., ServiceProcess], amqp_url: str, mongodb_url: str
 ) -> None:
     env = {"YOKE_AMQP_URL": amqp_url, "YOKE_MONGODB_URL": mongodb_url}

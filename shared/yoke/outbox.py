@@ -9,8 +9,9 @@ message (a read-modify-write on FerretDB), so instead:
 - the writer keeps its not-yet-confirmed messages in memory, publishes them again itself if
   a publish keeps failing, and every second stores a heartbeat: "alive, and everything I wrote
   before T is published";
-- any process that finds a writer whose heartbeat stopped claims it (a unique insert) and
-  publishes again what that writer stored from T on, read slot by slot; then forgets it.
+- every other second, each process's *outbox sweep* claims (a unique insert) any writer whose
+  heartbeat stopped and publishes again what that writer stored from T on, read slot by slot;
+  then forgets it.
 
 A republished event is the same event (its id derives from the message): consumers dedupe.
 """
@@ -37,7 +38,7 @@ Doc = dict[str, Any]
 
 # Heartbeats a second; a writer silent for ``dead_after(grace)`` is finished by others.
 BEAT_SECONDS = 1.0
-# A claim on a dead writer older than this is taken to have died with its sweeper.
+# A claim on a dead writer older than this is taken to have died with its outbox sweep.
 CLAIM_EXPIRES_SECONDS = 60.0
 # At most this many minutes of a dead writer are read back (older ones were settled).
 MAX_SLOTS = 24 * 60
@@ -164,7 +165,7 @@ class Outbox:
         )
 
 
-class OutboxKeeper:
+class OutboxSweep:
     """The background half: heartbeats, own retries, and finishing dead writers."""
 
     def __init__(
@@ -214,7 +215,7 @@ class OutboxKeeper:
             if existing is not None and now - _aware(existing["claimedAt"]) > timedelta(
                 seconds=CLAIM_EXPIRES_SECONDS
             ):
-                await self.writers.delete_one({"_id": claim})  # its sweeper died: next round
+                await self.writers.delete_one({"_id": claim})  # its sweep died: next round
             return False
 
     async def _finish(self, writer: Doc, now: datetime) -> int:

@@ -49,7 +49,7 @@ class Settings(BaseSettings):
     max_text_bytes: int = Field(default=65536, ge=1)
     log_format: Literal["json", "text"] | None = None
     log_level: str = "INFO"
-    # How long a written message may stay unpublished before the sweeper republishes it.
+    # How long a written message may stay unpublished before the outbox sweep republishes it.
     outbox_grace_seconds: float = Field(default=3.0, gt=0)
     prefetch: int = Field(default=64, ge=1)
     # In-process attempts of a failing handler before its delivery is dead-lettered.

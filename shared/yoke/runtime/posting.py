@@ -1,4 +1,4 @@
-"""``post()``: the one way a message is written, and the outbox sweeper behind it.
+"""``post()``: the one way a message is written, and the outbox sweep behind it.
 
 docs/architecture.md, invariants 1 and 2: the message is stored before its event is published with a
 confirm; a crash in between leaves it to the outbox (:mod:`yoke.outbox`), never lost.
@@ -15,7 +15,7 @@ from yoke.bus import Bus
 from yoke.ids import derive_id
 from yoke.metrics import MESSAGES_POSTED, OUTBOX_REPUBLISHED
 from yoke.models import Envelope, EventPayload, Message, MessagePosted
-from yoke.outbox import OutboxKeeper
+from yoke.outbox import OutboxSweep
 from yoke.store import Store
 
 log = logging.getLogger(__name__)
@@ -68,9 +68,9 @@ class Poster:
         )
         self.store.outbox.confirmed(message.id)
 
-    def keeper(self) -> OutboxKeeper:
+    def outbox_sweep(self) -> OutboxSweep:
         """What republishes the events a crash left unconfirmed (see :mod:`yoke.outbox`)."""
-        return OutboxKeeper(
+        return OutboxSweep(
             self.store.outbox,
             self.store.db["writers"],
             self.store.messages,
@@ -78,6 +78,6 @@ class Poster:
             lambda count: OUTBOX_REPUBLISHED.labels(self.service).inc(count),
         )
 
-    async def run_sweeper(self, grace: float, stopping: asyncio.Event) -> None:
+    async def run_outbox_sweep(self, grace: float, stopping: asyncio.Event) -> None:
         """Heartbeats, own retries and dead writers' leftovers until ``stopping`` is set."""
-        await self.keeper().run(grace, stopping)
+        await self.outbox_sweep().run(grace, stopping)

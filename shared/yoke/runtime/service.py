@@ -1,4 +1,4 @@
-"""A service process: wiring of store, bus, handlers, health, sweeper and clean shutdown.
+"""A service process: wiring of store, bus, handlers, health, outbox sweep and clean shutdown.
 
 Services (``services/<name>``) only register handlers and background work
 (:meth:`Service.background`); everything operational lives here.
@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 P = TypeVar("P", bound=EventPayload)
 # How often the consumer watchdog looks for queues this process no longer consumes.
 CONSUMER_CHECK_SECONDS = 2.0
-# How long a stopping service lets the outbox keeper finish its round.
-SWEEPER_STOP_SECONDS = 10.0
+# How long a stopping service lets the outbox sweep finish its round.
+OUTBOX_SWEEP_STOP_SECONDS = 10.0
 EventHandler = Callable[[EventPayload], Awaitable[None]]
 # Background work: called once the service consumes, cancelled when it stops.
 Work = Callable[[], Awaitable[None]]
@@ -52,6 +52,10 @@ _BROKER_HEADERS = frozenset(
         "x-first-death-reason",
     }
 )
+
+
+# Headers only the mesh sets (routing, dead-letter reasons, the verified user).
+_MESH_HEADER_PREFIXES = ("x-yoke-", "yoke-")
 
 
 def parse_envelope(message: AbstractIncomingMessage) -> Envelope:
@@ -105,7 +109,7 @@ class Service:
         self._consumption = asyncio.Lock()
         self._consuming = False
         self._health: HealthServer | None = None
-        self._sweeper: asyncio.Task[None] | None = None
+        self._outbox_sweep: asyncio.Task[None] | None = None
         self._work: dict[str, Work] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         # Why background work ended early (its crash): /healthz says it until a restart.
@@ -174,13 +178,19 @@ class Service:
         self, command: str, key_of: Callable[[AbstractIncomingMessage], str]
     ) -> Callable[[AbstractIncomingMessage], Awaitable[None]]:
         async def forward(message: AbstractIncomingMessage) -> None:
+            # Nothing an outside publisher says of itself in headers is trusted later: every
+            # mesh header is dropped, and who it is comes from the user_id RabbitMQ verified.
             headers: dict[str, str | int] = {
                 name: value
                 for name, value in (message.headers or {}).items()
-                if isinstance(value, str | int) and name not in _BROKER_HEADERS
+                if isinstance(value, str | int)
+                and name not in _BROKER_HEADERS
+                and not name.lower().startswith(_MESH_HEADER_PREFIXES)
             }
             headers[topology.CONVERSATION_HEADER] = key_of(message)
             headers[topology.COMMAND_HEADER] = command
+            if message.user_id:
+                headers[topology.USER_HEADER] = message.user_id
             await self.bus.publish(
                 topology.shard_exchange(self.name),
                 command,
@@ -204,9 +214,9 @@ class Service:
             self._health = HealthServer(port, self.problems, host=self.settings.metrics_host)
             await self._health.start()
         self._started = True
-        self._sweeper = self._launch(
-            "outbox sweeper",
-            lambda: self.poster.run_sweeper(self.settings.outbox_grace_seconds, self.stopping),
+        self._outbox_sweep = self._launch(
+            "outbox sweep",
+            lambda: self.poster.run_outbox_sweep(self.settings.outbox_grace_seconds, self.stopping),
         )
         prefetch = self.settings.prefetch
         if self._event_handlers or self._commands:
@@ -223,9 +233,21 @@ class Service:
                 replica=self.settings.replica,
                 metrics_port=self._health.port if self._health is not None else None,
             )
-        for exchange, binding, route in self._intakes:
-            queue = await self.bus.declare_intake(self.name, exchange, binding)
-            on_message = self.dispatcher.on_message(Route(queue, route.key_of, route.handle))
+        if self._intakes:
+            # One intake queue (one active consumer: commands keep their order) for every
+            # command; each is routed by the key its own command names.
+            routes = {binding: route for _, binding, route in self._intakes}
+            queue = await self.bus.declare_intake(
+                self.name, [(exchange, binding) for exchange, binding, _ in self._intakes]
+            )
+
+            def key_of(message: AbstractIncomingMessage) -> str:
+                return routes[message.routing_key or ""].key_of(message)
+
+            async def route(message: AbstractIncomingMessage) -> None:
+                await routes[message.routing_key or ""].handle(message)
+
+            on_message = self.dispatcher.on_message(Route(queue, key_of, route))
             await self.bus.consume(queue, on_message, prefetch=prefetch)
         if self.ownership is not None:
             await self.ownership.start()
@@ -272,11 +294,11 @@ class Service:
             # and become their active consumers as our channels close.
             await self.ownership.withdraw()
         await self.dispatcher.drain()
-        if self._sweeper is not None:
+        if self._outbox_sweep is not None:
             # Its round may be publishing (another writer's leftovers): let it end while the
             # broker connection is still open, within reason; what it leaves, others finish.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._sweeper, timeout=SWEEPER_STOP_SECONDS)
+                await asyncio.wait_for(self._outbox_sweep, timeout=OUTBOX_SWEEP_STOP_SECONDS)
         await self.bus.close()
         if self._health is not None:
             await self._health.close()
