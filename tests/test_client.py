@@ -1,8 +1,8 @@
-"""A submit whose publish fails leaves nothing behind in the client.
+"""The client outside systems submit through (:class:`yoke.client.Client`).
 
-The HTTP gateway submits every POST through one :class:`yoke.client.Client`; a publish that
-raised (the broker away, ``yoke.commands`` not declared yet) used to leave its reply future
-registered for ever, one more with every POST answered 503.
+The HTTP gateway submits every POST through one client, so a submit whose publish raises (the
+broker away, ``yoke.commands`` not declared yet) must leave no reply future registered: one
+more with every POST answered 503 would grow without a bound.
 """
 
 from __future__ import annotations
