@@ -2,8 +2,8 @@
 
 Closing a shard's gate must let the job that runs finish and ack, start nothing more of that
 shard (so what is acked of each conversation stays a prefix, and the rest returns in order
-when the channel closes), make a job waiting out a failure give up unacked, and say when
-nothing of the shard is left in the lanes.
+when the channel closes), make a job waiting out a failure give up unacked (a dead letter the
+broker refuses too), and say when nothing of the shard is left in the lanes.
 """
 
 from __future__ import annotations
@@ -16,13 +16,20 @@ from pymongo.errors import AutoReconnect
 
 from tests.support.deliveries import Delivery
 from yoke.bus import Bus
-from yoke.consumer import Dispatcher, Gate, Route, key_from_header
-from yoke.errors import RetryPolicy
+from yoke.consumer import Dispatcher, Gate, Malformed, Route, key_from_header
+from yoke.errors import RetryPolicy, Transient
 
 
 def _dispatcher() -> Dispatcher:
     # The bus is only used to dead-letter, which these deliveries never are.
     return Dispatcher("test", cast(Bus, None), policy=RetryPolicy(attempts=3, backoff=0.01))
+
+
+class BrokerAway:
+    """A bus whose every publish fails: the broker is away for as long as the test lasts."""
+
+    async def publish(self, *args: object, **kwargs: object) -> None:
+        raise Transient("publish to yoke.dead-letters failed: the broker is away")
 
 
 async def test_closing_the_gate_finishes_the_running_job_and_starts_no_other() -> None:
@@ -76,6 +83,30 @@ async def test_a_job_waiting_out_a_failure_gives_up_unacked_when_its_shard_goes(
     gate.stopping.set()
     await asyncio.wait_for(gate.idle(), 5)
     assert not stuck.acked
+
+
+async def test_a_dead_letter_the_broker_refuses_gives_up_unacked_when_its_shard_goes() -> None:
+    # The lane waits the broker out in the failing job, the later jobs of its conversation
+    # behind it (so nothing overtakes the line): the hand-over must still end, and promptly.
+    dispatcher = Dispatcher(
+        "test", cast(Bus, BrokerAway()), policy=RetryPolicy(attempts=2, backoff=0.01)
+    )
+    gate = Gate()
+
+    async def handle(message: AbstractIncomingMessage) -> None:
+        raise Malformed("a line that can never be handled")
+
+    deliver = dispatcher.on_message(Route("q", key_from_header, handle, gate))
+    deliveries = [Delivery(f"a{n}", "A") for n in range(3)]
+    for delivery in deliveries:
+        await deliver(cast(AbstractIncomingMessage, delivery))
+    await asyncio.sleep(0.2)
+    assert gate.held == 1  # a0 waits out the dead-letter publish; a1 and a2 wait behind it
+
+    gate.open = False  # the shard is handed over
+    gate.stopping.set()
+    await asyncio.wait_for(gate.idle(), 5)
+    assert not any(delivery.acked for delivery in deliveries)  # all return at channel close
 
 
 async def test_the_gate_of_one_shard_leaves_other_shards_alone() -> None:
