@@ -1,8 +1,10 @@
-"""A gateway stream that fails (the store away mid-stream) still lets its forum go.
+"""The gateway's live stream, in this process: however a stream ends, it lets its forum go.
 
-The stream's subscription to the forum (the hub's subscriber and the queue's bindings) used to
-be closed only by the response's background task, which Starlette skips when the body raises:
-each such stream left a subscriber filling up with the forum's events and a binding forever.
+A stream subscribes to its forum (the hub's subscriber and the gateway queue's bindings); that
+subscription must end with the stream whether its client leaves, its token is revoked or its
+body raises (the store away mid-stream: Starlette then skips the response's background task),
+or each such stream leaves a subscriber filling up with the forum's events and a binding for
+ever. The stream as clients see it, end to end, is tested in test_gateway.py.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ async def test_a_stream_that_fails_lets_its_forum_go(
     state: Gateway = app.state.gateway
     store = Store(mongodb_url)
     try:
-        forum_id, secret = await _forum_with_token(store, "failing stream", "review-stream")
+        forum_id, secret = await _forum_with_token(store, "failing stream", "failing-stream")
     finally:
         await store.close()
     # A quiet stream reads the forum's head soon, and that read fails: the store is away.
@@ -117,7 +119,7 @@ async def test_a_revoked_token_stream_ends_and_sends_nothing_more(
     bus = Bus(amqp_url, name="test-revoke")
     await bus.connect()
     try:
-        forum_id, secret = await _forum_with_token(store, "revoked stream", "review-revoked")
+        forum_id, secret = await _forum_with_token(store, "revoked stream", "revoked-stream")
         poster = Poster(store, bus, "test")
         async with (
             httpx.AsyncClient(base_url=url, timeout=30) as http,
@@ -126,7 +128,7 @@ async def test_a_revoked_token_stream_ends_and_sends_nothing_more(
             assert response.status_code == 200
             chunks = response.aiter_bytes()
             assert (await anext(chunks)).startswith(b"retry:")
-            assert await revoke_token(store, "review-revoked")
+            assert await revoke_token(store, "revoked-stream")
             await asyncio.sleep(1.5)  # any re-check of the token may be a second old
             await poster.post(
                 Message(
@@ -156,7 +158,7 @@ async def test_a_stream_its_client_closes_unbinds_its_forum(
     state: Gateway = app.state.gateway
     store = Store(mongodb_url)
     try:
-        forum_id, secret = await _forum_with_token(store, "closed stream", "review-closed")
+        forum_id, secret = await _forum_with_token(store, "closed stream", "closed-stream")
     finally:
         await store.close()
     parts = urlsplit(amqp_url)
