@@ -431,7 +431,7 @@ async def test_a_mesh_that_does_not_answer_is_a_503_with_retry_after(
 YOKE_UP = (
     "import asyncio, os\n"
     "from tests.chaos.up import PORTS_VARIABLE, install, parse_ports\n"
-    "from yoke import supervisor\n"
+    "from yoke.cli import supervisor\n"
     "install(parse_ports(os.environ[PORTS_VARIABLE]))\n"
     "raise SystemExit(asyncio.run(supervisor.run()))\n"
 )

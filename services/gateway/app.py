@@ -45,7 +45,7 @@ from services.gateway.deps import (
 from services.gateway.stream import ForumStream, Hub
 from services.gateway.webhooks import WebhookWorker
 from yoke.client import Client
-from yoke.errors import EXIT_MISCONFIGURED, is_transient
+from yoke.errors import EXIT_MISCONFIGURED, describe_validation_error, is_transient
 from yoke.ids import new_id
 from yoke.logs import configure_logging
 from yoke.models import (
@@ -57,7 +57,6 @@ from yoke.models import (
     unstorable,
 )
 from yoke.redact import redact
-from yoke.runtime.service import describe_validation_error
 from yoke.settings import Settings
 from yoke.store import Store
 from yoke.tokens import ensure_token_indexes, token_in_force

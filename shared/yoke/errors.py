@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from aiormq.exceptions import AMQPConnectionError, ChannelInvalidStateError, ConnectionClosed
+from pydantic import ValidationError
 from pymongo.errors import (
     AutoReconnect,
     ConnectionFailure,
@@ -59,6 +60,19 @@ class SetAside(Permanent):
 
 class Stopping(Exception):
     """The process is shutting down: leave the delivery unacked for the next consumer."""
+
+
+def describe_validation_error(error: ValidationError, *, root: str = "body") -> str:
+    """Names each failing field, e.g. ``author.externalId: Field required`` (at most five).
+
+    One wording for every rejection a sender reads (a command, an HTTP body, a tool's input
+    the model wrote); ``root`` names a failure of the whole value rather than of a field.
+    """
+    problems = []
+    for item in error.errors()[:5]:
+        where = ".".join(str(part) for part in item["loc"]) or root
+        problems.append(f"{where}: {item['msg']}")
+    return "; ".join(problems)
 
 
 # Server-side MongoDB error codes that mean "not now" rather than "never".

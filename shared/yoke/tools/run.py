@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
+from yoke.errors import describe_validation_error
 from yoke.models import ToolCallPart, ToolResultPart
 from yoke.tools.base import Tool, ToolContext
 
@@ -32,9 +33,7 @@ async def run_tool_call(
     try:
         arguments = tool.input_model.model_validate(call.input)
     except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'input'}: {e['msg']}" for e in error.errors()
-        )
+        problems = describe_validation_error(error, root="input")
         return result(f"invalid input for {call.name}: {problems}", True)
     try:
         async with asyncio.timeout(tool.timeout):
