@@ -39,8 +39,8 @@ class Gate:
     """One owned shard's door into the lanes, and a count of its jobs running now.
 
     Only running jobs are counted: one queued behind them starts nothing once the gate is
-    closed, and a lane may drop its queued jobs (behind one that raised), which would then
-    be counted for ever and hold the shard's hand-over up.
+    closed, and a draining process drops the jobs its lanes have not started (their
+    deliveries return unacked), which, counted, would hold the shard's hand-over up for ever.
     """
 
     def __init__(self) -> None:

@@ -1,4 +1,8 @@
-"""Prometheus series every service exports (``yoke_`` prefix; never a conversation id label)."""
+"""The Prometheus series the services share (``yoke_`` prefix; never a conversation id label).
+
+A part's own series are defined beside it: shard ownership's in :mod:`yoke.ownership`, the
+gateway's in ``services/gateway/deps.py`` and its webhooks' in ``services/gateway/webhooks.py``.
+"""
 
 from __future__ import annotations
 
@@ -167,7 +171,7 @@ def tool_label(name: str) -> str:
 DEAD_LETTER_REASONS = ("malformed", "failed")
 LLM_OUTCOMES = ("ok", "error", "retryable_error")
 TOOL_OUTCOMES = ("ok", "error")
-# Notice reasons: the processor's (yoke.processor) and the guardian's.
+# Notice reasons: the processor's (services/processor/app.py) and the guardian's.
 PROCESSOR_NOTICES = ("budget", "provider", "doom_loop")
 GUARDIAN_NOTICES = ("guardian",)
 MODEL_SERVICES = frozenset({"processor", "guardian"})

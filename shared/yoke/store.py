@@ -122,8 +122,10 @@ class Store:
     async def ensure_indexes(self) -> None:
         """Create collections and indexes; idempotent, every service runs it at start-up.
 
-        Every collection is created here, before traffic: FerretDB 1.x takes a global metadata
-        lock to create one, and creating it lazily under concurrent load can hang the server.
+        The collections named here are created before traffic: FerretDB 1.x takes a global
+        metadata lock to create one, and creating it lazily under concurrent load can hang the
+        server. Modules with collections of their own (tokens, webhooks, the guardian's,
+        follow-up's) create them the same way before use.
         """
         existing = set(await self.db.list_collection_names())
         for name in self.COLLECTIONS:

@@ -62,7 +62,8 @@ def collection(store: Store) -> AsyncCollection[Doc]:
 
 
 async def ensure_token_indexes(store: Store) -> None:
-    """The collection and its unique hash index (created up front: see Store.ensure_indexes)."""
+    """The collection and its unique hash index, made before first use (as Store.ensure_indexes
+    makes the core ones, and for the same reason: FerretDB must not create one under load)."""
     if COLLECTION not in await store.db.list_collection_names():
         try:
             await store.db.create_collection(COLLECTION)

@@ -118,7 +118,8 @@ def collection(store: Store, name: str) -> AsyncCollection[Doc]:
 
 
 async def ensure_webhook_indexes(store: Store) -> None:
-    """Collections up front (FerretDB: see Store.ensure_indexes) and their indexes."""
+    """The webhook collections, made before first use (FerretDB must not create one under load:
+    see Store.ensure_indexes), and their indexes."""
     existing = set(await store.db.list_collection_names())
     for name in COLLECTIONS:
         if name not in existing:

@@ -1,4 +1,4 @@
-"""``make run``: the five services (``yoke up``), plus a demo agent and forum on first run."""
+"""``make run``: the mesh as ``yoke up`` runs it, plus a demo agent and forum on first run."""
 
 from __future__ import annotations
 

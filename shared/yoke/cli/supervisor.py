@@ -1,4 +1,4 @@
-"""``yoke up``: the six services as separate processes, restarting any that dies.
+"""``yoke up``: the five mesh services and the HTTP gateway as processes, restarting any that dies.
 
 ``--replicas processor=3,ingestion=2`` runs several replicas of a service; replica k gets
 ``YOKE_REPLICA=k`` (so its metrics port is the service's + 10·k) and they share the
