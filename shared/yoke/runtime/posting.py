@@ -1,7 +1,9 @@
-"""``post()``: the one way a message is written, and the outbox sweep behind it.
+"""``post()``: how a message is written (stored, then published), and the outbox sweep behind it.
 
 docs/architecture.md, invariants 1 and 2: the message is stored before its event is published with a
-confirm; a crash in between leaves it to the outbox (:mod:`yoke.outbox`), never lost.
+confirm; a crash in between leaves it to the outbox (:mod:`yoke.outbox`), never lost. Only
+compaction's wake-up line is stored without being published here: it is left to the outbox on
+purpose (see :mod:`yoke.runtime.compaction`).
 """
 
 from __future__ import annotations
