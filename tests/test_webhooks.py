@@ -1,7 +1,8 @@
 """Outgoing webhooks end to end: the mesh and the gateway as real processes, a real receiver.
 
 The receiver is an HTTP server in this test process; echo agents answer each line, and the
-gateway POSTs their answers. Retry timings are shortened through the environment.
+gateway POSTs their answers. Retry timings are shortened through the environment. The last
+tests run the webhook worker in this process instead, where a fault can be injected into it.
 """
 
 from __future__ import annotations
@@ -20,12 +21,18 @@ from pathlib import Path
 
 import pytest
 
-from services.gateway.webhooks import Leases
+from services.gateway.webhooks import Leases, WebhookWorker
 from tests.support.gateway_process import assert_stopped_cleanly, metric, start_gateway
 from tests.support.mesh import JoinFactory, Mesh, say
-from tests.support.processes import ROOT, ServiceProcess, eventually
+from tests.support.processes import ROOT, ServiceProcess, eventually, free_port
 from tests.support.webhook_receiver import Receiver
+from yoke.bus import Bus
 from yoke.client import Client
+from yoke.ids import new_id
+from yoke.models import Message, TextPart
+from yoke.runtime.joins import create_forum
+from yoke.runtime.posting import Poster
+from yoke.settings import Settings
 from yoke.store import Store
 from yoke.webhooks import (
     DEAD_LETTERS,
@@ -33,8 +40,11 @@ from yoke.webhooks import (
     WebhookSubscription,
     add_webhook,
     collection,
+    dead_letters,
     ensure_webhook_indexes,
+    load_cursor,
     remove_webhook,
+    signature_matches,
 )
 
 pytestmark = pytest.mark.slow
@@ -157,7 +167,7 @@ async def test_a_delivery_is_signed_and_names_its_line(
     assert request.headers["x-yoke-signature"] == expected
     assert request.headers["content-type"] == "application/json"
     tampered = request.body.replace(b"signed", b"forged")
-    assert hmac.new(secret.encode(), tampered, hashlib.sha256).hexdigest() not in expected
+    assert not signature_matches(secret, tampered, request.headers["x-yoke-signature"])
     body = request.json
     assert body["deliveryId"] == request.headers["x-yoke-delivery"]
     assert body["subscriptionId"] == subscription_id
@@ -380,3 +390,257 @@ async def test_a_subscription_lease_has_one_holder_and_passes_on_when_it_is_let_
     assert not await first.keep(subscription_id)
     leases = await collection(store, LEASES).find({"subscriptionId": subscription_id}).to_list()
     assert {lease["holder"] for lease in leases} == {"second"}
+
+
+# --- the worker in this process, on a database of the test's own ---------------------------
+# For what needs a fault injected (a replica losing the store mid-POST, a stop with the store
+# away). The module's gateways use the module's database, so they never see these
+# subscriptions.
+
+
+@pytest.fixture
+async def worker_store(mongodb_url: str) -> AsyncIterator[Store]:
+    store = Store(mongodb_url)
+    await store.ensure_indexes()
+    await ensure_webhook_indexes(store)
+    yield store
+    await store.close()
+
+
+LEASE_SECONDS = 2.0
+# What a stopping replica may take to leave with the store away (ownership's bound is 5 s).
+STOP_SECONDS = 8.0
+
+
+class HoldingReceiver:
+    """Answers 200 at once, except the first POST of the text ``held``: until ``release``."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.release = asyncio.Event()
+        self.holding = asyncio.Event()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        self.release.set()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readline()
+            length = 0
+            while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value)
+            body = json.loads(await reader.readexactly(length))
+            text = body["message"]["parts"][0]["text"]
+            first_held = text == "held" and not self.holding.is_set()
+            self.texts.append(text)
+            if first_held:
+                self.holding.set()
+                await self.release.wait()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_a_replica_that_lost_the_lease_mid_post_leaves_the_cursor_alone(
+    amqp_url: str, mongodb_url: str, worker_store: Store
+) -> None:
+    """A replica that lost a subscription's lease mid-POST never moves its cursor back.
+
+    Replica A POSTs a line; the receiver holds the request while A loses the store (its lease
+    runs out) and replica B takes the subscription over and delivers that line and the next
+    ones. When A's POST returns at last, writing the cursor A had over B's would make B send
+    the later lines again, after lines it had already sent (out of order, twice).
+    """
+    receiver = HoldingReceiver()
+    await receiver.start()
+    forum = await create_forum(worker_store, "cursor")
+    subscription = await add_webhook(
+        worker_store, forum.id, f"http://127.0.0.1:{receiver.port}/hook"
+    )
+    settings = Settings(
+        amqp_url=amqp_url,
+        mongodb_url=mongodb_url,
+        webhook_lease_seconds=LEASE_SECONDS,
+        webhook_timeout_seconds=60,
+    )
+    bus = Bus(amqp_url, name="test-cursor")
+    await bus.connect()
+    poster = Poster(worker_store, bus, "test")
+    first, second = WebhookWorker(settings, worker_store), WebhookWorker(settings, worker_store)
+    away = Store(f"mongodb://127.0.0.1:{free_port()}/yoke")  # nobody listens there
+
+    async def say(text: str) -> None:
+        await poster.post(
+            Message(
+                id=new_id(),
+                conversation_id=forum.id,
+                author_actor_id="agent",
+                role="agent",
+                parts=[TextPart(text=text)],
+            )
+        )
+
+    try:
+        await first.start()
+
+        async def first_holds() -> bool:
+            return first.leases.held() == 1
+
+        await eventually(first_holds, timeout=30, what="the first replica to hold it")
+        await second.start()
+        await say("held")
+        await asyncio.wait_for(receiver.holding.wait(), 30)
+        first.leases.store = away  # the first replica loses the store: its lease runs out
+
+        async def second_holds() -> bool:
+            return second.leases.held() == 1 and not first.leases.holds(subscription.id)
+
+        await eventually(second_holds, timeout=30, what="the second replica to take over")
+        for text in ("one", "two"):
+            await say(text)
+
+        async def delivered_two() -> bool:
+            return "two" in receiver.texts
+
+        await eventually(delivered_two, timeout=30, what="the second replica to deliver")
+        head = (await load_cursor(worker_store, subscription.id)).seq  # type: ignore[union-attr]
+        receiver.release.set()  # the first replica's POST returns at last
+        await asyncio.sleep(3 * LEASE_SECONDS)
+        cursor = await load_cursor(worker_store, subscription.id)
+        assert cursor is not None and cursor.seq >= head
+        assert receiver.texts.count("one") == 1 and receiver.texts.count("two") == 1, receiver.texts
+    finally:
+        await second.stop()
+        await first.stop()
+        await away.close()
+        await bus.close()
+        await receiver.close()
+
+
+async def test_a_dead_letter_shows_no_url_password(
+    amqp_url: str, mongodb_url: str, worker_store: Store
+) -> None:
+    """A webhook dead letter names its receiver by origin only: no password, path or query.
+
+    Letters are shown to every token whose scope holds their forum (the console) and printed by
+    ``yoke webhook list``; a receiver's basic-auth password, or a secret kept in its path or
+    query (Slack-style hooks), must not reach them (the subscription keeps the whole URL, to
+    deliver; its id names it).
+    """
+    forum = await create_forum(worker_store, "letters")
+    # Nobody listens there, and the retry window is zero: the first failure is a dead letter.
+    port = free_port()
+    url = f"http://hook-user:hunter2-secret@127.0.0.1:{port}/hook/T0/pathsecret42?k=querysecret42"
+    subscription = await add_webhook(worker_store, forum.id, url)
+    settings = Settings(amqp_url=amqp_url, mongodb_url=mongodb_url, webhook_retry_window_seconds=0)
+    worker = WebhookWorker(settings, worker_store)
+    bus = Bus(amqp_url, name="test-letters")
+    await bus.connect()
+    await worker.start()
+    try:
+        await Poster(worker_store, bus, "test").post(
+            Message(
+                id=new_id(),
+                conversation_id=forum.id,
+                author_actor_id="agent",
+                role="agent",
+                parts=[TextPart(text="an agent line")],
+            )
+        )
+
+        async def dead_lettered() -> bool:
+            return bool(await dead_letters(worker_store, [forum.id]))
+
+        await eventually(dead_lettered, timeout=60, what="the line to be dead-lettered")
+    finally:
+        await worker.stop()
+        await bus.close()
+    [letter] = await dead_letters(worker_store, [forum.id])
+    assert letter.subscription_id == subscription.id
+    shown = letter.model_dump_json()
+    for secret in ("hunter2-secret", "pathsecret42", "querysecret42"):
+        assert secret not in shown, shown
+    assert letter.url == f"http://127.0.0.1:{port}/…"
+
+
+async def test_stopping_with_the_store_away_takes_seconds(
+    amqp_url: str, mongodb_url: str, worker_store: Store
+) -> None:
+    """A stopping gateway hands its webhook subscriptions over within seconds, store or none.
+
+    Releasing a held subscription deletes its lease buckets; with the store away, each delete
+    waiting out the driver's server selection (10 s) in turn, two buckets per subscription,
+    would keep a SIGTERM'd gateway from exiting for minutes.
+    """
+    forums = [await create_forum(worker_store, f"webhook stop {n}") for n in range(3)]
+    for forum in forums:
+        # Nothing is ever POSTed (the forums stay silent): the URL need not answer.
+        await add_webhook(worker_store, forum.id, "http://127.0.0.1:9/hook")
+    worker = WebhookWorker(
+        Settings(amqp_url=amqp_url, mongodb_url=mongodb_url, webhook_lease_seconds=30), worker_store
+    )
+    await worker.start()
+    away = Store(f"mongodb://127.0.0.1:{free_port()}/yoke")  # nobody listens there
+    try:
+
+        async def holds_all() -> bool:
+            return worker.leases.held() == len(forums)
+
+        await eventually(holds_all, timeout=30, what="the worker to hold every subscription")
+        worker.leases.store = away  # the store goes away
+        started = time.monotonic()
+        await worker.stop()
+        took = time.monotonic() - started
+    finally:
+        await away.close()
+    assert took < STOP_SECONDS, f"stopping took {took:.1f} s with the store away"
+
+
+async def test_a_receiver_accepts_a_real_delivery_by_its_signature_and_no_forgery(
+    amqp_url: str, mongodb_url: str, worker_store: Store, receiver: Receiver
+) -> None:
+    """``signature_matches`` as a receiver uses it, on what the worker really sent: the
+    delivery's body and header pass; another body, another secret or a bare digest do not."""
+    forum = await create_forum(worker_store, "signed in process")
+    subscription = await add_webhook(worker_store, forum.id, receiver.url("/in-process"))
+    worker = WebhookWorker(Settings(amqp_url=amqp_url, mongodb_url=mongodb_url), worker_store)
+    bus = Bus(amqp_url, name="test-signature")
+    await bus.connect()
+    await worker.start()
+    try:
+        await Poster(worker_store, bus, "test").post(
+            Message(
+                id=new_id(),
+                conversation_id=forum.id,
+                author_actor_id="agent",
+                role="agent",
+                parts=[TextPart(text="signed, sealed")],
+            )
+        )
+        await received(receiver, "/in-process", 1)
+    finally:
+        await worker.stop()
+        await bus.close()
+    [delivery] = receiver.delivered("/in-process")
+    header = delivery.headers["x-yoke-signature"]
+    assert delivery.text == "signed, sealed"
+    assert signature_matches(subscription.secret, delivery.body, header)
+    tampered = delivery.body.replace(b"signed, sealed", b"signed, forged")
+    assert tampered != delivery.body
+    assert not signature_matches(subscription.secret, tampered, header)
+    assert not signature_matches("another secret", delivery.body, header)
+    assert not signature_matches(subscription.secret, delivery.body, header.removeprefix("sha256="))
