@@ -13,7 +13,7 @@ import unicodedata
 
 from pydantic import BaseModel, Field
 
-from yoke.tools.base import Tool, ToolContext
+from yoke.tools import Tool, ToolContext
 
 
 class OrderInput(BaseModel):
