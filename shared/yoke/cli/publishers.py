@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import secrets
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
@@ -80,6 +81,25 @@ def _why(response: httpx.Response) -> str:
 async def create_publisher(management: Management, name: str, password: str | None = None) -> str:
     """Create user ``name`` with the bridge permissions in the vhost; returns its password.
 
+    A name starting ``tool-`` is refused: those are tool workers' users, and the door takes
+    the answer to a tool call by the user that published it.
+    """
+    if name.startswith(topology.TOOL_USER_PREFIX):
+        raise PublisherRefused(
+            f"user name {name!r} starts with {topology.TOOL_USER_PREFIX!r}, which is kept for "
+            "tool workers (yoke tools add-worker makes those); choose another"
+        )
+    return await create_user(management, name, topology.PUBLISHER_PERMISSIONS, password)
+
+
+async def create_user(
+    management: Management,
+    name: str,
+    permissions: Mapping[str, str],
+    password: str | None = None,
+) -> str:
+    """Create user ``name`` with exactly ``permissions`` in the vhost; returns its password.
+
     An existing user is refused, not overwritten: the name might be the services' own user,
     whose tags and password a PUT would replace. If the permissions cannot be set, the user
     just made is removed again.
@@ -88,7 +108,7 @@ async def create_publisher(management: Management, name: str, password: str | No
         raise PublisherRefused(f"invalid user name {name!r}")
     password = password or secrets.token_urlsafe(24)
     user = f"/api/users/{quote(name, safe='')}"
-    permissions = f"/api/permissions/{quote(management.vhost, safe='')}/{quote(name, safe='')}"
+    grant = f"/api/permissions/{quote(management.vhost, safe='')}/{quote(name, safe='')}"
     try:
         async with httpx.AsyncClient(
             base_url=management.url, auth=management.auth, timeout=30
@@ -106,7 +126,7 @@ async def create_publisher(management: Management, name: str, password: str | No
                     f"the management API at {management.url} refused to create user "
                     f"{name!r}: {_why(created)}"
                 )
-            granted = await api.put(permissions, json=topology.PUBLISHER_PERMISSIONS)
+            granted = await api.put(grant, json=dict(permissions))
             if granted.is_error:
                 await api.delete(user)
                 raise PublisherRefused(
@@ -118,6 +138,28 @@ async def create_publisher(management: Management, name: str, password: str | No
             f"cannot reach the management API at {management.url}: {error!r}"
         ) from error
     return password
+
+
+async def delete_user(management: Management, name: str) -> bool:
+    """Delete RabbitMQ user ``name`` (its connections close with it); False if there was none."""
+    user = f"/api/users/{quote(name, safe='')}"
+    try:
+        async with httpx.AsyncClient(
+            base_url=management.url, auth=management.auth, timeout=30
+        ) as api:
+            deleted = await api.delete(user)
+    except httpx.HTTPError as error:
+        raise PublisherRefused(
+            f"cannot reach the management API at {management.url}: {error!r}"
+        ) from error
+    if deleted.status_code == 404:
+        return False
+    if deleted.is_error:
+        raise PublisherRefused(
+            f"the management API at {management.url} refused to delete user {name!r}: "
+            f"{_why(deleted)}"
+        )
+    return True
 
 
 async def publisher_create(args: argparse.Namespace) -> None:

@@ -1,0 +1,181 @@
+"""A worker tool's RabbitMQ user may read its own call queue and publish commands, nothing else.
+
+``tool-NAME`` is made through the real management API (what ``yoke tools add-worker`` calls);
+what it may do is tried by a worker written with pika alone, as a separate process. Users are
+per broker, not per vhost: every test names its own tool.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from urllib.parse import quote, unquote, urlsplit
+
+import aio_pika
+import httpx
+import pytest
+from aiormq.exceptions import ProbableAuthenticationError
+
+from tests.support.cli import run_yoke
+from tests.support.worker_process import WorkerProcess, as_user
+from yoke import topology
+from yoke.cli.tool_users import ToolUserRefused, create_tool_user, delete_tool_user
+from yoke.settings import Settings
+
+
+def vhost_of(amqp_url: str) -> str:
+    return unquote(urlsplit(amqp_url).path[1:]) or "/"
+
+
+@pytest.fixture(scope="module")
+def settings(servers: tuple[str, str, str], amqp_url: str) -> Settings:
+    return Settings(amqp_url=amqp_url, management_url=servers[2])
+
+
+@pytest.fixture(scope="module")
+async def management(
+    servers: tuple[str, str, str], amqp_url: str
+) -> AsyncIterator[httpx.AsyncClient]:
+    parts = urlsplit(amqp_url)
+    auth = (unquote(parts.username or "guest"), unquote(parts.password or "guest"))
+    async with httpx.AsyncClient(base_url=servers[2], auth=auth, timeout=30) as api:
+        yield api
+
+
+@pytest.fixture
+async def tool_name(management: httpx.AsyncClient) -> AsyncIterator[str]:
+    """A tool name no other test uses; its user is removed after the test whatever happened."""
+    name = f"t{uuid.uuid4().hex[:10]}"
+    yield name
+    await management.delete(f"/api/users/{quote(topology.tool_user(name), safe='')}")
+
+
+@pytest.fixture(scope="module")
+async def mesh_topology(amqp_url: str) -> AsyncIterator[Callable[[str], Awaitable[None]]]:
+    """The exchanges a worker's user must not reach, and a way to declare tool queues as the
+    mesh does (the admin declares: a worker never does)."""
+    connection = await aio_pika.connect(amqp_url)
+    channel = await connection.channel()
+    for name in (topology.EVENTS_EXCHANGE, topology.FORUM_EXCHANGE, topology.COMMANDS_EXCHANGE):
+        await channel.declare_exchange(name, aio_pika.ExchangeType.TOPIC, durable=True)
+    await channel.declare_queue(topology.DEAD_LETTER_QUEUE, durable=True)
+
+    async def declare_tool_queue(tool: str) -> None:
+        await channel.declare_queue(
+            topology.tool_queue(tool), durable=True, arguments=topology.tool_queue_arguments()
+        )
+
+    yield declare_tool_queue
+    await connection.close()
+
+
+async def test_a_tool_user_gets_exactly_the_worker_permissions_and_no_tag(
+    settings: Settings, management: httpx.AsyncClient, amqp_url: str, tool_name: str
+) -> None:
+    password = await create_tool_user(settings, tool_name)
+
+    user = topology.tool_user(tool_name)
+    found = await management.get(f"/api/users/{quote(user, safe='')}")
+    assert found.status_code == 200, found.text
+    assert found.json()["tags"] in ("", [])  # 3.10 says "", later versions []
+    granted = await management.get(f"/api/users/{quote(user, safe='')}/permissions")
+    granted.raise_for_status()
+    assert [
+        {key: entry[key] for key in ("vhost", "configure", "write", "read")}
+        for entry in granted.json()
+    ] == [{"vhost": vhost_of(amqp_url), **topology.tool_worker_permissions(tool_name)}]
+    assert topology.tool_worker_permissions(tool_name)["read"] == (f"^yoke\\.tool\\.{tool_name}$")
+    # The password it returned is the one that logs in.
+    connection = await aio_pika.connect(as_user(amqp_url, user, password))
+    await connection.close()
+
+
+async def test_an_existing_tool_user_is_refused_and_keeps_its_password(
+    settings: Settings, amqp_url: str, tool_name: str
+) -> None:
+    password = await create_tool_user(settings, tool_name)
+    with pytest.raises(ToolUserRefused, match="exists already"):
+        await create_tool_user(settings, tool_name)
+    connection = await aio_pika.connect(as_user(amqp_url, topology.tool_user(tool_name), password))
+    await connection.close()
+
+
+async def test_a_name_that_is_not_a_tool_name_makes_no_user(
+    settings: Settings, management: httpx.AsyncClient
+) -> None:
+    for bad in ("has space", "dotted.name", "", "x" * 65):
+        with pytest.raises(ToolUserRefused, match="must match"):
+            await create_tool_user(settings, bad)
+        if bad:
+            found = await management.get(f"/api/users/{quote('tool-' + bad, safe='')}")
+            assert found.status_code == 404
+
+
+async def test_deleting_a_tool_user_removes_it_and_its_login(
+    settings: Settings, management: httpx.AsyncClient, amqp_url: str, tool_name: str
+) -> None:
+    password = await create_tool_user(settings, tool_name)
+    user = topology.tool_user(tool_name)
+
+    assert await delete_tool_user(settings, tool_name) is True
+
+    found = await management.get(f"/api/users/{quote(user, safe='')}")
+    assert found.status_code == 404
+    with pytest.raises(ProbableAuthenticationError):
+        await aio_pika.connect(as_user(amqp_url, user, password))
+    assert await delete_tool_user(settings, tool_name) is False  # nothing left to delete
+
+
+async def test_a_worker_may_consume_its_own_queue_and_nothing_else(
+    settings: Settings,
+    amqp_url: str,
+    tool_name: str,
+    mesh_topology: Callable[[str], Awaitable[None]],
+) -> None:
+    other = f"{tool_name}-other"
+    await mesh_topology(tool_name)
+    await mesh_topology(other)
+    password = await create_tool_user(settings, tool_name)
+    url = as_user(amqp_url, topology.tool_user(tool_name), password)
+
+    worker = await WorkerProcess.start(
+        url, tool_name, "probe", "--other-queue", topology.tool_queue(other)
+    )
+    assert await worker.exited() == 0, worker.stderr.decode()
+
+    outcomes = {line["attempt"]: line for line in worker.lines if line["event"] == "probe"}
+    own = topology.tool_queue(tool_name)
+    assert outcomes.pop(f"consume {own}")["refused"] is False
+    expected = {
+        f"consume {topology.tool_queue(other)}",
+        f"bind {own} to yoke.events",
+        f"bind {own} to yoke.forum",
+        f"bind {topology.tool_queue(other)} to yoke.events",
+        "declare queue worker.own",
+        "declare a server-named queue",
+        f"declare {own}",
+        "publish to yoke.events",
+        f"publish to {own}",
+        "publish as another user",
+    }
+    assert set(outcomes) == expected
+    allowed = [name for name, line in outcomes.items() if not line["refused"]]
+    assert allowed == []
+    # Refused for the right reasons: permissions, and the broker's user_id check.
+    assert "ACCESS_REFUSED" in outcomes[f"consume {topology.tool_queue(other)}"]["error"]
+    assert "PRECONDITION_FAILED" in outcomes["publish as another user"]["error"]
+
+
+async def test_a_publisher_may_not_take_a_tool_user_name(
+    servers: tuple[str, str, str], amqp_url: str, management: httpx.AsyncClient
+) -> None:
+    name = f"tool-{uuid.uuid4().hex[:8]}"
+    env = {"YOKE_AMQP_URL": amqp_url, "YOKE_MANAGEMENT_URL": servers[2]}
+
+    code, out, err = await run_yoke(env, "publisher", "create", "--name", name)
+
+    assert code != 0
+    assert "tool-" in err and "tool workers" in err
+    assert out == ""
+    found = await management.get(f"/api/users/{quote(name, safe='')}")
+    assert found.status_code == 404
