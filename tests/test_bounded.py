@@ -75,10 +75,14 @@ def test_a_bounded_label_keeps_known_values_then_the_first_few_then_other() -> N
     assert label("z", also={"z"}) == "z"  # a value the caller knows (a priced model)
 
 
-def test_tool_labels_are_the_built_in_tools_else_other() -> None:
+def test_tool_labels_are_catalog_tools_else_other() -> None:
     for name in BUILTIN_TOOLS:
         assert tool_label(name) == name
-    assert tool_label("rm -rf /") == OTHER
+    assert tool_label("rm -rf /", known=False) == OTHER  # a name a model invented
+    for i in range(300):  # catalog tools: the first 200 past the built-ins, then other
+        tool_label(f"catalog-tool-{i}")
+    assert tool_label("catalog-tool-0") == "catalog-tool-0"
+    assert tool_label("catalog-tool-299") == OTHER
 
 
 def test_model_labels_keep_fixtures_and_priced_models() -> None:

@@ -4,12 +4,14 @@ the tools run waits for their results, unless the results will never come."""
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from services.processor.app import open_round, step, tool_results_id
 from yoke.models import Message, MessageMeta, Part, TextPart, ToolCallPart, ToolResultPart
 from yoke.runtime.actor import ActorContext
 from yoke.runtime.instances import ProcessorConfig, ProcessorState
+from yoke.runtime.open_calls import OpenCall, OpenCalls, open_call_id, result_line_id
 from yoke.settings import Settings
 from yoke.store import Store
 
@@ -151,3 +153,61 @@ async def test_results_whose_call_was_reset_away_start_no_model_call(store: Stor
     assert answer.text == "hello again"
     results = await monologue.results(call)
     assert await monologue.step(results) == []
+
+
+async def open_call_for(monologue: Monologue, call: Message, model_call_id: str) -> OpenCall:
+    """What the round's step records for a call that waits in the store (a worker's)."""
+    opened = OpenCall(
+        id=open_call_id("join", call.id, model_call_id),
+        tool="lookup",
+        source="worker",
+        conversation_id=monologue.id,
+        call_line_id=call.id,
+        model_call_id=model_call_id,
+        timeout_seconds=60,
+        deadline=datetime.now(UTC) + timedelta(seconds=60),
+    )
+    assert await OpenCalls(monologue.store, monologue.poster).open(opened)  # type: ignore[arg-type]
+    return opened
+
+
+async def test_a_round_with_a_waiting_call_is_answered_once_its_last_result_lands(
+    store: Store,
+) -> None:
+    monologue = Monologue(store)
+    await monologue.say("time and order?")
+    call = await monologue.write(
+        "agent",
+        ToolCallPart(call_id="c1", name="clock"),
+        ToolCallPart(call_id="c2", name="lookup"),
+    )
+    opened = await open_call_for(monologue, call, "c2")
+    inline = await monologue.results(call)  # c1's result; c2 waits in the store
+    during = await monologue.say("and the weather?")
+    assert await monologue.step(inline) == []  # c2 has no result yet: no model call
+    assert await monologue.step(during) == []  # the open call's result step answers it
+    open_calls = OpenCalls(store, monologue.poster)  # type: ignore[arg-type]
+    won, _ = await open_calls.end(opened, outcome="answered", output="shipped", is_error=False)
+    assert won
+    [result_line] = [
+        line for line in monologue.poster.posted if line.id == result_line_id(opened.id)
+    ]
+    assert result_line.parts == [
+        ToolResultPart(call_id="c2", name="lookup", output="shipped", is_error=False)
+    ]
+    assert await open_calls.get(opened.id) is None
+    [answer] = await monologue.step(result_line)
+    assert answer.role == "agent" and answer.text == "and the weather?"  # fixture-echo
+    again, end = await open_calls.end(opened, outcome="timeout", output="late", is_error=True)
+    assert not again and end.output == "shipped"  # the first end stands
+
+
+async def test_a_line_during_a_round_whose_waiting_call_is_gone_is_answered_at_once(
+    store: Store,
+) -> None:
+    monologue = Monologue(store)
+    await monologue.say("order?")
+    await monologue.write("agent", ToolCallPart(call_id="c2", name="lookup"))
+    during = await monologue.say("hello?")  # no open call was recorded: nothing will come
+    [answer] = await monologue.step(during)
+    assert answer.text == "hello?"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from typing import TypeVar
 
 from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
@@ -27,17 +28,20 @@ from yoke.models import (
     RejectCode,
     SubmitMessage,
     SubmitReply,
+    SubmitToolResult,
     TextPart,
 )
 from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.runtime.compaction import carry_tail, copy_target
 from yoke.runtime.instances import INGESTION, IngestionConfig, IngestionState
 from yoke.runtime.joins import ensure_participant_id
+from yoke.runtime.open_calls import OpenCalls
 from yoke.runtime.service import Service, describe_validation_error
 
 log = logging.getLogger(__name__)
 
 UNKEYED = "?unkeyed"
+Command = TypeVar("Command", SubmitMessage, SubmitToolResult)
 # Deeper than any good command (its meta nests at most MAX_META_DEPTH levels), and shallow
 # enough that no parser recursion is ever at risk.
 MAX_BODY_DEPTH = 32
@@ -74,8 +78,13 @@ def nesting_depth(body: bytes, limit: int = MAX_BODY_DEPTH) -> int:
     return deepest
 
 
-def command_key(message: AbstractIncomingMessage, max_bytes: int = MAX_KEYED_BODY_BYTES) -> str:
-    """Commands carry no header: key them by the conversationId in the body (FIFO per forum).
+def command_key(
+    message: AbstractIncomingMessage,
+    max_bytes: int = MAX_KEYED_BODY_BYTES,
+    field: str = "conversationId",
+) -> str:
+    """Commands carry no header: key them by the conversationId in the body (FIFO per forum;
+    a tool result by its ``callId``, so results of different calls never share a lane).
 
     Never raises, whatever the body: a body with no usable key shares one lane, and the door
     answers it.
@@ -85,7 +94,7 @@ def command_key(message: AbstractIncomingMessage, max_bytes: int = MAX_KEYED_BOD
         if len(body) > max_bytes or nesting_depth(body) > MAX_BODY_DEPTH:
             return UNKEYED
         parsed = json.loads(body)
-        key = parsed.get("conversationId") if isinstance(parsed, dict) else None
+        key = parsed.get(field) if isinstance(parsed, dict) else None
         if isinstance(key, str) and 0 < len(key) <= MAX_ID_CHARS:
             return key
     except Exception:
@@ -97,7 +106,9 @@ def _not_a_json_constant(name: str) -> object:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_command(body: bytes, max_bytes: int) -> SubmitMessage | SubmitReply:
+def parse_command(
+    body: bytes, max_bytes: int, model: type[Command]
+) -> Command | SubmitReply:
     """The command in ``body``, or the rejection that says why not.
 
     The raw checks come first, each cheap and bounded: size, UTF-8, nesting depth. Then the
@@ -125,7 +136,7 @@ def parse_command(body: bytes, max_bytes: int) -> SubmitMessage | SubmitReply:
             "invalid_body", f"the command must be a JSON object, not {type(parsed).__name__}"
         )
     try:
-        return SubmitMessage.model_validate(parsed)
+        return model.model_validate(parsed)
     except ValidationError as error:
         return _rejected("invalid_command", f"invalid command: {describe_validation_error(error)}")
 
@@ -162,7 +173,7 @@ class Door:
             )
 
     async def submit(self, body: bytes) -> SubmitReply:
-        command = parse_command(body, self.max_body_bytes)
+        command = parse_command(body, self.max_body_bytes, SubmitMessage)
         if isinstance(command, SubmitReply):
             return command
         size = len(command.text.encode())
@@ -206,6 +217,53 @@ class Door:
             )
         )
         return SubmitReply(status="accepted", message_id=stored.id, duplicate=not created)
+
+
+class ToolResultDoor:
+    """Takes a worker's answer (``tool.result.submit``) to a call that waits in the store.
+
+    Who answers is the RabbitMQ user that published it, which the broker verified (``user_id``)
+    and the command router passed on: the answer must come from the user of the call's tool.
+    """
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.open_calls = OpenCalls(service.store, service.poster)
+        self.max_text_bytes = service.settings.max_text_bytes
+        self.max_body_bytes = self.max_text_bytes * 2 + 4096
+
+    def key(self, message: AbstractIncomingMessage) -> str:
+        return command_key(message, self.max_body_bytes, "callId")
+
+    async def handle(self, message: AbstractIncomingMessage) -> None:
+        user = (message.headers or {}).get(topology.USER_HEADER)
+        reply = await self.submit(message.body, str(user) if user else None)
+        COMMANDS.labels("duplicate" if reply.duplicate else reply.status).inc()
+        if reply.status == "rejected":
+            log.warning(
+                "rejected tool result from %s: %s",
+                user or "an unnamed publisher",
+                reply.error,
+                extra={"messageId": message.message_id},
+            )
+        if message.reply_to:
+            await self.service.bus.reply(
+                message.reply_to,
+                message.correlation_id,
+                reply.model_dump_json(exclude_none=True).encode(),
+            )
+
+    async def submit(self, body: bytes, user: str | None) -> SubmitReply:
+        answer = parse_command(body, self.max_body_bytes, SubmitToolResult)
+        if isinstance(answer, SubmitReply):
+            return answer
+        size = len(answer.output.encode())
+        if size > self.max_text_bytes:
+            return _rejected(
+                "too_large",
+                f"output is {size} bytes; the limit is {self.max_text_bytes} (YOKE_MAX_TEXT_BYTES)",
+            )
+        return await self.open_calls.answer(answer.call_id, user, answer.output, answer.is_error)
 
 
 def _rejected(code: RejectCode, error: str) -> SubmitReply:
@@ -276,5 +334,9 @@ INGESTION_ACTOR = ActorDefinition(
 def register(service: Service) -> None:
     door = Door(service)
     service.on_intake(topology.COMMANDS_EXCHANGE, topology.SUBMIT_COMMAND, door.key, door.handle)
+    results = ToolResultDoor(service)
+    service.on_intake(
+        topology.COMMANDS_EXCHANGE, topology.TOOL_RESULT_COMMAND, results.key, results.handle
+    )
     # Forum lines only (its own copies go to monologues, the processor's business).
     ActorRuntime(service, [INGESTION_ACTOR], where=[{"kind": "forum", "type": "message"}])

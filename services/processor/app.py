@@ -29,7 +29,6 @@ from yoke.metrics import (
     LLM_COST,
     LLM_TOKENS,
     NOTICES,
-    TOOL_CALLS,
     model_label,
     tool_label,
 )
@@ -45,17 +44,20 @@ from yoke.models import (
     Usage,
 )
 from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
+from yoke.runtime.catalog import LocalTools, ToolCatalog
 from yoke.runtime.compaction import call_ids, compact, result_ids
+from yoke.runtime.dispatch import ToolDispatch, deadline_after
 from yoke.runtime.instances import (
     PROCESSOR,
     ProcessorConfig,
     ProcessorState,
     load_processor_config,
 )
+from yoke.runtime.mcp_hosting import McpHosting
+from yoke.runtime.open_calls import OpenCall, OpenCalls, open_call_id
 from yoke.runtime.service import Service
 from yoke.tools.base import Tool
-from yoke.tools.builtin import resolve_tools
-from yoke.tools.run import run_tool_calls
+from yoke.tools.catalog import CatalogEntry
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,10 @@ LOOP_WINDOW = 10
 LOOP_LINES = 4 * LOOP_WINDOW
 # An activity event never holds a step up longer than this (it is a courtesy to live views).
 ACTIVITY_PUBLISH_SECONDS = 2.0
+# An open MCP call's deadline is its tool's timeout plus this.
+OPEN_CALL_GRACE_SECONDS = 1.0
+
+_dispatch: ToolDispatch | None = None
 
 
 def call_signature(call: ToolCallPart) -> str:
@@ -150,6 +156,15 @@ async def answer_tool_results(context: Context, trigger: Message) -> None:
             extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
         )
         return
+    still = unanswered(call_ids(transcript[round_index]), transcript[round_index + 1 :])
+    if still:
+        # The step of the round's last result answers (invariant 10: one model call a round).
+        log.info(
+            "not answering yet: %d call(s) of the round still wait for their results",
+            len(still),
+            extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
+        )
+        return
     waiting = [
         line
         for line in transcript[round_index + 1 : -1]
@@ -212,15 +227,22 @@ def call_line_index(transcript: list[Message], results: Message) -> int | None:
 
 
 def open_round(transcript: list[Message]) -> Message | None:
-    """The agent's latest tool-call line, when no result of its calls follows it here."""
+    """The agent's latest tool-call line, when some of its calls have no result here yet."""
     for index in range(len(transcript) - 1, -1, -1):
         line = transcript[index]
         called = call_ids(line)
         if line.role != "agent" or not called:
             continue
-        answered = any(called & result_ids(later) for later in transcript[index + 1 :])
-        return None if answered else line
+        return line if unanswered(called, transcript[index + 1 :]) else None
     return None
+
+
+def unanswered(called: set[str], later: list[Message]) -> set[str]:
+    """The call ids among ``called`` that no line of ``later`` answers."""
+    answered: set[str] = set()
+    for line in later:
+        answered |= result_ids(line)
+    return called - answered
 
 
 def tool_results_id(context: Context, call_line: Message) -> str:
@@ -229,17 +251,26 @@ def tool_results_id(context: Context, call_line: Message) -> str:
 
 
 async def results_on_their_way(context: Context, transcript: list[Message]) -> bool:
-    """Whether the trigger landed while a tool round was pending, and its results are written.
+    """Whether the trigger landed while a tool round was pending, and its results will come.
 
-    Steps run in seq order, so the round's own step is over: its results are either written
-    after the trigger, and their step (whose transcript holds the trigger) answers it, or they
-    never will be (the step failed for good), and then the trigger is answered now rather than
-    never; the prompt marks the lost results as missing.
+    Steps run in seq order, so the round's own step is over: the results it ran itself are
+    either written after the trigger, and the step of the round's last result (whose
+    transcript holds the trigger) answers it; or the calls wait in the store (open calls),
+    whose results come later the same way; or they never will (the step failed for good),
+    and then the trigger is answered now rather than never: the prompt marks the lost results
+    as missing.
     """
     call_line = open_round(transcript)
     if call_line is None:
         return False
-    return await context.store.get_message(tool_results_id(context, call_line)) is not None
+    if await context.store.get_message(tool_results_id(context, call_line)) is not None:
+        return True
+    missing = unanswered(call_ids(call_line), transcript)
+    open_calls = OpenCalls(context.store, context.poster)
+    for call_id in sorted(missing):
+        if await open_calls.exists(open_call_id(context.instance_id, call_line.id, call_id)):
+            return True
+    return False
 
 
 async def answer_slash_command(context: Context, trigger: Message) -> None:
@@ -290,6 +321,7 @@ async def post_agent_line(
 def repeated_calls(
     earlier: list[Message], calls: list[ToolCallPart], tools: dict[str, Tool]
 ) -> set[str]:
+    # ``tools``: this process's own tools, whose ``repeat_safe`` lets polling through.
     """Call ids the doom-loop guard refuses: a 4th identical call within the last 10 calls."""
     history = [
         p for m in earlier if m.role == "agent" for p in m.parts if isinstance(p, ToolCallPart)
@@ -349,27 +381,55 @@ async def run_tools(context: Context, trigger: Message, calls: list[ToolCallPart
         await run_tool_round(context, trigger, calls)
 
 
+def tool_dispatch() -> ToolDispatch:
+    """This process's tool dispatch (made by :func:`register`)."""
+    if _dispatch is None:
+        raise RuntimeError("the processor's tools are not set up (register() was not called)")
+    return _dispatch
+
+
 async def run_tool_round(context: Context, trigger: Message, calls: list[ToolCallPart]) -> None:
-    tools = resolve_tools(context.config.tools)
+    """Run the round: what answers now goes in one results line; the rest waits in the store
+    and each of those calls gets a line of its own when it ends."""
+    dispatch = tool_dispatch()
     earlier = await context.store.history(  # enough lines to hold the last LOOP_WINDOW calls
         trigger.conversation_id,
         after_seq=max(0, trigger.seq - 1 - LOOP_LINES),
         up_to_seq=trigger.seq - 1,
     )
-    refused = repeated_calls(earlier, calls, tools)
+    refused = repeated_calls(earlier, calls, dispatch.local.runnable)
     runnable = [call for call in calls if call.call_id not in refused]
-    results = {
-        result.call_id: result
-        for result in await run_tool_calls(
-            runnable,
-            tools,
-            key_of=lambda call: context.effect_id("tool", call.call_id),
+    meta = carried_meta(context, trigger)
+
+    def make_open(call: ToolCallPart, entry: CatalogEntry) -> OpenCall:
+        # An MCP call's own timeout speaks first; a worker's deadline is the tool's timeout.
+        grace = OPEN_CALL_GRACE_SECONDS if entry.source == "mcp" else 0.0
+        return OpenCall(
+            id=open_call_id(context.instance_id, trigger.id, call.call_id),
+            tool=call.name,
+            source=entry.source,
             conversation_id=trigger.conversation_id,
+            call_line_id=trigger.id,
+            model_call_id=call.call_id,
+            input=call.input,
+            timeout_seconds=entry.timeout_seconds,
+            deadline=deadline_after(entry.timeout_seconds + grace),
+            meta=meta.model_copy(deep=True),
+            route=dict(context.route),
         )
-    }
+
+    results = await dispatch.run_round(
+        runnable,
+        context.config.tools,
+        key_of=lambda call: context.effect_id("tool", call.call_id),
+        conversation_id=trigger.conversation_id,
+        make_open=make_open,
+    )
     for call in calls:
         if call.call_id in refused:
-            DOOM_LOOPS.labels(tool_label(call.name)).inc()
+            DOOM_LOOPS.labels(
+                tool_label(call.name, known=call.name in dispatch.local.runnable)
+            ).inc()
             results[call.call_id] = ToolResultPart(
                 call_id=call.call_id,
                 name=call.name,
@@ -377,10 +437,8 @@ async def run_tool_round(context: Context, trigger: Message, calls: list[ToolCal
                 f"these arguments in the last {LOOP_WINDOW} calls; try something else",
                 is_error=True,
             )
-        else:
-            outcome = "error" if results[call.call_id].is_error else "ok"
-            TOOL_CALLS.labels(tool_label(call.name), outcome).inc()
-    meta = carried_meta(context, trigger)
+    if not results:
+        return  # every call waits in the store
     meta.loop_guard = True if refused else None
     await context.post(
         Message(
@@ -388,7 +446,7 @@ async def run_tool_round(context: Context, trigger: Message, calls: list[ToolCal
             conversation_id=trigger.conversation_id,
             author_actor_id=SYSTEM_ACTOR_ID,
             role="user",
-            parts=[results[call.call_id] for call in calls],
+            parts=[results[call.call_id] for call in calls if call.call_id in results],
             meta=meta,
         )
     )
@@ -425,7 +483,7 @@ async def infer_and_post(context: Context, trigger: Message, transcript: list[Me
     config, state = context.config, context.state
     request = InferenceRequest(
         transcript=transcript,
-        tools=resolve_tools(config.tools),
+        tools=await tool_dispatch().catalog.resolve(config.tools) if config.tools else {},
         call_id_prefix=context.effect_id("call"),
         instructions=config.instructions,
         names=await display_names(context, transcript),
@@ -483,6 +541,14 @@ PROCESSOR_ACTOR = ActorDefinition(
 
 
 def register(service: Service) -> None:
+    global _dispatch
+    local = LocalTools.load()
+    catalog = ToolCatalog(service.store, local)
+    open_calls = OpenCalls(service.store, service.poster)
+    hosting = McpHosting(service.store, catalog)
+    _dispatch = ToolDispatch(catalog, local, open_calls, service.bus, hosting.host)
+    service.background("tool catalog", lambda: hosting.run(service.stopping))
+    service.background("tool call deadlines", lambda: open_calls.run_reaper(service.stopping))
     # Monologue lines that start a step: user lines, and the agent's tool calls. Its plain text
     # lines go to egress only (the runtime moves the watermark past them as it writes them).
     ActorRuntime(

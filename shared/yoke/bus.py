@@ -68,6 +68,8 @@ class Bus:
         self._connection: AbstractRobustConnection | None = None
         self._publisher: AbstractChannel | None = None
         self._exchanges: dict[str, AbstractExchange] = {}
+        # Worker tools' call queues declared by this process (bounded by the catalog).
+        self._tool_queues: set[str] = set()
         self.subscriptions: list[Subscription] = []
 
     async def connect(self) -> None:
@@ -193,12 +195,24 @@ class Bus:
             names.append(name)
         return names
 
-    async def declare_intake(self, service: str, exchange: str, binding: str) -> str:
-        """One single-active-consumer queue for commands that carry their key in the body."""
+    async def declare_intake(self, service: str, bindings: list[tuple[str, str]]) -> str:
+        """One single-active-consumer queue for commands that carry their key in the body,
+        bound with each (exchange, routing key) of ``bindings``."""
         channel = self._channel()
         name = topology.intake_queue(service)
         queue = await channel.declare_queue(name, **topology.QUORUM_QUEUE)
-        await queue.bind(self._exchanges[exchange], routing_key=binding)
+        for exchange, binding in bindings:
+            await queue.bind(self._exchanges[exchange], routing_key=binding)
+        return name
+
+    async def declare_tool_queue(self, tool: str) -> str:
+        """A worker tool's call queue (workers never declare it); once per process and tool."""
+        name = topology.tool_queue(tool)
+        if name not in self._tool_queues:
+            await self._channel().declare_queue(
+                name, durable=True, arguments=topology.tool_queue_arguments()
+            )
+            self._tool_queues.add(name)
         return name
 
     def _channel(self) -> AbstractChannel:
@@ -218,8 +232,10 @@ class Bus:
         headers: Mapping[str, str | int] | None = None,
         reply_to: str | None = None,
         correlation_id: str | None = None,
+        expiration: float | None = None,
     ) -> None:
-        """Publish and wait for the broker's confirm.
+        """Publish and wait for the broker's confirm (``exchange`` "" is the default exchange;
+        ``expiration``: seconds until the broker drops the message unconsumed).
 
         A publish on a channel lost to a reconnect raises; retry it with the same message id
         (consumers deduplicate) until the connection is back or the deadline passes.
@@ -232,6 +248,7 @@ class Bus:
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             reply_to=reply_to,
             correlation_id=correlation_id,
+            expiration=expiration,
         )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PUBLISH_RETRY_SECONDS
@@ -239,7 +256,9 @@ class Bus:
         while True:
             try:
                 target = self._exchanges.get(exchange)
-                if target is None:
+                if target is None and not exchange:
+                    target = self._channel().default_exchange
+                elif target is None:
                     target = await self._channel().get_exchange(exchange, ensure=False)
                 await target.publish(message, routing_key=routing_key, timeout=10)
                 return

@@ -11,8 +11,6 @@ from contextvars import ContextVar
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from yoke.tools.builtin import BUILTIN_TOOLS
-
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 EVENTS_HANDLED = Counter(
@@ -85,7 +83,25 @@ LLM_TOKENS = Counter(
     "yoke_llm_tokens", "Tokens used by model and kind (input, output).", ["model", "kind"]
 )
 LLM_COST = Counter("yoke_llm_cost_usd", "Model cost in USD from the price table.", ["model"])
-TOOL_CALLS = Counter("yoke_tool_calls", "Tool calls by tool and outcome.", ["tool", "outcome"])
+TOOL_CALLS = Counter(
+    "yoke_tool_calls",
+    "Tool calls by tool, source (builtin, plugin, mcp, worker; none: not in the catalog) and "
+    "outcome (ok, error, timeout, stopped, rejected).",
+    ["tool", "source", "outcome"],
+)
+TOOL_CALL_SECONDS = Histogram(
+    "yoke_tool_call_seconds",
+    "From a tool call's start to its result, by source.",
+    ["source"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600, 86400),
+)
+OPEN_TOOL_CALLS = Gauge(
+    "yoke_tool_calls_open", "Tool calls waiting in the store for their answer (before deadline)."
+)
+OVERDUE_TOOL_CALLS = Gauge(
+    "yoke_tool_calls_overdue",
+    "Open tool calls found past their deadline at the last check (each is ended then).",
+)
 DOOM_LOOPS = Counter(
     "yoke_doom_loops", "Tool calls refused as a repeat of the same call.", ["tool"]
 )
@@ -129,6 +145,9 @@ OTHER = "other"
 # ever reach a label, since any other ``fixture-`` model fails before a request is made.
 FIXTURE_MODELS = frozenset({"fixture-echo", "fixture-script"})
 SPARE_MODELS = 50
+# yoke.tools.builtin's tools (named here: metrics sits below the tools layer).
+BUILTIN_TOOL_NAMES = ("clock", "calculator", "wait")
+SPARE_TOOLS = 200
 
 
 class BoundedLabel:
@@ -150,7 +169,9 @@ class BoundedLabel:
 
 
 _MODELS = BoundedLabel(FIXTURE_MODELS, spare=SPARE_MODELS)
-_TOOLS = BoundedLabel(BUILTIN_TOOLS)
+# Tools come from the catalog (an operator's choice, so bounded); names a model invents are
+# ``other`` (the caller knows which is which).
+_TOOLS = BoundedLabel(BUILTIN_TOOL_NAMES, spare=SPARE_TOOLS)
 
 
 def model_label(model: str, prices: Container[str] = ()) -> str:
@@ -158,9 +179,10 @@ def model_label(model: str, prices: Container[str] = ()) -> str:
     return _MODELS(model, also=prices)
 
 
-def tool_label(name: str) -> str:
-    """A tool as a label value: the built-in tools; anything a model invents is ``other``."""
-    return _TOOLS(name)
+def tool_label(name: str, *, known: bool = True) -> str:
+    """A tool as a label value: catalog tools (the first 200 seen past the built-ins);
+    anything a model invents (``known=False``) is ``other``."""
+    return _TOOLS(name) if known else OTHER
 
 
 # --- series that start at zero -----------------------------------------------------------------
@@ -190,10 +212,12 @@ def initialize(service: str, prices: Iterable[str] = ()) -> None:
                 LLM_TOKENS.labels(model, kind)
             LLM_COST.labels(model)
     if service == "processor":
-        for tool in BUILTIN_TOOLS:
+        for tool in BUILTIN_TOOL_NAMES:
             DOOM_LOOPS.labels(tool)
             for outcome in TOOL_OUTCOMES:
-                TOOL_CALLS.labels(tool, outcome)
+                TOOL_CALLS.labels(tool, "builtin", outcome)
+        for source in ("builtin", "plugin", "mcp", "worker"):
+            TOOL_CALL_SECONDS.labels(source)
         for reason in PROCESSOR_NOTICES:
             NOTICES.labels(reason)
     if service == "guardian":

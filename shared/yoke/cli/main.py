@@ -14,9 +14,12 @@ from pydantic import ValidationError
 
 from yoke.bus import Bus
 from yoke.cli import supervisor
+from yoke.cli.errors import CommandError, UsageError
 from yoke.cli.publishers import register as register_publishers
 from yoke.cli.status import register as register_status
 from yoke.cli.tokens import register as register_tokens
+from yoke.cli.tools import check_tool_names
+from yoke.cli.tools import register as register_tools
 from yoke.cli.webhooks import register as register_webhooks
 from yoke.client import Client
 from yoke.dead_letters import list_dead_letters, replay_dead_letters
@@ -34,14 +37,6 @@ from yoke.store import Store
 from yoke.tls import refused_as_misconfigured
 
 
-class CommandError(Exception):
-    """Printed to stderr; exit code 1."""
-
-
-class UsageError(CommandError):
-    """A command's input is invalid (say, a join configuration): exit code 2, like argparse."""
-
-
 async def with_store(action: Callable[[Store], Awaitable[None]]) -> None:
     store = Store(Settings().mongodb_url, app_name="yoke-cli")
     try:
@@ -57,6 +52,7 @@ def split_tools(value: str | None) -> list[str] | None:
 
 async def agent_create(args: argparse.Namespace) -> None:
     async def action(store: Store) -> None:
+        await check_tool_names(store, split_tools(args.tools))
         agent = await create_agent(
             store,
             args.name,
@@ -116,6 +112,7 @@ async def join(args: argparse.Namespace) -> None:
     config = join_config_of(args)
 
     async def action(store: Store) -> None:
+        await check_tool_names(store, config.tools)
         bus = Bus(Settings().amqp_url, name="yoke-cli")
         await bus.connect()
         try:
@@ -385,6 +382,7 @@ def parser() -> argparse.ArgumentParser:
     )
     register_publishers(commands)
     register_tokens(commands)
+    register_tools(commands)
     register_webhooks(commands)
     register_status(commands)
     return root

@@ -7,6 +7,7 @@ tools it may call) into outputs plus token usage, and that is all.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
@@ -14,7 +15,7 @@ from typing import Protocol
 from pydantic import ConfigDict, Field, JsonValue
 
 from yoke.models import Message, TextPart, ToolCallPart, ToolResultPart, Usage, WireModel
-from yoke.tools.base import Tool
+from yoke.tools.base import ToolSpec
 
 
 class ProviderFailed(Exception):
@@ -24,7 +25,8 @@ class ProviderFailed(Exception):
 @dataclass
 class InferenceRequest:
     transcript: list[Message]
-    tools: dict[str, Tool]
+    # What the model may call (shown by name, description and schema; run elsewhere).
+    tools: Mapping[str, ToolSpec]
     # Prefix for ids of the tool calls this step makes: derived, so a redelivery repeats them.
     call_id_prefix: str
     instructions: str = ""

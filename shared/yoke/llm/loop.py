@@ -6,12 +6,14 @@ mesh's processor never loops: it takes one step per event (see services/processo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 
 from yoke.ids import SYSTEM_ACTOR_ID, derive_id
 from yoke.llm.base import InferenceRequest, Provider
 from yoke.models import Message, Part, TextPart, ToolCallPart
+from yoke.tools.base import Tool
 from yoke.tools.run import run_tool_calls
 
 MAX_ROUNDS = 8
@@ -37,8 +39,18 @@ async def run_inference_loop(
     agent_actor_id: str,
     conversation_id: str,
     max_rounds: int = MAX_ROUNDS,
+    tools: Mapping[str, Tool] | None = None,
 ) -> LoopResult:
-    """Run rounds until the model answers without tool calls, or ``max_rounds`` pass."""
+    """Run rounds until the model answers without tool calls, or ``max_rounds`` pass.
+
+    The calls run here, in-process: ``tools`` (by default the request's, where they are
+    ``Tool``s this process can run).
+    """
+    runnable = (
+        dict(tools)
+        if tools is not None
+        else {name: tool for name, tool in request.tools.items() if isinstance(tool, Tool)}
+    )
     transcript = list(request.transcript)
     produced: list[Message] = []
     for round_index in range(max_rounds):
@@ -62,7 +74,7 @@ async def run_inference_loop(
             return LoopResult(text=result.text, rounds=round_index + 1, messages=produced)
         outputs = await run_tool_calls(
             result.tool_calls,
-            request.tools,
+            runnable,
             key_of=partial(_tool_key, prefix),
             conversation_id=conversation_id,
         )

@@ -17,7 +17,7 @@ from yoke.llm.base import ScriptedOutput
 from yoke.models import WireModel
 from yoke.safe_regex import compile_safe
 from yoke.store import Store
-from yoke.tools.builtin import BUILTIN_TOOLS
+from yoke.tools.catalog import TOOL_NAME, is_tool_pattern
 
 
 class StrictWireModel(WireModel):
@@ -108,11 +108,15 @@ class JoinConfig(StrictWireModel):
 
     @field_validator("tools")
     @classmethod
-    def known_tools(cls, tools: list[str] | None) -> list[str] | None:
-        unknown = [name for name in tools or [] if name not in BUILTIN_TOOLS]
-        if unknown:
-            known = ", ".join(sorted(BUILTIN_TOOLS))
-            raise ValueError(f"unknown tools {', '.join(unknown)} (known: {known})")
+    def tool_names(cls, tools: list[str] | None) -> list[str] | None:
+        """Names as the catalog writes them (``SERVER__*`` for all of a server's); whether a
+        tool exists is checked against the catalog by ``yoke join``, which has the store."""
+        bad = [name for name in tools or [] if not is_tool_pattern(name)]
+        if bad:
+            raise ValueError(
+                f"not a tool name: {', '.join(bad)} (names match {TOOL_NAME.pattern}, "
+                "or SERVER__* for every tool of an MCP server)"
+            )
         return tools
 
 

@@ -241,11 +241,17 @@ class Service:
                 self.name, [(exchange, binding) for exchange, binding, _ in self._intakes]
             )
 
+            first = self._intakes[0][2]
+
+            def route_of(message: AbstractIncomingMessage) -> Route:
+                # A letter replayed into the queue by name comes with the queue as its key.
+                return routes.get(message.routing_key or "", first)
+
             def key_of(message: AbstractIncomingMessage) -> str:
-                return routes[message.routing_key or ""].key_of(message)
+                return route_of(message).key_of(message)
 
             async def route(message: AbstractIncomingMessage) -> None:
-                await routes[message.routing_key or ""].handle(message)
+                await route_of(message).handle(message)
 
             on_message = self.dispatcher.on_message(Route(queue, key_of, route))
             await self.bus.consume(queue, on_message, prefetch=prefetch)

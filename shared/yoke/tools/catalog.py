@@ -95,3 +95,10 @@ def name_problem(name: str) -> str | None:
     if TOOL_NAME.fullmatch(name) is None:
         return f"tool name {name!r} must match {TOOL_NAME.pattern} (what the OpenAI API accepts)"
     return None
+
+
+def is_tool_pattern(name: str) -> bool:
+    """A tool list's entry: a tool's name, or ``SERVER__*`` (every tool of an MCP server)."""
+    if name.endswith(MCP_SEPARATOR + "*"):
+        return MCP_SERVER_NAME.fullmatch(name.removesuffix(MCP_SEPARATOR + "*")) is not None
+    return TOOL_NAME.fullmatch(name) is not None
