@@ -54,6 +54,7 @@ lint: install
 	$(VENV)/bin/ruff check shared services tests deploy bench
 	$(VENV)/bin/ruff format --check shared services tests deploy bench
 	$(VENV)/bin/mypy --strict shared/yoke services bench
+	$(VENV)/bin/lint-imports
 
 bench: services
 	@$(PY) -m bench
