@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from yoke import topology
 from yoke.consumer import Malformed
+from yoke.errors import describe_validation_error
 from yoke.ids import derive_id
 from yoke.metrics import COMMANDS
 from yoke.models import (
@@ -36,7 +37,7 @@ from yoke.runtime.compaction import carry_tail, copy_target
 from yoke.runtime.instances import INGESTION, IngestionConfig, IngestionState
 from yoke.runtime.joins import ensure_participant_id
 from yoke.runtime.open_calls import OpenCalls
-from yoke.runtime.service import Service, describe_validation_error
+from yoke.runtime.service import Service
 
 log = logging.getLogger(__name__)
 

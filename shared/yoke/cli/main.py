@@ -23,7 +23,7 @@ from yoke.cli.tools import register as register_tools
 from yoke.cli.webhooks import register as register_webhooks
 from yoke.client import Client
 from yoke.dead_letters import list_dead_letters, replay_dead_letters
-from yoke.errors import EXIT_MISCONFIGURED, Misconfigured
+from yoke.errors import EXIT_MISCONFIGURED, Misconfigured, describe_validation_error
 from yoke.logs import configure_cli_logging
 from yoke.models import Message
 from yoke.redact import redact
@@ -31,7 +31,6 @@ from yoke.reshard import ReshardRefused, reshard
 from yoke.runtime.join_config import JoinConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation, leave_conversation
 from yoke.runtime.posting import Poster
-from yoke.runtime.service import describe_validation_error
 from yoke.settings import Settings
 from yoke.store import Store
 from yoke.tls import refused_as_misconfigured

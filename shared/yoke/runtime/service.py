@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from yoke import metrics, topology
 from yoke.bus import Bus, OnMessage
 from yoke.consumer import Dispatcher, Gate, Malformed, Route, event_type_of, key_from_header
-from yoke.errors import EXIT_MISCONFIGURED, Misconfigured, RetryPolicy
+from yoke.errors import EXIT_MISCONFIGURED, Misconfigured, RetryPolicy, describe_validation_error
 from yoke.logs import configure_logging
 from yoke.metrics import EVENT_LAG_SECONDS
 from yoke.models import Envelope, EventPayload, MessagePosted, utcnow
@@ -64,15 +64,6 @@ def parse_envelope(message: AbstractIncomingMessage) -> Envelope:
         return Envelope.model_validate_json(message.body)
     except ValidationError as error:
         raise Malformed(f"not an event envelope: {describe_validation_error(error)}") from error
-
-
-def describe_validation_error(error: ValidationError) -> str:
-    """Names each failing field, e.g. ``author.externalId: Field required``."""
-    problems = []
-    for item in error.errors()[:5]:
-        where = ".".join(str(part) for part in item["loc"]) or "body"
-        problems.append(f"{where}: {item['msg']}")
-    return "; ".join(problems)
 
 
 class Service:
