@@ -36,7 +36,7 @@ IN_DELIVERY: ContextVar[bool] = ContextVar("yoke_in_delivery", default=False)
 STORE_OPERATIONS = Counter(
     "yoke_store_operations",
     "MongoDB commands sent, by service, command and origin (delivery: while handling a "
-    "delivery; background: sweeper, start-up, health).",
+    "delivery; background: outbox sweep, start-up, health).",
     ["service", "command", "origin"],
 )
 DEAD_LETTERS = Counter(
@@ -51,7 +51,7 @@ MESSAGES_POSTED = Counter(
 )
 OUTBOX_REPUBLISHED = Counter(
     "yoke_outbox_republished",
-    "Messages the sweeper found unpublished and published.",
+    "Messages the outbox sweep found unpublished and published.",
     ["service"],
 )
 # Set by :mod:`yoke.outbox` from each writer's in-memory unconfirmed messages.
