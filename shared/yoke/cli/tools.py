@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shlex
 import sys
 from collections.abc import Iterable
@@ -17,8 +18,7 @@ import aio_pika
 from yoke import topology
 from yoke.cli.errors import CommandError, UsageError
 from yoke.cli.tool_users import ToolUserRefused, create_tool_user, delete_tool_user
-from yoke.runtime.catalog import CLASH_PREFIX, LocalTools, ToolCatalog
-from yoke.runtime.mcp_hosting import registered_servers
+from yoke.runtime.catalog import CLASH_PREFIX, LocalTools, ToolCatalog, registered_servers
 from yoke.settings import Settings
 from yoke.store import Store
 from yoke.tools.catalog import (
@@ -37,7 +37,16 @@ MAX_WORKER_TIMEOUT_SECONDS = 7 * 24 * 3600.0
 
 def catalog_of(store: Store) -> ToolCatalog:
     """The catalog as this installation sees it: the store's, plus the tools installed here."""
-    return ToolCatalog(store, LocalTools.load())
+    # A broken plugin is `yoke tools list`'s to report (unavailable, with its error); its
+    # warning and traceback on every verb that reads the catalog would read as that verb failing.
+    plugins_log = logging.getLogger("yoke.tools.plugins")
+    level = plugins_log.level
+    plugins_log.setLevel(logging.ERROR)
+    try:
+        local = LocalTools.load()
+    finally:
+        plugins_log.setLevel(level)
+    return ToolCatalog(store, local)
 
 
 async def check_tool_names(store: Store, names: Iterable[str] | None) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from yoke.ids import derive_id
 from yoke.store import Store
 from yoke.tools.base import Tool
-from yoke.tools.catalog import CATALOG, MCP_SEPARATOR, CatalogEntry
+from yoke.tools.catalog import CATALOG, MCP_SEPARATOR, MCP_SERVERS, CatalogEntry, McpServer
 from yoke.tools.plugins import builtin_entries, load_plugins
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,17 @@ def matches(pattern: str, name: str) -> bool:
     if pattern.endswith(MCP_SEPARATOR + "*"):
         return fnmatch.fnmatchcase(name, pattern) and name.startswith(pattern[:-1])
     return pattern == name
+
+
+async def registered_servers(store: Store) -> list[McpServer]:
+    """The MCP servers ``yoke tools add-mcp`` registered (``yoke tools remove`` drops them)."""
+    servers = []
+    async for document in store.db[MCP_SERVERS].find({}):
+        try:
+            servers.append(McpServer.from_document(document))
+        except ValueError as error:
+            log.error("ignoring MCP server %s: %s", document.get("_id"), error)
+    return servers
 
 
 class ToolCatalog:

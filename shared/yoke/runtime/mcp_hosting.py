@@ -13,25 +13,15 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.catalog import ToolCatalog, registered_servers
 from yoke.store import Store
-from yoke.tools.catalog import MCP_SERVERS, CatalogEntry, McpServer
+from yoke.tools.catalog import CatalogEntry
 from yoke.tools.mcp import McpHost
 
 log = logging.getLogger(__name__)
 
 # How soon a server registered or removed elsewhere is connected or dropped here.
 SYNC_SECONDS = 3.0
-
-
-async def registered_servers(store: Store) -> list[McpServer]:
-    servers = []
-    async for document in store.db[MCP_SERVERS].find({}):
-        try:
-            servers.append(McpServer.from_document(document))
-        except ValueError as error:
-            log.error("ignoring MCP server %s: %s", document.get("_id"), error)
-    return servers
 
 
 class McpHosting:
