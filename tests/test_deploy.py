@@ -26,7 +26,7 @@ import yoke.ownership  # noqa: F401
 from tests.support.processes import ServiceProcess, free_port
 from yoke import topology
 from yoke.cli.supervisor import GATEWAY, SERVICES
-from yoke.settings import DEFAULT_METRICS_PORTS, Settings
+from yoke.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,7 +95,7 @@ def test_every_service_runs_from_the_image_with_the_settings_the_code_reads() ->
         assert service["restart"] == "unless-stopped"
         environment = service["environment"]
         assert set(environment) <= known_environment(), set(environment) - known_environment()
-        port = DEFAULT_METRICS_PORTS[name]
+        port = SERVICES[name]
         assert environment["YOKE_METRICS_PORT"] == str(port)
         if service.get("deploy", {}).get("replicas", 1) > 1:
             assert "ports" not in service  # replicas would collide on a host port
@@ -174,7 +174,7 @@ def test_prometheus_scrapes_every_service_and_rabbitmq() -> None:
         for found in job.get("dns_sd_configs", [])
         for name in found["names"]
     }
-    expected = {f"{name}:{DEFAULT_METRICS_PORTS[name]}" for name in SERVICES}
+    expected = {f"{name}:{SERVICES[name]}" for name in SERVICES}
     gateway = f"{GATEWAY}:{Settings().gateway_port}"
     assert expected | {gateway, "rabbitmq:15692"} == targets
 

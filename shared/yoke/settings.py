@@ -7,7 +7,10 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-DEFAULT_METRICS_PORTS = {
+# The mesh's services (those that consume shard queues), each with its default metrics port
+# (replica k: + 10·k): the one list of them, which `yoke up`, its --replicas and the local
+# Prometheus configuration read too. The HTTP gateway is not one: its port is gateway_port.
+SERVICES = {
     "ingestion": 9101,
     "processor": 9102,
     "egress": 9103,
@@ -84,4 +87,4 @@ class Settings(BaseSettings):
     def metrics_port_for(self, service: str) -> int:
         if self.metrics_port is not None:
             return self.metrics_port
-        return DEFAULT_METRICS_PORTS.get(service, 9100) + 10 * self.replica
+        return SERVICES.get(service, 9100) + 10 * self.replica

@@ -13,7 +13,7 @@ from yoke.cli import supervisor
 from yoke.ids import derive_id
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.settings import DEFAULT_METRICS_PORTS, Settings
+from yoke.settings import SERVICES, Settings
 from yoke.store import Store
 
 DEMO_AGENT_ID = derive_id("demo", "agent")
@@ -22,7 +22,7 @@ DEMO_FORUM_ID = derive_id("demo", "forum")
 
 async def all_healthy() -> bool:
     async with httpx.AsyncClient(timeout=2) as client:
-        for port in DEFAULT_METRICS_PORTS.values():
+        for port in SERVICES.values():
             try:
                 if (await client.get(f"http://127.0.0.1:{port}/healthz")).status_code != 200:
                     return False

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from yoke.settings import DEFAULT_METRICS_PORTS
+from yoke.settings import SERVICES
 
 # Replica k (k >= 1) of a service serves its metrics on the service's port + REPLICA_PORT_STEP*k.
 REPLICA_PORT_STEP = 10
@@ -39,7 +39,7 @@ def replica_targets(target: str, replicas: int) -> list[str]:
     (The gateway serves /metrics on its API port: ``yoke up --replicas`` runs it once.)
     """
     host, _, port = target.rpartition(":")
-    if int(port) not in DEFAULT_METRICS_PORTS.values():
+    if int(port) not in SERVICES.values():
         return [target]
     return [f"{host}:{int(port) + REPLICA_PORT_STEP * k}" for k in range(replicas)]
 

@@ -12,12 +12,15 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from yoke.errors import EXIT_MISCONFIGURED
 
-# The services that consume shard queues (resharded, scaled, health-checked on metrics ports).
-SERVICES = ("ingestion", "processor", "egress", "followup", "guardian")
+# The services that consume shard queues (resharded, scaled, health-checked on metrics ports):
+# settings' list, re-exported for those who start the mesh.
+from yoke.settings import SERVICES as SERVICES
+
 # The HTTP gateway: a door on YOKE_GATEWAY_PORT, with no queues of its own to shard.
 GATEWAY = "gateway"
 MAX_BACKOFF_SECONDS = 30.0
@@ -27,7 +30,7 @@ class ReplicasError(ValueError):
     """``--replicas`` names an unknown service or a count that is not a positive number."""
 
 
-def parse_replicas(text: str, services: tuple[str, ...] = SERVICES) -> dict[str, int]:
+def parse_replicas(text: str, services: Collection[str] = SERVICES) -> dict[str, int]:
     """``processor=3,ingestion=2`` -> ``{"processor": 3, "ingestion": 2}``."""
     counts: dict[str, int] = {}
     for item in (part.strip() for part in text.split(",")):
