@@ -54,6 +54,7 @@ from yoke.models import (
     Message,
     SubmitMessage,
     WireModel,
+    check_storable,
     unstorable,
 )
 from yoke.redact import redact
@@ -73,26 +74,20 @@ TOKEN_CHECK_SECONDS = 1.0
 STATUS_OF_CODE = {"too_large": 413, "unknown_conversation": 404, "not_a_forum": 404}
 
 
-def _storable(value: object) -> object:
-    if isinstance(value, str) and (problem := unstorable(value)) is not None:
-        raise ValueError(problem)
-    return value
-
-
 class PostAuthor(WireModel):
     """Who speaks: ``externalId`` is yours to choose, within your token's namespace."""
 
     external_id: Annotated[
-        str, Field(min_length=1, max_length=MAX_EXTERNAL_ID_CHARS), BeforeValidator(_storable)
+        str, Field(min_length=1, max_length=MAX_EXTERNAL_ID_CHARS), BeforeValidator(check_storable)
     ]
     display_name: Annotated[
-        str, Field(min_length=1, max_length=MAX_NAME_CHARS), BeforeValidator(_storable)
+        str, Field(min_length=1, max_length=MAX_NAME_CHARS), BeforeValidator(check_storable)
     ]
 
 
 class PostMessage(WireModel):
     author: PostAuthor
-    text: Annotated[str, Field(min_length=1), BeforeValidator(_storable)]
+    text: Annotated[str, Field(min_length=1), BeforeValidator(check_storable)]
 
 
 class Accepted(WireModel):

@@ -54,6 +54,8 @@ from yoke.models import (
     TextPart,
     ToolCallPart,
     ToolResultPart,
+    as_utc,
+    call_signature,
 )
 from yoke.runtime.actor import instance_state_id
 from yoke.runtime.instances import PROCESSOR
@@ -177,10 +179,6 @@ def rule_text(line: Message) -> str:
         if isinstance(part, ToolCallPart)
     ]
     return "\n".join(pieces)
-
-
-def call_signature(call: ToolCallPart) -> str:
-    return call.name + json.dumps(call.input, sort_keys=True, separators=(",", ":"))
 
 
 def is_new_input(line: Message) -> bool:
@@ -626,7 +624,7 @@ class Guardian:
 
     async def cooling_down(self, join_key: str) -> bool:
         document = await self.documents.find_one({"_id": derive_id("guardian-cooldown", join_key)})
-        return document is not None and _aware(document["until"]) > _now()
+        return document is not None and as_utc(document["until"]) > _now()
 
     async def start_cooldown(self, join_key: str, seconds: float) -> None:
         """Written only under the join's lease: one writer at a time, so the update is safe."""
@@ -645,10 +643,6 @@ class Guardian:
 
 def _now() -> datetime:
     return datetime.now(UTC)
-
-
-def _aware(moment: datetime) -> datetime:
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def register(service: Service) -> Guardian:

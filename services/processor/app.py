@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -42,6 +41,7 @@ from yoke.models import (
     ToolCallPart,
     ToolResultPart,
     Usage,
+    call_signature,
 )
 from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.runtime.catalog import LocalTools, ToolCatalog
@@ -74,11 +74,6 @@ ACTIVITY_PUBLISH_SECONDS = 2.0
 OPEN_CALL_GRACE_SECONDS = 1.0
 
 _dispatch: ToolDispatch | None = None
-
-
-def call_signature(call: ToolCallPart) -> str:
-    """Tool name plus canonical arguments: what makes two calls "the same call"."""
-    return call.name + json.dumps(call.input, sort_keys=True, separators=(",", ":"))
 
 
 def is_step_trigger(config: ProcessorConfig, state: ProcessorState, message: Message) -> bool:

@@ -19,6 +19,11 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def as_utc(moment: datetime) -> datetime:
+    """``moment`` as an aware datetime: a naive one read back from the store is UTC."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
 class WireModel(BaseModel):
     """camelCase on the wire, snake_case in Python; unknown fields are kept out."""
 
@@ -95,6 +100,11 @@ class ToolCallPart(WireModel):
     # Set when the model's arguments could not be read (say, invalid JSON): the tool is not
     # run, and the model is told why in the result.
     input_error: str | None = None
+
+
+def call_signature(call: ToolCallPart) -> str:
+    """Tool name plus canonical arguments: what makes two calls "the same call"."""
+    return call.name + json.dumps(call.input, sort_keys=True, separators=(",", ":"))
 
 
 class ToolResultPart(WireModel):
@@ -285,8 +295,11 @@ def unstorable(text: str) -> str | None:
     return None
 
 
-def _storable(value: object) -> object:
-    # Before pydantic's own str check, which refuses a lone surrogate without saying why.
+def check_storable(value: object) -> object:
+    """A string field's ``BeforeValidator``: refuses, saying why, what the store cannot hold.
+
+    It runs before pydantic's own str check, which refuses a lone surrogate without saying why.
+    """
     if isinstance(value, str) and (problem := unstorable(value)) is not None:
         raise ValueError(problem)
     return value
@@ -328,16 +341,18 @@ def _meta_problem(value: JsonValue, path: str, depth: int) -> str | None:
     return None
 
 
-CommandId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS), BeforeValidator(_storable)]
+CommandId = Annotated[
+    str, Field(min_length=1, max_length=MAX_ID_CHARS), BeforeValidator(check_storable)
+]
 CommandKey = Annotated[
-    str, Field(min_length=1, max_length=MAX_KEY_CHARS), BeforeValidator(_storable)
+    str, Field(min_length=1, max_length=MAX_KEY_CHARS), BeforeValidator(check_storable)
 ]
 
 
 class CommandAuthor(WireModel):
     external_id: CommandKey
     display_name: Annotated[
-        str, Field(min_length=1, max_length=MAX_NAME_CHARS), BeforeValidator(_storable)
+        str, Field(min_length=1, max_length=MAX_NAME_CHARS), BeforeValidator(check_storable)
     ]
 
 
@@ -351,7 +366,7 @@ class SubmitMessage(WireModel):
 
     conversation_id: CommandId
     author: CommandAuthor
-    text: Annotated[str, Field(min_length=1), BeforeValidator(_storable)]
+    text: Annotated[str, Field(min_length=1), BeforeValidator(check_storable)]
     idempotency_key: CommandKey
     meta: dict[str, JsonValue] | None = None
 
@@ -413,5 +428,5 @@ class SubmitToolResult(WireModel):
     ``user_id`` of its own RabbitMQ user (the door trusts no other proof of who answers)."""
 
     call_id: CommandId
-    output: Annotated[str, BeforeValidator(_storable)]
+    output: Annotated[str, BeforeValidator(check_storable)]
     is_error: bool = False

@@ -30,7 +30,7 @@ from pymongo.errors import DuplicateKeyError
 
 from yoke.ids import new_id
 from yoke.metrics import OUTBOX_OLDEST_UNPUBLISHED_SECONDS, OUTBOX_UNPUBLISHED
-from yoke.models import Message
+from yoke.models import Message, as_utc
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class OutboxSweep:
         now = _now()
         republished = 0
         for writer in await self.writers.find({"beat": {"$exists": True}}).to_list():
-            beat = _aware(writer["beat"])
+            beat = as_utc(writer["beat"])
             if writer["_id"] == self.outbox.writer or now - beat < timedelta(seconds=silent_for):
                 continue
             if not await self._claim(str(writer["_id"]), now):
@@ -212,7 +212,7 @@ class OutboxSweep:
             return True
         except DuplicateKeyError:
             existing = await self.writers.find_one({"_id": claim})
-            if existing is not None and now - _aware(existing["claimedAt"]) > timedelta(
+            if existing is not None and now - as_utc(existing["claimedAt"]) > timedelta(
                 seconds=CLAIM_EXPIRES_SECONDS
             ):
                 await self.writers.delete_one({"_id": claim})  # its sweep died: next round
@@ -220,7 +220,7 @@ class OutboxSweep:
 
     async def _finish(self, writer: Doc, now: datetime) -> int:
         name = str(writer["_id"])
-        since = _aware(writer["settledBefore"]) - timedelta(seconds=2)
+        since = as_utc(writer["settledBefore"]) - timedelta(seconds=2)
         first = int(since.timestamp() // 60)
         last = min(int(now.timestamp() // 60), first + MAX_SLOTS)
         found: list[Message] = []
@@ -255,7 +255,3 @@ class OutboxSweep:
                 log.warning("outbox round failed; trying again", exc_info=True)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopping.wait(), timeout=2 * BEAT_SECONDS)
-
-
-def _aware(value: datetime) -> datetime:
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)

@@ -40,6 +40,7 @@ from yoke.bus import Bus, OnMessage, Subscription
 from yoke.consumer import Gate
 from yoke.ids import new_id
 from yoke.metrics import LATENCY_BUCKETS
+from yoke.models import as_utc
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ class Ownership:
         now = datetime.now(UTC)
         live = {self.id}
         async for document in self.replicas.find({"service": self.service}):
-            silent = now - _aware(document["beat"])
+            silent = now - as_utc(document["beat"])
             if silent < timedelta(seconds=EXPIRES_SECONDS) and not dead_here(document):
                 live.add(str(document["_id"]))
             elif silent > timedelta(seconds=FORGET_SECONDS):
@@ -321,7 +322,3 @@ def process_gone(pid: int) -> bool:
     except OSError:
         return False
     return False
-
-
-def _aware(value: datetime) -> datetime:
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)

@@ -13,6 +13,7 @@ import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from yoke.models import as_utc
 from yoke.ownership import EXPIRES_SECONDS, REPLICAS, dead_here
 from yoke.reshard import connection_to, shard_queues
 from yoke.settings import Settings
@@ -33,7 +34,7 @@ async def replica_lines(
         document
         for document in documents
         if (services is None or document.get("service") in services)
-        and now - _aware(document["beat"]) < timedelta(seconds=EXPIRES_SECONDS)
+        and now - as_utc(document["beat"]) < timedelta(seconds=EXPIRES_SECONDS)
         and not dead_here(document)
     ]
     depths: dict[str, list[int]] = {}
@@ -42,7 +43,7 @@ async def replica_lines(
             depths[service] = [queue.messages for queue in await shard_queues(connection, service)]
     lines = []
     for document in sorted(
-        live, key=lambda d: (d["service"], d.get("replica", 0), _aware(d["startedAt"]))
+        live, key=lambda d: (d["service"], d.get("replica", 0), as_utc(d["startedAt"]))
     ):
         shards = [int(shard) for shard in document.get("shards", [])]
         counts = depths.get(str(document["service"]), [])
@@ -72,7 +73,3 @@ def register(commands: Any) -> None:
     sub: argparse.ArgumentParser = commands.add_parser("status", help=text, description=text)
     sub.set_defaults(handler=status)
     sub.add_argument("--service", action="append", help="only this service (repeatable)")
-
-
-def _aware(value: datetime) -> datetime:
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
