@@ -11,7 +11,6 @@ import time
 from services.followup.scheduler import (
     FOLLOWUP_ACTOR_ID,
     FOLLOWUPS,
-    PROCEDURES,
     decision_id,
     nudge_id,
     schedule_id,
@@ -22,7 +21,7 @@ from yoke.client import Client
 from yoke.models import Message
 from yoke.runtime.join_config import FollowUpConfig, JoinConfig
 from yoke.runtime.joins import Join, join_id, participant_id
-from yoke.store import Store
+from yoke.store import PROCEDURES, Store
 
 NUDGE = "Nobody answered; follow up briefly."
 

@@ -48,7 +48,7 @@ from yoke.runtime.compaction import carry_tail
 from yoke.runtime.join_config import FollowUpConfig, JoinConfig, load_join_config
 from yoke.runtime.joins import ensure_participant, join_id, participant_id
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store import PROCEDURES, Store
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,6 @@ log = logging.getLogger(__name__)
 CONFIG_SECONDS = 10.0
 
 FOLLOWUPS = "followups"
-# Decisions are procedure records (docs/architecture.md, invariant 9), next to compaction's swaps.
-PROCEDURES = "procedures"
 INSTRUCTION = "follow-up"
 # The author of nudges: a system actor of its own, so prompts and history name it.
 FOLLOWUP_ACTOR_ID = derive_id("followup-actor")
@@ -159,6 +157,7 @@ class FollowUps:
         self.store = store
         self.poster = poster
         self.schedules = store.db[FOLLOWUPS]
+        # Decisions are procedure records, next to compaction's swaps.
         self.decisions = store.db[PROCEDURES]
         # Kinds never change: a conversation is a forum or a monologue, an actor keeps its kind.
         self._conversation_kinds: LRUCache[str, str] = LRUCache()

@@ -26,6 +26,10 @@ NAMESPACE_EXISTS = 48
 INDEX_NOT_FOUND = 27
 
 
+# Multi-step procedures' records (docs/architecture.md, invariant 9): compaction's swap
+# intents and follow-up's decisions, each under an id derived from what it is about.
+PROCEDURES = "procedures"
+
 # What an actor instance's lane writes of its document (a join writes the rest).
 RUNTIME_FIELDS = ("watch", "watermark", "state", "failed")
 
@@ -82,7 +86,7 @@ class Store:
         "messages",
         "actor_states",
         "egress_joins",
-        "procedures",
+        PROCEDURES,
         "failures",
         "join_configs",
         "guardian",
