@@ -220,7 +220,7 @@ def test_docker_compose_accepts_the_file_where_it_exists(tmp_path: Path) -> None
         assert set(SERVICES) <= set(load("docker-compose.yml")["services"])
 
 
-# --- secure by default (issue 14) -------------------------------------------------------------
+# --- secure by default (README, "Security") ---------------------------------------------------
 
 
 def test_no_port_is_published_beyond_loopback_unless_env_says_so(tmp_path: Path) -> None:

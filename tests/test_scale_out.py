@@ -1,4 +1,5 @@
-"""Replicas of a service share its shards (issue 12): real processes, real servers.
+"""Replicas of a service share its shards (docs/architecture.md, invariant 3): real processes,
+real servers.
 
 - Three processor replicas over 16 shards under steady load across 100 forums own 16/3 ± 2
   shards each; one is killed with kill -9 and within 15 s every shard has a live owner; a

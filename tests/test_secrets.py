@@ -1,4 +1,4 @@
-"""Secrets stay secret and the services run with least privilege (issue 14).
+"""Secrets stay secret and the services run with least privilege (README, "Security").
 
 The services' RabbitMQ user is made by the code compose's ``rabbitmq-init`` runs
 (``yoke.provisioning`` importing ``deploy/rabbitmq/definitions.json`` with passwords from the

@@ -1,6 +1,6 @@
 """A tool worker written against the documented contract only: pika, and no yoke at all.
 
-What a user in another language would write (DESIGN §3 "Tools", source ``worker``), run as its
+What a user in another language would write (docs/tools.md, "Tool workers"), run as its
 own process::
 
     python -m tests.support.pika_worker --url AMQP_URL --tool NAME --mode MODE

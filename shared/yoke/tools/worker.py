@@ -1,6 +1,6 @@
 """Serve a worker tool from Python: take its calls off ``yoke.tool.NAME``, answer each at the door.
 
-The contract (DESIGN §3 "Tools", source ``worker``) needs nothing but an AMQP client; this is
+The contract (docs/tools.md, "Tool workers") needs nothing but an AMQP client; this is
 that contract written once with aio-pika, for workers in Python. Register the tool first, then
 connect as the user ``yoke tools add-worker`` made::
 
