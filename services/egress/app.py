@@ -89,6 +89,9 @@ class Egress:
 
     async def forward_agent_text(self, event: MessagePosted) -> None:
         line = event.message
+        if line.type == "notice":
+            await self.forward_notice(line)
+            return
         if not forwardable(line):
             return
         forum_id = str(line.meta.source_conversation_id)
@@ -127,6 +130,33 @@ class Egress:
             for line in reversed(pending):
                 await self.post_to_forum(join, line)
         self._settled[monologue_id] = True
+
+    async def forward_notice(self, notice: Message) -> None:
+        """A monologue notice that concerns the forum's people (the agent could not answer):
+        told there in its plain words, as a ``notice`` line of the agent's."""
+        told = notice.meta.forum_notice
+        forum_id = notice.meta.source_conversation_id
+        if told is None or not forum_id or forum_id == notice.conversation_id:
+            return
+        join = await self.find_join(told.agent_actor_id, forum_id)
+        if join is None:
+            return
+        await self.service.poster.post(
+            Message(
+                id=forward_id(notice),
+                conversation_id=join.forum_id,
+                author_actor_id=told.agent_actor_id,
+                participant_id=join.forum_participant_id,
+                role="agent",
+                type="notice",
+                parts=[TextPart(text=told.text)],
+                meta=MessageMeta(
+                    causation_id=notice.id,
+                    in_reply_to=notice.meta.in_reply_to,
+                    agent_hops=notice.meta.agent_hops + 1,
+                ),
+            )
+        )
 
     async def post_to_forum(self, join: Join, line: Message) -> None:
         await self.service.poster.post(
@@ -185,5 +215,8 @@ def register(service: Service) -> None:
     service.on_event(
         MessagePosted,
         egress.forward_agent_text,
-        where=[{"kind": "monologue", "type": "message", "role": "agent"}],
+        where=[
+            {"kind": "monologue", "type": "message", "role": "agent"},
+            {"kind": "monologue", "type": "notice"},
+        ],
     )

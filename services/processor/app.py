@@ -34,6 +34,7 @@ from yoke.metrics import (
 from yoke.models import (
     AgentActivity,
     Envelope,
+    ForumNotice,
     Message,
     MessageMeta,
     Part,
@@ -485,7 +486,12 @@ async def infer_and_post(context: Context, trigger: Message, transcript: list[Me
     )
     try:
         model = state.model or config.model
-        result = await provider_for(model, config.script, context.settings).infer(request)
+        settings = context.settings
+        if config.model_give_up_seconds is not None:
+            settings = settings.model_copy(
+                update={"provider_give_up_seconds": config.model_give_up_seconds}
+            )
+        result = await provider_for(model, config.script, settings).infer(request)
     except ProviderFailed as error:
         await post_notice(context, trigger, "provider", f"the model failed: {error}")
         return
@@ -507,10 +513,29 @@ async def infer_and_post(context: Context, trigger: Message, transcript: list[Me
     await post_agent_line(context, trigger, parts, usage)
 
 
+# What the forum's people are told when a step ends without an answer, by notice reason (the
+# monologue's notice keeps the details for operators).
+FORUM_NOTICES = {
+    "provider": "I could not answer: the model did not respond in time. Please try again.",
+    "budget": "I could not answer: my budget for this conversation is spent.",
+    "doom_loop": "I stopped: I kept asking for the same tool call. Ask again and I will try "
+    "another way.",
+    "failed": "I could not answer that: something went wrong on my side, and it was set aside "
+    "for an operator.",
+}
+
+
+def forum_notice(config: ProcessorConfig, reason: str) -> ForumNotice:
+    return ForumNotice(agent_actor_id=config.agent_actor_id, text=FORUM_NOTICES[reason])
+
+
 async def post_notice(context: Context, trigger: Message, reason: str, text: str) -> None:
-    """A line for people and operators: never forwarded, never a trigger."""
+    """A line for operators in the monologue, never a trigger; egress tells the forum's people
+    in plain words (:data:`FORUM_NOTICES`), so nobody waits for an answer in silence."""
     NOTICES.labels(reason).inc()
     log.warning(text, extra={"conversationId": trigger.conversation_id, "messageId": trigger.id})
+    meta = carried_meta(context, trigger)
+    meta.forum_notice = forum_notice(context.config, reason)
     await context.post(
         Message(
             id=context.effect_id("notice", reason),
@@ -519,8 +544,22 @@ async def post_notice(context: Context, trigger: Message, reason: str, text: str
             role="user",
             type="notice",
             parts=[TextPart(text=text)],
-            meta=carried_meta(context, trigger),
+            meta=meta,
         )
+    )
+
+
+def failure_meta(config: ProcessorConfig, line: Message) -> MessageMeta:
+    """The routing of the notice of a line set aside: to the forum whose line went unanswered."""
+    in_reply_to = line.meta.in_reply_to
+    if line.meta.source_conversation_id == config.source_conversation_id:
+        in_reply_to = line.meta.source_message_id or in_reply_to
+    return MessageMeta(
+        source_conversation_id=config.source_conversation_id,
+        causation_id=line.id,
+        in_reply_to=in_reply_to,
+        agent_hops=line.meta.agent_hops,
+        forum_notice=forum_notice(config, "failed"),
     )
 
 
@@ -532,6 +571,7 @@ PROCESSOR_ACTOR = ActorDefinition(
     handle=step,
     # The join's tunables live in its own document (updated by a later join): read per step.
     load_config=load_processor_config,
+    notice_meta=failure_meta,
 )
 
 

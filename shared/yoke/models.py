@@ -118,6 +118,14 @@ class ToolResultPart(WireModel):
 Part = Annotated[TextPart | ToolCallPart | ToolResultPart, Field(discriminator="type")]
 
 
+class ForumNotice(WireModel):
+    """What a monologue notice tells the forum's people (egress posts it there as a ``notice``
+    line of the agent's): plain words, no internal ids, no stack traces."""
+
+    agent_actor_id: str
+    text: str
+
+
 class MessageMeta(WireModel):
     """Routing and causality; other keys a publisher sends along are kept."""
 
@@ -136,6 +144,8 @@ class MessageMeta(WireModel):
     loop_guard: bool | None = None
     # The line this one was carried from by compaction; egress never forwards such a line.
     carried_from: str | None = None
+    # On a monologue notice that concerns the forum's people: what egress tells them there.
+    forum_notice: ForumNotice | None = None
 
 
 class Usage(WireModel):

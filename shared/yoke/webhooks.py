@@ -21,11 +21,10 @@ from urllib.parse import urlsplit
 from pydantic import Field
 from pymongo import ASCENDING
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import CollectionInvalid, OperationFailure
 
 from yoke.ids import derive_id, new_id
 from yoke.models import Document, Message, WireModel, utcnow
-from yoke.store import NAMESPACE_EXISTS, Doc, Store
+from yoke.store import Doc, Store
 
 SUBSCRIPTIONS = "webhooks"
 CURSORS = "webhook_cursors"
@@ -109,8 +108,9 @@ def signature_matches(secret: str, body: bytes, header: str) -> bool:
 
 
 def deliverable(line: Message) -> bool:
-    """An agent's line for people: what a subscription POSTs (never notices)."""
-    return line.role == "agent" and line.type == "message"
+    """An agent's line for people: what a subscription POSTs (its answers, and the notices
+    that tell the forum it could not answer)."""
+    return line.role == "agent" and line.type in ("message", "notice")
 
 
 def collection(store: Store, name: str) -> AsyncCollection[Doc]:
@@ -118,16 +118,9 @@ def collection(store: Store, name: str) -> AsyncCollection[Doc]:
 
 
 async def ensure_webhook_indexes(store: Store) -> None:
-    """The webhook collections, made before first use (FerretDB must not create one under load:
-    see Store.ensure_indexes), and their indexes."""
-    existing = set(await store.db.list_collection_names())
-    for name in COLLECTIONS:
-        if name not in existing:
-            try:
-                await store.db.create_collection(name)
-            except (CollectionInvalid, OperationFailure) as error:
-                if isinstance(error, OperationFailure) and error.code != NAMESPACE_EXISTS:
-                    raise
+    """The webhook collections (before first use: see :meth:`Store.create_collections`) and
+    their indexes."""
+    await store.create_collections(*COLLECTIONS)
     await collection(store, SUBSCRIPTIONS).create_index([("forumId", ASCENDING)], name="forum")
     await collection(store, LEASES).create_index(
         [("subscriptionId", ASCENDING)], name="subscription"

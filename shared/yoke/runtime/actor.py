@@ -95,6 +95,9 @@ class ActorDefinition(Generic[C, S]):
     # Reads the config for one line instead of the instance document's ``config`` (say, to
     # overlay a document of the instance's own that another writer updates).
     load_config: Callable[[Store, dict[str, Any]], Awaitable[C]] | None = None
+    # The meta of the notice left when a line is set aside (say, to tell the forum's people);
+    # by default it names only the line.
+    notice_meta: Callable[[C, Message], MessageMeta] | None = None
 
 
 def instance_state_id(actor: str, instance_id: str) -> str:
@@ -267,7 +270,7 @@ class ActorRuntime:
                 extra={"conversationId": message.conversation_id, "messageId": message.id},
                 exc_info=True,
             )
-            await self._set_aside(definition, state_id, message, error)
+            await self._set_aside(definition, state_id, message, error, config)
             reason = f"{definition.name} {document['instanceId']}: line {message.id}: {error!r}"
             return reason, message.seq
         if repointed:
@@ -288,6 +291,7 @@ class ActorRuntime:
         state_id: str,
         message: Message,
         error: Exception,
+        config: Any = None,
     ) -> None:
         """Record the failure (a unique insert) and say so once in the conversation.
 
@@ -322,7 +326,11 @@ class ActorRuntime:
                         "later lines are answered."
                     )
                 ],
-                meta=MessageMeta(causation_id=message.id),
+                meta=(
+                    definition.notice_meta(config, message)
+                    if definition.notice_meta is not None and config is not None
+                    else MessageMeta(causation_id=message.id)
+                ),
             )
         )
 

@@ -52,6 +52,8 @@ class ProcessorConfig(WireModel):
     # Checked before each model call; None means no limit.
     budget_tokens: int | None = Field(default=None, ge=0)
     budget_usd: float | None = Field(default=None, ge=0)
+    # None: the mesh's YOKE_PROVIDER_GIVE_UP_SECONDS.
+    model_give_up_seconds: float | None = Field(default=None, gt=0)
     # The join has a guardian: the agent's lines are routed to it (else it is not bothered).
     guarded: bool = False
 
@@ -74,6 +76,7 @@ JOIN_TUNABLES = (
     "compaction_keep",
     "budget_tokens",
     "budget_usd",
+    "model_give_up_seconds",
     "script",
 )
 

@@ -101,6 +101,9 @@ class JoinConfig(StrictWireModel):
     compaction_keep: int | None = Field(default=None, ge=0, le=1000)
     budget_tokens: int | None = Field(default=None, ge=0)
     budget_usd: float | None = Field(default=None, ge=0)
+    # How long a step retries a failing or silent model before it gives up (a slow local model
+    # wants more than the mesh's YOKE_PROVIDER_GIVE_UP_SECONDS, 30 s by default).
+    model_give_up_seconds: float | None = Field(default=None, gt=0, le=3600)
     follow_up: FollowUpConfig | None = None
     guardian: GuardianConfig | None = None
     # The replies of the ``fixture-script`` model, in order (tests and demos).
