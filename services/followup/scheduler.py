@@ -33,7 +33,6 @@ from typing import Any, Literal
 from pydantic import Field
 from pymongo import ASCENDING
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import CollectionInvalid, OperationFailure
 
 from yoke.ids import derive_id
 from yoke.lru import LRUCache
@@ -126,12 +125,7 @@ def due_second_of(due_at: datetime) -> int:
 
 async def ensure_schema(store: Store) -> None:
     """The collections and the schedules' equality indexes (idempotent), before any traffic."""
-    existing = set(await store.db.list_collection_names())
-    for name in (FOLLOWUPS, PROCEDURES):
-        if name not in existing:
-            # Another process may create it at the same moment (NamespaceExists).
-            with contextlib.suppress(CollectionInvalid, OperationFailure):
-                await store.db.create_collection(name)
+    await store.create_collections(FOLLOWUPS, PROCEDURES)
     schedules = store.db[FOLLOWUPS]
     await schedules.create_index([("dueSecond", ASCENDING)], name="due_second")
     await schedules.create_index([("dueMinute", ASCENDING)], name="due_minute")

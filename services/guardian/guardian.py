@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from pydantic import BaseModel, Field, ValidationError
-from pymongo.errors import CollectionInvalid, OperationFailure
 
 from yoke.errors import Stopping
 from yoke.ids import derive_id, new_id
@@ -70,7 +69,7 @@ from yoke.runtime.join_config import (
 from yoke.runtime.joins import join_id
 from yoke.runtime.service import Service
 from yoke.safe_regex import compile_safe, search
-from yoke.store import NAMESPACE_EXISTS, Store
+from yoke.store import Store
 from yoke.tools.base import Tool, ToolContext
 
 log = logging.getLogger(__name__)
@@ -362,12 +361,7 @@ class Guardian:
         async with self._ready_lock:
             if self._ready:
                 return
-            if COLLECTION not in await self.store.db.list_collection_names():
-                try:
-                    await self.store.db.create_collection(COLLECTION)
-                except (CollectionInvalid, OperationFailure) as error:
-                    if isinstance(error, OperationFailure) and error.code != NAMESPACE_EXISTS:
-                        raise
+            await self.store.create_collections(COLLECTION)
             await self.store.save_actor(Actor(id=GUARDIAN_ACTOR_ID, kind="system", name=GUARDIAN))
             self._ready = True
 

@@ -123,23 +123,28 @@ class Store:
         # Small per-process memos of things read by id (their owners say when they go stale).
         self.memo: LRUCache[str, object] = LRUCache()
 
-    async def ensure_indexes(self) -> None:
-        """Create collections and indexes; idempotent, every service runs it at start-up.
+    async def create_collections(self, *names: str) -> None:
+        """Create those of ``names`` that do not exist yet; call it before any traffic.
 
-        The collections named here are created before traffic: FerretDB 1.x takes a global
-        metadata lock to create one, and creating it lazily under concurrent load can hang the
-        server. Modules with collections of their own (tokens, webhooks, the guardian's,
-        follow-up's) create them the same way before use.
+        FerretDB 1.x takes a global metadata lock to create a collection, and creating one
+        lazily (by a first write) under concurrent load can hang the server. Modules with
+        collections of their own (tokens, webhooks, the guardian's, follow-up's) call this too.
         """
         existing = set(await self.db.list_collection_names())
-        for name in self.COLLECTIONS:
-            if name not in existing:
-                try:
-                    await self.db.create_collection(name)
-                except (CollectionInvalid, OperationFailure) as error:
-                    # Another process created it first (FerretDB answers NamespaceExists).
-                    if isinstance(error, OperationFailure) and error.code != NAMESPACE_EXISTS:
-                        raise
+        for name in names:
+            if name in existing:
+                continue
+            try:
+                await self.db.create_collection(name)
+            except (CollectionInvalid, OperationFailure) as error:
+                # Another process created it first (FerretDB answers NamespaceExists).
+                if isinstance(error, OperationFailure) and error.code != NAMESPACE_EXISTS:
+                    raise
+
+    async def ensure_indexes(self) -> None:
+        """Create the core collections and their indexes; idempotent, every service runs it
+        at start-up."""
+        await self.create_collections(*self.COLLECTIONS)
         await self.messages.create_index(
             [("conversationId", ASCENDING), ("seq", ASCENDING)], unique=True, name="conv_seq"
         )

@@ -16,10 +16,9 @@ from datetime import datetime
 
 from pydantic import Field
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import CollectionInvalid, OperationFailure
 
 from yoke.models import Document, utcnow
-from yoke.store import NAMESPACE_EXISTS, Doc, Store
+from yoke.store import Doc, Store
 
 COLLECTION = "tokens"
 # Letters, digits, '-' and '_': no ':' (the namespace separator) and short enough that a
@@ -62,14 +61,9 @@ def collection(store: Store) -> AsyncCollection[Doc]:
 
 
 async def ensure_token_indexes(store: Store) -> None:
-    """The collection and its unique hash index, made before first use (as Store.ensure_indexes
-    makes the core ones, and for the same reason: FerretDB must not create one under load)."""
-    if COLLECTION not in await store.db.list_collection_names():
-        try:
-            await store.db.create_collection(COLLECTION)
-        except (CollectionInvalid, OperationFailure) as error:
-            if isinstance(error, OperationFailure) and error.code != NAMESPACE_EXISTS:
-                raise
+    """The collection (before first use: see :meth:`Store.create_collections`) and its unique
+    hash index."""
+    await store.create_collections(COLLECTION)
     await collection(store).create_index("hash", unique=True, name="hash")
 
 
