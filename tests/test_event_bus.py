@@ -35,7 +35,7 @@ RECORDER = ["tests/support/recorder.py"]
 async def store(mongodb_url: str) -> AsyncIterator[Store]:
     store = Store(mongodb_url)
     await store.ensure_indexes()
-    await store.db.create_collection("handled")  # before traffic: see Store.ensure_indexes
+    await store.create_collections("handled")  # before traffic (see Store.create_collections)
     yield store
     await store.close()
 

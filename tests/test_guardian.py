@@ -54,8 +54,7 @@ async def mesh(
     """The mesh, its guardian recording each runner's start and end."""
     store = Store(module_mongodb_url)
     await store.ensure_indexes()
-    # Before traffic: FerretDB creates a collection under a global lock.
-    await store.db.create_collection(RUNS)
+    await store.create_collections(RUNS)  # before traffic (see Store.create_collections)
     await store.close()
     launch = {"guardian": (["-m", "tests.support.slow_guardian", "guardian"], {})}
     log_dir = Path(tmp_path_factory.mktemp("mesh"))
