@@ -26,6 +26,7 @@ import yoke.ownership  # noqa: F401
 from tests.support.processes import ServiceProcess, free_port
 from yoke import topology
 from yoke.cli.supervisor import GATEWAY, SERVICES
+from yoke.metrics import initialize as initialize_metrics
 from yoke.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,6 +197,50 @@ def test_dashboards_and_alerts_use_only_series_that_exist() -> None:
 
     assert {base(name) for name in used} <= {base(name) for name in exported}, used
     assert {"yoke_dead_letters_total", "yoke_event_lag_seconds_bucket"} <= used
+
+
+# The tool-call panels and the series each reads.
+TOOL_PANELS = {
+    "Tool calls by tool, source and outcome": {"yoke_tool_calls_total"},
+    "Tool call latency p50 / p95 by source (s)": {"yoke_tool_call_seconds_bucket"},
+    "Tool calls waiting in the store": {"yoke_tool_calls_open"},
+    "Tool calls past their deadline": {"yoke_tool_calls_overdue"},
+}
+
+
+def test_the_tool_call_panels_read_what_the_processor_exports_as_they_group_it() -> None:
+    """The processor exports these series from its start (at zero: ``initialize``), with the
+    labels the panels group them by (grouping by a label a series lacks draws one line for
+    everything) and that a scrape adds (instance, job)."""
+    initialize_metrics("processor")
+    labels: dict[str, set[str]] = {}
+    for metric in REGISTRY.collect():
+        for sample in metric.samples:
+            labels.setdefault(sample.name, set()).update(sample.labels)
+    panels = json.loads((ROOT / "deploy/grafana/dashboards/yoke.json").read_text())["panels"]
+    reads = {
+        panel["title"]: {
+            name
+            for target in panel["targets"]
+            for name in re.findall(r"yoke_[a-z_]+", target["expr"])
+        }
+        for panel in panels
+    }
+    assert {title: reads.get(title) for title in TOOL_PANELS} == TOOL_PANELS
+    assert labels["yoke_tool_calls_total"] >= {"tool", "source", "outcome"}
+    assert labels["yoke_tool_call_seconds_bucket"] >= {"source", "le"}
+    for panel in panels:
+        for target in panel["targets"]:
+            grouped = {
+                label.strip()
+                for group in re.findall(r"by \(([^)]*)\)", target["expr"])
+                for label in group.split(",")
+            }
+            for name in re.findall(r"yoke_[a-z_]+", target["expr"]):
+                if panel["title"] in TOOL_PANELS or name in labels:  # labelled here: checkable
+                    assert name in labels, f"{panel['title']}: the processor exports no {name}"
+                    missing = grouped - labels[name] - {"instance", "job"}
+                    assert not missing, f"{panel['title']}: {name} has no label {missing}"
 
 
 def test_docker_compose_accepts_the_file_where_it_exists(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -42,7 +43,9 @@ from yoke.ids import new_id
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, TextPart
 from yoke.outbox import Outbox
+from yoke.runtime.catalog import ToolCatalog
 from yoke.store import Store
+from yoke.tools.catalog import CatalogEntry
 from yoke.webhooks import add_webhook, ensure_webhook_indexes
 
 pytestmark = pytest.mark.slow
@@ -60,7 +63,7 @@ WINDOW = "[1m]"
 # YokeServiceDown's `for` in the live check (1m in alerts.yml).
 SERVICE_DOWN_FOR = 5.0
 # Panels whose healthy reading is 0: a series at all is data. Every other panel needs a value > 0.
-ZERO_IS_DATA = {"Outbox: oldest unpublished message (s)"}
+ZERO_IS_DATA = {"Outbox: oldest unpublished message (s)", "Tool calls past their deadline"}
 # What fills each panel (the issue's closing note lists these).
 FILLED_BY = {
     "Events handled by service and outcome": "every turn (echo turns first)",
@@ -70,7 +73,12 @@ FILLED_BY = {
     "LLM requests by outcome": "echo turns; the OpenAI agent's ok and failed requests",
     "Tokens per second": "echo turns (estimated tokens), the OpenAI agent (reported usage)",
     "Cost (USD/hour)": "the OpenAI agent (gpt-test is in YOKE_PRICES)",
-    "Tool calls by outcome": "the OpenAI agent's calculator call, the doom loop's clock calls",
+    "Tool calls by tool, source and outcome": "the OpenAI agent's calculator call, the doom "
+    "loop's clock calls (builtin ok), the worker call nobody answers (worker timeout)",
+    "Tool call latency p50 / p95 by source (s)": "the built-in calls; the worker call, ended "
+    "by its deadline",
+    "Tool calls waiting in the store": "the worker call, until its deadline",
+    "Tool calls past their deadline": "the reaper (0 but for the moment it ends the worker call)",
     "Dead letters": "the poison line",
     "Queue depth (ready messages)": "the poison line, waiting in yoke.dead-letters",
     "Compactions and notices (last hour)": "the compaction; the doom loop's and the failing "
@@ -93,6 +101,9 @@ REPLICATED = "followup"
 # tests/test_webhooks.py.
 GATEWAY_ENV = {"YOKE_WEBHOOK_LEASE_SECONDS": "2", "YOKE_WEBHOOK_BACKOFF_SECONDS": "0.2"}
 WEBHOOK_PATH = "/monitoring"
+# A worker tool nobody serves: its call waits in the store until its deadline ends it.
+WORKER_TOOL = f"unserved-{uuid.uuid4().hex[:8]}"
+WORKER_TIMEOUT_SECONDS = 5.0
 
 
 def load(path: Path) -> Any:
@@ -242,10 +253,24 @@ def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
+async def worker_tool(store: Store) -> str:
+    """In the catalog before the mesh starts, so the processor's copy of it offers the tool."""
+    entry = CatalogEntry(
+        id=WORKER_TOOL,
+        source="worker",
+        origin=WORKER_TOOL,
+        timeout_seconds=WORKER_TIMEOUT_SECONDS,
+    )
+    await ToolCatalog(store).register(entry)
+    return WORKER_TOOL
+
+
+@pytest.fixture(scope="module")
 async def mesh(
     amqp_url: str,
     module_mongodb_url: str,
     mesh_env: dict[str, str],
+    worker_tool: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[Mesh]:
     """The five services, the processor failing for good on any line holding POISON."""
@@ -411,6 +436,27 @@ async def doom_loop(store: Store, client: Client, new_join: JoinFactory) -> None
     )
 
 
+async def unanswered_worker_call(
+    store: Store, client: Client, new_join: JoinFactory, mesh: Mesh
+) -> None:
+    """A worker call nobody serves: open in the store until its deadline, then a timeout."""
+    script = [
+        ScriptedOutput(tool_calls=[ScriptedCall(name=WORKER_TOOL)]),
+        ScriptedOutput(text="the worker never answered"),
+    ]
+    forum_id, _ = await new_join(model="fixture-script", tools=[WORKER_TOOL], script=script)
+    await say(client, forum_id, "ask the worker")
+    processor = mesh.processes["processor"]
+    await metric_reaches(processor, "yoke_tool_calls_open", 1)
+    forum = await lines_until(
+        store, forum_id, lambda lines: len(agent_lines(lines)) == 1, timeout=60
+    )
+    assert forum[-1].text == "the worker never answered"
+    await metric_reaches(
+        processor, "yoke_tool_calls_total", 1, tool=WORKER_TOOL, source="worker", outcome="timeout"
+    )
+
+
 async def poisoned_line(client: Client, new_join: JoinFactory, mesh: Mesh) -> None:
     forum_id, _ = await new_join()
     await say(client, forum_id, f"{POISON}: the processor fails on this line for good")
@@ -482,6 +528,7 @@ async def test_every_dashboard_panel_shows_data(
         echo_turns(store, client, new_join),
         openai_agent(store, client, new_join, fake_openai),
         doom_loop(store, client, new_join),
+        unanswered_worker_call(store, client, new_join, mesh),
         poisoned_line(client, new_join, mesh),
         compaction(store, client, new_join, mesh),
         webhook_deliveries(store, client, new_join, receiver),

@@ -100,7 +100,8 @@ OPEN_TOOL_CALLS = Gauge(
 )
 OVERDUE_TOOL_CALLS = Gauge(
     "yoke_tool_calls_overdue",
-    "Open tool calls found past their deadline at the last check (each is ended then).",
+    "Open tool calls found past their deadline at the last check, each then ended (above 0 "
+    "check after check: they cannot be ended).",
 )
 DOOM_LOOPS = Counter(
     "yoke_doom_loops", "Tool calls refused as a repeat of the same call.", ["tool"]

@@ -87,6 +87,12 @@ def result_line_id(call_id: str) -> str:
     return derive_id("tool-result", call_id)
 
 
+def round_results_id(instance_id: str, call_line_id: str) -> str:
+    """The id of the line holding a round's results that came in the step (one per call line):
+    a call has its result there or, if it waited in the store, in its own line."""
+    return derive_id("tool-results", instance_id, call_line_id)
+
+
 def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
@@ -236,7 +242,8 @@ class OpenCalls:
         """End every call past its deadline and finish ends a crash left; returns how many
         calls are still open. Whatever ran a call may be gone: the deadline holds anyway."""
         now = datetime.now(UTC)
-        still = overdue = 0
+        still = 0
+        overdue: list[OpenCall] = []
         async for document in self.calls.find({}):
             try:
                 call = OpenCall.from_document(document)
@@ -248,12 +255,15 @@ class OpenCalls:
             if end is not None:
                 await self.finish(call, end)
             elif now > _aware(call.deadline):
-                overdue += 1
-                await self.end(call, outcome="timeout", output=timeout_text(call), is_error=True)
+                overdue.append(call)
             else:
                 still += 1
         OPEN_TOOL_CALLS.set(still)
-        OVERDUE_TOOL_CALLS.set(overdue)
+        # Counted before they are ended: calls that cannot be ended (the store refusing the
+        # end, the broker the result line) are counted again every round (YokeToolCallsOverdue).
+        OVERDUE_TOOL_CALLS.set(len(overdue))
+        for call in overdue:
+            await self.end(call, outcome="timeout", output=timeout_text(call), is_error=True)
         if time.monotonic() - self._pruned_at > PRUNE_SECONDS:
             self._pruned_at = time.monotonic()
             await self.ends.delete_many({"endedAt": {"$lt": now - END_RETENTION}})
