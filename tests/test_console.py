@@ -3,16 +3,22 @@
 The mesh and the gateway run as real processes; the browser asks for a token once (kept in
 the tab's session storage), opens a forum, posts a line as a named person, sees the agent's
 answer arrive over the stream without a reload, and opens the agent's monologue beside it,
-tool call and result included. ``make browser`` (a prerequisite of ``make test``) installs
+tool call and result included, each call with its source, state and duration (a built-in
+answered in the step; worker calls nobody serves: one waiting in the store, one its deadline
+ended). ``make browser`` (a prerequisite of ``make test``) installs
 ``chromium`` and ``chromium-driver``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -24,12 +30,23 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
+from services.gateway.tool_calls import ToolCallStates
 from tests.support.gateway_process import running_gateway
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
+from yoke.models import Message, MessageMeta, ToolCallPart, ToolResultPart
+from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.joins import Join, create_agent, create_forum, join_id
+from yoke.runtime.open_calls import (
+    TOOL_CALL_ENDS_COLLECTION,
+    open_call_id,
+    result_line_id,
+    round_results_id,
+)
 from yoke.store import Store
 from yoke.tokens import create_token, ensure_token_indexes
+from yoke.tools.catalog import CatalogEntry
 from yoke.webhooks import (
     DEAD_LETTERS,
     DeadLetter,
@@ -43,6 +60,21 @@ pytestmark = pytest.mark.slow
 
 CHROMIUM = "/usr/bin/chromium"
 WAIT_SECONDS = 60
+# Worker tools nobody serves: one whose call stays open through the module, one whose call
+# passes its deadline at once (the processors' reaper ends it). Broker-wide names: unique.
+WAITING_TOOL = f"waiting-{uuid.uuid4().hex[:8]}"
+LATE_TOOL = f"late-{uuid.uuid4().hex[:8]}"
+LATE_SECONDS = 1.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+async def worker_tools(store: Store) -> None:
+    """In the catalog before the mesh starts (autouse: set up first), so the processor's copy
+    of it, read at its start, offers them."""
+    catalog = ToolCatalog(store)
+    for name, timeout in ((WAITING_TOOL, 3600.0), (LATE_TOOL, LATE_SECONDS)):
+        entry = CatalogEntry(id=name, source="worker", origin=name, timeout_seconds=timeout)
+        await catalog.register(entry)
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +130,27 @@ def texts(driver: WebDriver, selector: str) -> list[str]:
     return [item.text for item in driver.find_elements(By.CSS_SELECTOR, selector)]
 
 
+def call_status(driver: WebDriver, tool: str) -> tuple[str, str, str]:
+    """(data-source, data-state, status text) of the monologue view's call of ``tool``."""
+    for call in driver.find_elements(By.CSS_SELECTOR, "#monologue-lines .tool-call"):
+        if call.find_element(By.TAG_NAME, "code").text.startswith(tool + " "):
+            status = call.find_element(By.CSS_SELECTOR, ".call-status").text
+            return (
+                call.get_attribute("data-source") or "",
+                call.get_attribute("data-state") or "",
+                status,
+            )
+    return "", "", ""
+
+
 def use_the_console(
-    driver: WebDriver, url: str, secret: str, forum_id: str, title: str, shots: Path
+    driver: WebDriver,
+    url: str,
+    secret: str,
+    forum_id: str,
+    title: str,
+    workers_forum_id: str,
+    shots: Path,
 ) -> None:
     """What a person does, step by step; each wait fails naming what never appeared."""
     driver.get(url + "/")
@@ -149,8 +200,36 @@ def use_the_console(
     monologue = texts(driver, "#monologue-lines li")
     assert any("what time is it?" in line for line in monologue)  # the copied forum line
     assert any("clock" in line for line in monologue)
+    wait_for(driver, "the clock call answered", lambda d: call_status(d, "clock")[1] == "answered")
+    source, _, status = call_status(driver, "clock")
+    assert source == "builtin" and status.startswith("builtin\nanswered\n"), status
+    assert re.fullmatch(r"\d+(\.\d\d)? s", status.split("\n")[2]), status  # its duration
     assert driver.execute_script("return window.consoleMark") == "still the same page"
     driver.save_screenshot(str(shots / "monologue.png"))
+
+    # The worker calls: one waiting in the store past its deadline's reach, one timed out.
+    driver.get(f"{url}/forums/{workers_forum_id}")
+    wait_for(
+        driver,
+        "the workers' agent",
+        lambda d: d.find_elements(By.CSS_SELECTOR, "button.agent-link"),
+    )
+    driver.find_element(By.CSS_SELECTOR, "button.agent-link").click()
+    wait_for(
+        driver,
+        "an open worker call and a timed-out one",
+        lambda d: (
+            call_status(d, WAITING_TOOL)[1] == "open" and call_status(d, LATE_TOOL)[1] == "timeout"
+        ),
+    )
+    source, _, status = call_status(driver, WAITING_TOOL)
+    assert source == "worker" and status.startswith("worker\nopen\nopen for "), status
+    assert "deadline " in status
+    source, _, status = call_status(driver, LATE_TOOL)
+    assert source == "worker" and status.startswith("worker\ntimed out\n"), status
+    results = texts(driver, "#monologue-lines .tool-result")
+    assert any(f"{LATE_TOOL} gave no answer within 1 s" in text for text in results), results
+    driver.save_screenshot(str(shots / "worker-calls.png"))
 
     driver.get(url + "/dead-letters")  # same tab: the token is still there
     wait_for(
@@ -161,10 +240,31 @@ def use_the_console(
     assert not driver.find_element(By.ID, "token-form").is_displayed()
 
 
+async def worker_calls(store: Store, client: Client, new_join: JoinFactory) -> tuple[str, Join]:
+    """A join whose agent calls both worker tools in one round; returns once the late call's
+    deadline has ended it (the other one waits on)."""
+    calls = [ScriptedCall(name=WAITING_TOOL), ScriptedCall(name=LATE_TOOL)]
+    forum = await create_forum(store, "the workers' forum")  # not the other forums' title
+    forum_id, join = await new_join(
+        forum.id,
+        model="fixture-script",
+        tools=[WAITING_TOOL, LATE_TOOL],
+        script=[ScriptedOutput(tool_calls=calls)],
+    )
+    await say(client, forum_id, "ask the workers")
+    await lines_until(
+        store,
+        join.monologue_id,
+        lambda lines: any(isinstance(part, ToolResultPart) for m in lines for part in m.parts),
+    )
+    return forum_id, join
+
+
 async def test_the_console_shows_a_forum_live_and_the_agents_monologue(
     gateway_url: str,
     browser: WebDriver,  # after the gateway: closed before it stops
     store: Store,
+    client: Client,
     new_join: JoinFactory,
     tmp_path: Path,
 ) -> None:
@@ -173,12 +273,109 @@ async def test_the_console_shows_a_forum_live_and_the_agents_monologue(
         ScriptedOutput(text="it is late"),
     ]
     forum_id, _ = await new_join(model="fixture-script", tools=["clock"], script=script)
+    workers_forum_id, _ = await worker_calls(store, client, new_join)
     title = (await store.get_conversation(forum_id)).title  # type: ignore[union-attr]
     await ensure_token_indexes(store)
-    _, secret = await create_token(store, "console", [forum_id])
+    _, secret = await create_token(store, "console", [forum_id, workers_forum_id])
     await asyncio.to_thread(
-        use_the_console, browser, gateway_url, secret, forum_id, title, tmp_path
+        use_the_console,
+        browser,
+        gateway_url,
+        secret,
+        forum_id,
+        title,
+        workers_forum_id,
+        tmp_path,
     )
+
+
+def seconds_between(start: str, end: str) -> float:
+    return (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
+
+
+async def test_the_monologue_data_says_where_each_tool_call_stands(
+    gateway_url: str, store: Store, client: Client, new_join: JoinFactory
+) -> None:
+    """Each call's source (from the catalog, or the open call's own), its state (answered in
+    the step, waiting in the store, ended by its deadline) and how long it took or has waited;
+    a page of lines carries the calls it answers and every call still waiting, so a call shown
+    before is redrawn when it ends."""
+    script = [ScriptedOutput(tool_calls=[ScriptedCall(name="clock")]), ScriptedOutput(text="ok")]
+    clock_forum, clock_join = await new_join(model="fixture-script", tools=["clock"], script=script)
+    await say(client, clock_forum, "what time is it?")
+    await lines_until(store, clock_forum, lambda lines: len(agent_lines(lines)) == 1)
+    workers_forum, workers_join = await worker_calls(store, client, new_join)
+    await ensure_token_indexes(store)
+    _, secret = await create_token(store, "tool-calls-console", [clock_forum, workers_forum])
+
+    async with httpx.AsyncClient(
+        base_url=gateway_url, timeout=30, headers={"Authorization": f"Bearer {secret}"}
+    ) as http:
+
+        async def page(monologue_id: str, after: int | None = None) -> dict[str, Any]:
+            query = "" if after is None else f"?after={after}"
+            answer = await http.get(f"/console/api/monologues/{monologue_id}/messages{query}")
+            assert answer.status_code == 200, answer.text
+            body: dict[str, Any] = answer.json()
+            return body
+
+        def call_line(body: dict[str, Any]) -> Message:
+            lines = [Message.model_validate(m) for m in body["messages"]]
+            return next(m for m in lines if any(isinstance(p, ToolCallPart) for p in m.parts))
+
+        # A built-in call, answered in the step: its result is in the round's results line.
+        body = await page(clock_join.monologue_id)
+        line = call_line(body)
+        (clock,) = body["toolCalls"]
+        results_id = round_results_id(join_id(clock_join.agent_actor_id, clock_forum), line.id)
+        results = await store.get_message(results_id)
+        assert results is not None  # the id the processor gave it
+        assert clock["callLineId"] == line.id and clock["callId"] == line.parts[0].call_id  # type: ignore[union-attr]
+        assert (clock["name"], clock["source"], clock["state"]) == ("clock", "builtin", "answered")
+        assert clock["resultLineId"] == results_id and "openCallId" not in clock
+        started, ended = clock["startedAt"], clock["endedAt"]
+        assert datetime.fromisoformat(started) == line.created_at.replace(tzinfo=UTC)
+        assert datetime.fromisoformat(ended) == results.created_at.replace(tzinfo=UTC)
+        assert clock["seconds"] == pytest.approx(seconds_between(started, ended), abs=1e-3)
+
+        # Worker calls: one waiting in the store, one its deadline ended.
+        instance = join_id(workers_join.agent_actor_id, workers_forum)
+        body = await page(workers_join.monologue_id)
+        line = call_line(body)
+        calls = {call["name"]: call for call in body["toolCalls"]}
+        waiting, late = calls[WAITING_TOOL], calls[LATE_TOOL]
+        waiting_id = open_call_id(instance, line.id, waiting["callId"])
+        assert (waiting["source"], waiting["state"]) == ("worker", "open")
+        assert waiting["openCallId"] == waiting_id and "endedAt" not in waiting
+        assert 0 <= waiting["seconds"] < 3600
+        opened_for = seconds_between(waiting["startedAt"], waiting["deadline"])
+        assert 3600 <= opened_for < 3600 + 30  # the tool's timeout, from about the call line
+
+        late_id = open_call_id(instance, line.id, late["callId"])
+        end = await store.db[TOOL_CALL_ENDS_COLLECTION].find_one({"_id": late_id})
+        assert end is not None and end["outcome"] == "timeout"
+        late_line = await store.get_message(result_line_id(late_id))
+        assert late_line is not None
+        assert (late["source"], late["state"]) == ("worker", "timeout")
+        assert late["openCallId"] == late_id and late["resultLineId"] == late_line.id
+        assert datetime.fromisoformat(late["endedAt"]) == late_line.created_at.replace(tzinfo=UTC)
+        assert LATE_SECONDS <= late["seconds"] < LATE_SECONDS + 30
+        assert late["seconds"] == pytest.approx(
+            seconds_between(late["startedAt"], late["endedAt"]), abs=1e-3
+        )
+
+        # Polling on: nothing new still brings the waiting call (its "open for" grows); a page
+        # holding only the late call's result brings that call, drawn lines earlier.
+        later = await page(workers_join.monologue_id, after=body["head"])
+        assert later["messages"] == []
+        assert [(c["name"], c["state"]) for c in later["toolCalls"]] == [(WAITING_TOOL, "open")]
+        assert later["toolCalls"][0]["seconds"] >= waiting["seconds"]
+        only_result = await page(workers_join.monologue_id, after=late_line.seq - 1)
+        assert [m["id"] for m in only_result["messages"]][:1] == [late_line.id]
+        assert {(c["name"], c["state"]) for c in only_result["toolCalls"]} == {
+            (WAITING_TOOL, "open"),
+            (LATE_TOOL, "timeout"),
+        }
 
 
 async def test_the_consoles_data_keeps_to_the_tokens_scope(
@@ -270,3 +467,57 @@ async def test_the_console_follows_an_agent_across_compactions(
         newest = await http.get(f"/console/api/monologues/{monologues[-1]}/messages?after=0")
         first = newest.json()["messages"][0]
         assert first["meta"]["instruction"] == "summary"
+
+
+async def test_a_call_carried_into_a_new_monologue_shows_how_its_original_ended(
+    store: Store,
+) -> None:
+    """Compaction copies the context (a call and its results) into the next monologue under new
+    ids; the copy's state, start and end are the original's, found by ``carriedFrom``."""
+    forum = await create_forum(store, "carried calls")
+    agent = await create_agent(store, "carrier")
+    instance = join_id(agent.id, forum.id)
+    old, new = uuid.uuid4().hex, uuid.uuid4().hex
+    call = ToolCallPart(call_id="c-0", name="clock")
+    now = datetime.now(UTC).replace(microsecond=0)  # what the store keeps of it (ms) is exact
+    original, _ = await store.insert_message(
+        Message(
+            id=uuid.uuid4().hex,
+            conversation_id=old,
+            author_actor_id=agent.id,
+            role="agent",
+            parts=[call],
+            created_at=now - timedelta(seconds=90),
+        )
+    )
+    answered, _ = await store.insert_message(
+        Message(
+            id=round_results_id(instance, original.id),
+            conversation_id=old,
+            author_actor_id="system",
+            parts=[ToolResultPart(call_id="c-0", name="clock", output="now", is_error=True)],
+            meta=MessageMeta(causation_id=original.id),
+            created_at=now - timedelta(seconds=60),
+        )
+    )
+    copies = []
+    for line in (original, answered):
+        copy = line.model_copy(
+            update={
+                "id": uuid.uuid4().hex,
+                "conversation_id": new,
+                "meta": line.meta.model_copy(update={"carried_from": line.id}),
+                "created_at": now,
+            }
+        )
+        copies.append((await store.insert_message(copy))[0])
+    states = ToolCallStates(store, ToolCatalog(store))
+
+    (view,) = await states.views(new, forum.id, agent.id, copies)
+    assert view.call_line_id == copies[0].id and view.call_id == "c-0"
+    assert (view.state, view.result_line_id) == ("error", answered.id)
+    assert view.started_at == original.created_at
+    assert view.ended_at == answered.created_at and view.seconds == 30
+    # The old monologue's own lines, as a page before the compaction showed them.
+    (view,) = await states.views(old, forum.id, agent.id, [original, answered])
+    assert (view.call_line_id, view.state, view.seconds) == (original.id, "error", 30)

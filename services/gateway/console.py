@@ -11,6 +11,9 @@ A token's forum scope covers the monologues of the agents joined to those forums
 is shown if some forum in scope has an agent whose active monologue, or one of its compaction
 chain, it is. Mesh-wide dead letters (the broker's queue) are shown to all-forums tokens only;
 webhook dead letters to the tokens whose scope holds their forum.
+
+The monologue view draws each tool call with its source, state and duration
+(``services/gateway/tool_calls.py``), redrawn as the call ends.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from services.gateway.deps import ApiError, ForumDep, TokenDep, gateway
+from services.gateway.deps import ApiError, ForumDep, Gateway, TokenDep, gateway
+from services.gateway.tool_calls import ToolCallStates
 from yoke.dead_letters import list_dead_letters
 from yoke.models import Conversation, Participant
+from yoke.runtime.catalog import ToolCatalog
 from yoke.runtime.compaction import chain_of
 from yoke.store import Store
 from yoke.tokens import Token
@@ -67,6 +72,8 @@ MAX_NAMES = 200
 MAX_LINES = 500
 DEAD_LETTERS_SHOWN = 200
 DEAD_LETTER_READ_SECONDS = 10.0
+# Where the process keeps its ToolCallStates (Gateway.extras).
+TOOL_CALL_STATES = "console.tool_call_states"
 
 router = APIRouter(include_in_schema=False)
 
@@ -170,8 +177,8 @@ async def names(
     return JSONResponse({"names": found})
 
 
-async def forum_of_monologue(store: Store, monologue_id: str) -> str | None:
-    """The forum whose join owns the monologue (active or compacted away), or None."""
+async def join_of_monologue(store: Store, monologue_id: str) -> tuple[str, str] | None:
+    """The forum and the agent whose join owns the monologue (active or compacted away)."""
     monologue = await store.get_conversation(monologue_id)
     if monologue is None or monologue.kind != "monologue":
         return None
@@ -183,8 +190,17 @@ async def forum_of_monologue(store: Store, monologue_id: str) -> str | None:
             monologues = {link.from_monologue_id for link in chain_of(joined)}
             monologues.add(str(joined.metadata.get("monologueId") or ""))
             if monologue_id in monologues:
-                return joined.conversation_id
+                return joined.conversation_id, joined.actor_id
     return None
+
+
+def tool_call_states(state: Gateway) -> ToolCallStates:
+    """One per process: its catalog copy is shared by every console (a few seconds stale)."""
+    found = state.extras.get(TOOL_CALL_STATES)
+    if not isinstance(found, ToolCallStates):
+        found = ToolCallStates(state.store, ToolCatalog(state.store))
+        state.extras[TOOL_CALL_STATES] = found
+    return found
 
 
 @router.get("/console/api/monologues/{monologueId}/messages")
@@ -195,20 +211,30 @@ async def monologue_messages(
     after: Annotated[int | None, Query(ge=0)] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LINES)] = 200,
 ) -> JSONResponse:
-    """A monologue's lines after ``after`` (default: its last ``limit`` lines), in seq order.
+    """A monologue's lines after ``after`` (default: its last ``limit`` lines), in seq order,
+    and ``toolCalls``: where each call stands that the page shows or must redraw (see
+    :meth:`ToolCallStates.views`), keyed by ``callLineId`` and ``callId``.
 
     Scope: a monologue belongs to its join's forum; a token that may not use that forum gets
     403, as does one asking for an id that is not a monologue (nothing is told about it).
     """
-    store = gateway(request).store
-    forum_id = await forum_of_monologue(store, monologue_id)
-    if forum_id is None or not token.allows(forum_id):
+    state = gateway(request)
+    store = state.store
+    join = await join_of_monologue(store, monologue_id)
+    if join is None or not token.allows(join[0]):
         raise ApiError(403, "forbidden", f"this token may not read monologue {monologue_id!r}")
+    forum_id, agent_actor_id = join
     head = await store.last_seq(monologue_id)
     start = max(0, head - limit) if after is None else after
     lines = await store.history(monologue_id, after_seq=start, up_to_seq=min(start + limit, head))
+    calls = await tool_call_states(state).views(monologue_id, forum_id, agent_actor_id, lines)
     return JSONResponse(
-        {"forumId": forum_id, "head": head, "messages": [line.to_wire() for line in lines]}
+        {
+            "forumId": forum_id,
+            "head": head,
+            "messages": [line.to_wire() for line in lines],
+            "toolCalls": [call.to_wire() for call in calls],
+        }
     )
 
 

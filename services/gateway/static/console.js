@@ -84,8 +84,10 @@ function renderLine(message) {
       item.append(element("div", "text", part.text));
     } else if (part.type === "tool_call") {
       const call = element("div", "tool-call");
+      call.dataset.callKey = callKey(message.id, part.callId);
       call.append(element("span", "tag", "tool call"));
       call.append(element("code", "", part.name + " " + JSON.stringify(part.input || {})));
+      call.append(element("div", "call-status"));
       item.append(call);
     } else if (part.type === "tool_result") {
       const result = element("div", "tool-result" + (part.isError ? " error" : ""));
@@ -95,6 +97,56 @@ function renderLine(message) {
     }
   }
   return item;
+}
+
+// --- where each tool call stands (the monologue view) -----------------------------------
+
+const CALL_STATES = {
+  running: "running",
+  open: "open",
+  answered: "answered",
+  error: "error",
+  timeout: "timed out",
+  stopped: "stopped",
+  rejected: "rejected",
+  failed: "failed",
+};
+
+function callKey(lineId, callId) {
+  return lineId + " " + callId;
+}
+
+function duration(seconds) {
+  return seconds < 10 ? seconds.toFixed(2) + " s" : Math.round(seconds) + " s";
+}
+
+// The gateway sends, with each page of lines, the calls of those lines, the calls they answer
+// and every call still waiting in the store: each is drawn on the call already on the page.
+function showToolCalls(list, calls) {
+  const shown = new Map();
+  for (const node of list.querySelectorAll(".tool-call")) shown.set(node.dataset.callKey, node);
+  for (const call of calls) {
+    const node = shown.get(callKey(call.callLineId, call.callId));
+    if (!node) continue;
+    node.dataset.source = call.source || "none";
+    node.dataset.state = call.state;
+    const parts = [
+      element("span", "call-source", call.source || "not in the catalog"),
+      element("span", "call-state state-" + call.state, CALL_STATES[call.state] || call.state),
+    ];
+    if (call.state === "open") {
+      parts.push(element("span", "call-duration", "open for " + Math.floor(call.seconds) + " s"));
+      if (call.deadline) parts.push(element("span", "call-deadline", "deadline " + new Date(call.deadline).toLocaleString()));
+    } else if (call.state !== "running") {
+      parts.push(element("span", "call-duration", duration(call.seconds)));
+    }
+    if (call.openCallId) {
+      const id = element("code", "call-id", "callId " + call.openCallId);
+      id.title = "the call's id as its worker sees it";
+      parts.push(id);
+    }
+    node.querySelector(".call-status").replaceChildren(...parts);
+  }
 }
 
 async function appendLines(list, messages, lastSeq) {
@@ -301,6 +353,7 @@ function openMonologue(agent, monologueId) {
       const body = await api("/console/api/monologues/" + encodeURIComponent(monologueId) + "/messages" + after);
       if (list.dataset.monologueId !== monologueId) return;
       lastSeq = await appendLines(list, body.messages, Math.max(lastSeq, 0));
+      showToolCalls(list, body.toolCalls || []);
       if (lastSeq < 0) lastSeq = 0;
     } catch (error) {
       if (error instanceof Unauthorized) return askForToken("That token was refused.");
