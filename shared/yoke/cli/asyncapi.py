@@ -20,7 +20,10 @@ from yoke.models import (
     MonologueCompacted,
     SubmitMessage,
     SubmitReply,
+    SubmitToolResult,
+    ToolCallRequest,
 )
+from yoke.tools.worker import DIRECT_REPLY_TO
 
 EVENTS = (MessagePosted, AgentForumJoined, MonologueCompacted, AgentActivity)
 # What yoke.forum carries (published with yoke-kind=forum): all an outside system may read.
@@ -32,7 +35,13 @@ def _key(event: type[BaseModel]) -> str:
 
 
 def _component_schemas() -> dict[str, Any]:
-    models: list[type[BaseModel]] = [SubmitMessage, SubmitReply, *EVENTS]
+    models: list[type[BaseModel]] = [
+        SubmitMessage,
+        SubmitReply,
+        ToolCallRequest,
+        SubmitToolResult,
+        *EVENTS,
+    ]
     _, definitions = models_json_schema(
         [(model, "serialization") for model in models],
         ref_template="#/components/schemas/{model}",
@@ -70,18 +79,36 @@ def asyncapi_document() -> dict[str, Any]:
             "A line from an outside system. Set reply_to for an answer with the same "
             "correlation_id; each idempotencyKey is accepted once per conversation.",
         ),
-        "submitReply": _message("submit reply", "SubmitReply", "The door's answer."),
+        "submitReply": _message(
+            "submit reply",
+            "SubmitReply",
+            "The door's answer. To tool.result.submit: accepted (the first answer, or a repeat "
+            "by the same tool's user, with duplicate: true), or rejected with code "
+            "unknown_call, call_closed (ended already: deadline, stop, rejected approval), "
+            "wrong_tool (another tool's call) or missing_user_id, and a sentence.",
+        ),
+        "toolCallRequest": _message(
+            "tool call",
+            "ToolCallRequest",
+            "A call of the tool. AMQP message_id = callId; expiration = the milliseconds left "
+            "until deadline (then the broker drops it, and the mesh ends the call with an "
+            "error result). Delivered at least once: use idempotencyKey to tolerate a repeat.",
+        ),
+        "submitToolResult": _message(
+            topology.TOOL_RESULT_COMMAND,
+            "SubmitToolResult",
+            "A worker's answer to a call, published with the AMQP user_id property set to its "
+            f"RabbitMQ user ({topology.TOOL_USER_PREFIX}<tool>; the broker verifies it, and an "
+            f"answer without it is rejected) and reply_to {DIRECT_REPLY_TO}. The first answer "
+            "is the call's result.",
+        ),
     }
     for event in EVENTS:
         key = _key(event)
         messages[key] = _message(
             event.TYPE, f"{event.__name__}Event", f"Routing key {event.TYPE}.<id>."
         )
-    event_refs = {
-        key: {"$ref": f"#/components/messages/{key}"}
-        for key in messages
-        if key not in ("submitMessage", "submitReply")
-    }
+    event_refs = {_key(e): {"$ref": f"#/components/messages/{_key(e)}"} for e in EVENTS}
     return {
         "asyncapi": "3.0.0",
         "info": {
@@ -90,7 +117,9 @@ def asyncapi_document() -> dict[str, Any]:
             "description": "LLM agents in conversations, over RabbitMQ. Outside systems publish "
             f"commands to the {topology.COMMANDS_EXCHANGE} exchange and bind their own queues "
             f"(bridge.*) to {topology.FORUM_EXCHANGE} to receive forum lines and agent activity; "
-            f"{topology.EVENTS_EXCHANGE}, with every agent's monologue, stays inside the mesh.",
+            f"{topology.EVENTS_EXCHANGE}, with every agent's monologue, stays inside the mesh. "
+            f"A tool worker takes its tool's calls from {topology.TOOL_QUEUE_PREFIX}<tool> and "
+            f"answers with {topology.TOOL_RESULT_COMMAND} on {topology.COMMANDS_EXCHANGE}.",
         },
         "defaultContentType": "application/json",
         "channels": {
@@ -137,6 +166,53 @@ def asyncapi_document() -> dict[str, Any]:
                     }
                 },
             },
+            "toolCalls": {
+                "address": topology.tool_queue("{tool}"),
+                "description": "A worker tool's call queue, declared by the mesh (quorum, "
+                f"x-delivery-limit {topology.DELIVERY_LIMIT}); a worker never declares it and "
+                f"reads it as {topology.TOOL_USER_PREFIX}<tool>, the one queue that user may "
+                "read. Several workers of one tool share it (competing consumers); each call is "
+                "delivered at least once: ack it once the door has answered your result.",
+                "parameters": {
+                    "tool": {"description": "The tool's name (yoke tools add-worker NAME)."}
+                },
+                "messages": {"toolCallRequest": {"$ref": "#/components/messages/toolCallRequest"}},
+                "bindings": {
+                    "amqp": {
+                        "is": "queue",
+                        "queue": {
+                            "name": topology.tool_queue("{tool}"),
+                            "durable": True,
+                            "exclusive": False,
+                            "autoDelete": False,
+                        },
+                    }
+                },
+            },
+            "toolResults": {
+                "address": topology.TOOL_RESULT_COMMAND,
+                "description": f"Topic exchange {topology.COMMANDS_EXCHANGE}; keyed by callId "
+                "(a result has no conversationId).",
+                "messages": {
+                    "submitToolResult": {"$ref": "#/components/messages/submitToolResult"}
+                },
+                "bindings": {
+                    "amqp": {
+                        "is": "routingKey",
+                        "exchange": {
+                            "name": topology.COMMANDS_EXCHANGE,
+                            "type": "topic",
+                            "durable": True,
+                        },
+                    }
+                },
+            },
+            "toolResultReplies": {
+                "address": DIRECT_REPLY_TO,
+                "description": "RabbitMQ's direct reply-to (consume it before publishing): the "
+                "door's answer to a tool result, with the command's correlation_id.",
+                "messages": {"submitReply": {"$ref": "#/components/messages/submitReply"}},
+            },
             "events": {
                 "address": "{eventType}.{id}",
                 "description": f"Topic exchange {topology.EVENTS_EXCHANGE}, inside the mesh: "
@@ -162,6 +238,19 @@ def asyncapi_document() -> dict[str, Any]:
                 "action": "receive",
                 "channel": {"$ref": "#/channels/commands"},
                 "reply": {"channel": {"$ref": "#/channels/replies"}},
+            },
+            "callTool": {
+                "action": "send",
+                "channel": {"$ref": "#/channels/toolCalls"},
+                "summary": "The mesh publishes each call of a worker tool to its queue (default "
+                "exchange, persistent).",
+                "bindings": {"amqp": {"deliveryMode": 2, "ack": True}},
+            },
+            "submitToolResult": {
+                "action": "receive",
+                "channel": {"$ref": "#/channels/toolResults"},
+                "summary": "A worker answers a call; the door checks the call and who sent it.",
+                "reply": {"channel": {"$ref": "#/channels/toolResultReplies"}},
             },
             "publishForum": {"action": "send", "channel": {"$ref": "#/channels/forum"}},
             "publishEvents": {"action": "send", "channel": {"$ref": "#/channels/events"}},
