@@ -25,7 +25,7 @@ from pydantic import Field, JsonValue
 from yoke import topology
 from yoke.ids import SYSTEM_ACTOR_ID, derive_id
 from yoke.metrics import OPEN_TOOL_CALLS, OVERDUE_TOOL_CALLS, TOOL_CALL_SECONDS, TOOL_CALLS
-from yoke.models import Document, Message, MessageMeta, SubmitReply, ToolResultPart
+from yoke.models import Document, Message, MessageMeta, SubmitReply, ToolResultPart, as_utc
 from yoke.runtime.posting import Poster
 from yoke.store import Store
 from yoke.tools.catalog import ToolSource
@@ -93,10 +93,6 @@ def round_results_id(instance_id: str, call_line_id: str) -> str:
     return derive_id("tool-results", instance_id, call_line_id)
 
 
-def _aware(moment: datetime) -> datetime:
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
-
-
 def _rejected(code: Any, error: str) -> SubmitReply:
     return SubmitReply(status="rejected", code=code, error=error)
 
@@ -148,7 +144,7 @@ class OpenCalls:
             await self.finish(call, existing)
             return False, existing
         await self.finish(call, end)
-        seconds = (end.ended_at - _aware(call.opened_at)).total_seconds()
+        seconds = (end.ended_at - as_utc(call.opened_at)).total_seconds()
         TOOL_CALLS.labels(call.tool, call.source, outcome).inc()
         TOOL_CALL_SECONDS.labels(call.source).observe(max(0.0, seconds))
         log.info(
@@ -207,7 +203,7 @@ class OpenCalls:
                 "wrong_tool",
                 f"call {call_id!r} is a call of {call.tool}, which user {user!r} does not serve",
             )
-        if datetime.now(UTC) > _aware(call.deadline):
+        if datetime.now(UTC) > as_utc(call.deadline):
             _, end = await self.end(
                 call, outcome="timeout", output=timeout_text(call), is_error=True
             )
@@ -254,7 +250,7 @@ class OpenCalls:
             end = await self.get_end(call.id)
             if end is not None:
                 await self.finish(call, end)
-            elif now > _aware(call.deadline):
+            elif now > as_utc(call.deadline):
                 overdue.append(call)
             else:
                 still += 1
