@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from services.processor.app import open_round, step, tool_results_id
-from yoke.models import Message, MessageMeta, Part, TextPart, ToolCallPart, ToolResultPart
+from yoke.models import Envelope, Message, MessageMeta, Part, TextPart, ToolCallPart, ToolResultPart
 from yoke.runtime.actor import ActorContext
 from yoke.runtime.instances import ProcessorConfig, ProcessorState
 from yoke.runtime.open_calls import OpenCall, OpenCalls, open_call_id, result_line_id
@@ -16,11 +16,22 @@ from yoke.settings import Settings
 from yoke.store import Store
 
 
+class DeltaSink:
+    """Takes the drafts' ``agent.delta`` events a step publishes (kept, not sent)."""
+
+    def __init__(self) -> None:
+        self.published: list[Envelope] = []
+
+    async def publish_event(self, envelope: Envelope, key: str, headers: object = None) -> None:
+        self.published.append(envelope)
+
+
 class StorePoster:
     """Writes what a step posts straight to the store (no events: one step at a time here)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self.bus = DeltaSink()
         self.posted: list[Message] = []
 
     async def post(self, message: Message, *, route: object = None) -> Message:

@@ -12,7 +12,7 @@ import logging
 from aio_pika.abc import AbstractIncomingMessage
 
 from yoke.consumer import key_from_header
-from yoke.ids import derive_id
+from yoke.ids import forwarded_line_id
 from yoke.lru import LRUCache
 from yoke.models import (
     AgentForumJoined,
@@ -22,7 +22,7 @@ from yoke.models import (
     MonologueCompacted,
     TextPart,
 )
-from yoke.runtime.compaction import chain_of
+from yoke.runtime.chain import chain_of
 from yoke.runtime.joins import Join, join_id, participant_id
 from yoke.runtime.service import Service
 from yoke.store import Store
@@ -179,7 +179,7 @@ class Egress:
 
 def forward_id(line: Message) -> str:
     """The forum line's id derives from the monologue line's: a redelivery posts nothing twice."""
-    return derive_id("egress", line.id)
+    return forwarded_line_id(line.id)
 
 
 def forwardable(line: Message) -> bool:

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Literal
 
 from yoke import topology
-from yoke.ids import SYSTEM_ACTOR_ID, derive_id
+from yoke.ids import SYSTEM_ACTOR_ID, forwarded_line_id
 from yoke.llm.base import InferenceRequest, ProviderFailed
 from yoke.llm.providers import cost_of, provider_for
 from yoke.metrics import (
@@ -48,6 +48,7 @@ from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.runtime.catalog import LocalTools, ToolCatalog
 from yoke.runtime.compaction import call_ids, compact, result_ids
 from yoke.runtime.dispatch import ToolDispatch, deadline_after
+from yoke.runtime.drafts import Draft
 from yoke.runtime.instances import (
     PROCESSOR,
     ProcessorConfig,
@@ -55,7 +56,7 @@ from yoke.runtime.instances import (
     load_processor_config,
 )
 from yoke.runtime.mcp_hosting import McpHosting
-from yoke.runtime.open_calls import OpenCall, OpenCalls, open_call_id
+from yoke.runtime.open_calls import OpenCall, OpenCalls, open_call_id, round_results_id
 from yoke.runtime.service import Service
 from yoke.tools.base import Tool
 from yoke.tools.catalog import CatalogEntry
@@ -243,7 +244,7 @@ def unanswered(called: set[str], later: list[Message]) -> set[str]:
 
 def tool_results_id(context: Context, call_line: Message) -> str:
     """The id of the results message the step of ``call_line`` writes (one per call line)."""
-    return derive_id("tool-results", context.instance_id, call_line.id)
+    return round_results_id(context.instance_id, call_line.id)
 
 
 async def results_on_their_way(context: Context, transcript: list[Message]) -> bool:
@@ -475,7 +476,29 @@ async def infer_once(context: Context, trigger: Message, transcript: list[Messag
         await infer_and_post(context, trigger, transcript)
 
 
+def draft_of(context: Context, trigger: Message) -> Draft:
+    """The draft of the forum line this step's text becomes (egress derives its id)."""
+    return Draft(
+        context.poster.bus,
+        forum_id=context.config.source_conversation_id,
+        agent_actor_id=context.config.agent_actor_id,
+        message_id=forwarded_line_id(context.effect_id("output")),
+        in_reply_to=carried_meta(context, trigger).in_reply_to,
+    )
+
+
 async def infer_and_post(context: Context, trigger: Message, transcript: list[Message]) -> None:
+    draft = draft_of(context, trigger)
+    try:
+        await infer_into(context, trigger, transcript, draft)
+    finally:
+        await draft.end("abandoned")  # unless it ended "posted" already
+        await draft.close()
+
+
+async def infer_into(
+    context: Context, trigger: Message, transcript: list[Message], draft: Draft
+) -> None:
     config, state = context.config, context.state
     request = InferenceRequest(
         transcript=transcript,
@@ -483,6 +506,7 @@ async def infer_and_post(context: Context, trigger: Message, transcript: list[Me
         call_id_prefix=context.effect_id("call"),
         instructions=config.instructions,
         names=await display_names(context, transcript),
+        on_text=draft.push,
     )
     try:
         model = state.model or config.model
@@ -493,6 +517,7 @@ async def infer_and_post(context: Context, trigger: Message, transcript: list[Me
             )
         result = await provider_for(model, config.script, settings).infer(request)
     except ProviderFailed as error:
+        await draft.end("abandoned")
         await post_notice(context, trigger, "provider", f"the model failed: {error}")
         return
     usage = result.usage
@@ -509,6 +534,7 @@ async def infer_and_post(context: Context, trigger: Message, transcript: list[Me
     parts: list[Part] = []
     if result.text:
         parts.append(TextPart(text=result.text))
+        await draft.end("posted")  # the line follows at once and replaces the draft
     parts.extend(result.tool_calls)
     await post_agent_line(context, trigger, parts, usage)
 

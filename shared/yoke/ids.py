@@ -21,5 +21,11 @@ def derive_id(kind: str, *causes: str) -> str:
     return digest[:32]
 
 
+def forwarded_line_id(monologue_line_id: str) -> str:
+    """The id of the forum line egress makes of an agent's monologue line (the processor names
+    it in advance: a streamed draft says which line will replace it)."""
+    return derive_id("egress", monologue_line_id)
+
+
 # The author of lines the mesh itself writes: tool results, notices.
 SYSTEM_ACTOR_ID = "system"

@@ -247,10 +247,33 @@ class AgentActivity(WireModel):
         return self.forum_id
 
 
-EventPayload = MessagePosted | AgentForumJoined | MonologueCompacted | AgentActivity
+class AgentDelta(WireModel):
+    """A piece of the text an agent is writing for a forum, as the model produces it.
+
+    Ephemeral (never stored), ordered by ``index`` from 0; ``messageId`` is the id the finished
+    forum line will have and replaces the draft; the last delta of a draft has ``end``:
+    ``posted`` (the line follows) or ``abandoned`` (no line: the step failed or was stopped).
+    """
+
+    TYPE: ClassVar[str] = "agent.delta"
+
+    forum_id: str
+    agent_actor_id: str
+    message_id: str
+    in_reply_to: str | None = None
+    index: int = Field(ge=0)
+    text: str
+    end: Literal["posted", "abandoned"] | None = None
+
+    @property
+    def key(self) -> str:
+        return self.forum_id
+
+
+EventPayload = MessagePosted | AgentForumJoined | MonologueCompacted | AgentActivity | AgentDelta
 EVENT_TYPES: dict[str, type[EventPayload]] = {
     model.TYPE: model
-    for model in (MessagePosted, AgentForumJoined, MonologueCompacted, AgentActivity)
+    for model in (MessagePosted, AgentForumJoined, MonologueCompacted, AgentActivity, AgentDelta)
 }
 
 

@@ -23,6 +23,40 @@ class Reply:
     status: int = 200
     body: dict[str, Any] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
+    # Streamed (the request asked ``stream``): the text in this many pieces, this far apart,
+    # and the connection dropped after ``break_after`` pieces (None: the whole answer).
+    pieces: int = 1
+    piece_delay: float = 0.0
+    break_after: int | None = None
+
+
+def streamed(
+    reply: Reply, *, pieces: int, piece_delay: float = 0.0, break_after: int | None = None
+) -> Reply:
+    """``reply`` (a completion) served as a stream of ``pieces`` text pieces."""
+    reply.pieces, reply.piece_delay, reply.break_after = pieces, piece_delay, break_after
+    return reply
+
+
+def stream_chunks(reply: Reply) -> list[dict[str, Any]]:
+    """The chat.completion.chunk objects of a completion, as OpenAI streams it."""
+    body = reply.body
+    message = body["choices"][0]["message"]
+    base = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return base | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    chunks = [chunk({"role": "assistant", "content": ""})]
+    text = message.get("content") or ""
+    if text:
+        size = max(1, -(-len(text) // reply.pieces))
+        chunks += [chunk({"content": text[i : i + size]}) for i in range(0, len(text), size)]
+    for index, call in enumerate(message.get("tool_calls") or []):
+        chunks.append(chunk({"tool_calls": [{"index": index, **call}]}))
+    chunks.append(chunk({}, body["choices"][0]["finish_reason"]))
+    chunks.append(base | {"choices": [], "usage": body["usage"]})
+    return chunks
 
 
 def completion(
@@ -99,6 +133,8 @@ class FakeOpenAI:
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # chunked streams, kept-alive connections
+
             def do_POST(self) -> None:
                 length = int(self.headers.get("content-length", "0"))
                 body = json.loads(self.rfile.read(length) or b"{}")
@@ -113,6 +149,9 @@ class FakeOpenAI:
                         reply = fake.replies.popleft() if fake.replies else fake.default
                 if reply is None:
                     reply = completion(f"echo: {body['messages'][-1].get('content')}")
+                if body.get("stream") and reply.status == 200:
+                    self.stream(reply)
+                    return
                 payload = json.dumps(reply.body).encode()
                 self.send_response(reply.status)
                 self.send_header("content-type", "application/json")
@@ -121,6 +160,30 @@ class FakeOpenAI:
                     self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(payload)
+
+            def stream(self, reply: Reply) -> None:
+                """Server-sent events, chunked: a dropped stream is a truncated body."""
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                pieces = 0
+                for chunk in stream_chunks(reply):
+                    choices = chunk["choices"]
+                    if choices and choices[0]["delta"].get("content"):
+                        if reply.break_after is not None and pieces >= reply.break_after:
+                            self.close_connection = True  # the body ends short: a broken stream
+                            return
+                        pieces += 1
+                        time.sleep(reply.piece_delay)
+                    self.write_chunk(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.write_chunk(b"data: [DONE]\n\n")
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+
+            def write_chunk(self, data: bytes) -> None:
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass

@@ -7,7 +7,7 @@ tools it may call) into outputs plus token usage, and that is all.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
@@ -32,6 +32,13 @@ class InferenceRequest:
     instructions: str = ""
     names: dict[str, str] = field(default_factory=dict)
     now: datetime = field(default_factory=lambda: datetime.now(UTC))
+    # Given each piece of the answer's text as the model produces it (never blocks: the caller
+    # buffers); a provider that cannot stream gives the whole text once.
+    on_text: Callable[[str], None] | None = None
+
+    def streamed(self, piece: str) -> None:
+        if self.on_text is not None and piece:
+            self.on_text(piece)
 
 
 @dataclass

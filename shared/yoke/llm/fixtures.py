@@ -28,6 +28,9 @@ class EchoProvider:
 
     model = "fixture-echo"
 
+    # The echo is streamed in this many pieces, as a real model streams its answer.
+    pieces = 3
+
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         text = newest_user_text(request.transcript)
         usage = Usage(
@@ -35,7 +38,13 @@ class EchoProvider:
             input_tokens=estimate_tokens(request.transcript),
             output_tokens=len(text or "") // 4,
         )
+        for piece in split_pieces(text or "", self.pieces):
+            await self.before_piece()
+            request.streamed(piece)
         return InferenceResult(text=text, usage=usage)
+
+    async def before_piece(self) -> None:
+        """Where a slower model takes its time between pieces."""
 
 
 class SlowEchoProvider(EchoProvider):
@@ -48,6 +57,45 @@ class SlowEchoProvider(EchoProvider):
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         await asyncio.sleep(self.seconds)
         return await super().infer(request)
+
+
+class StreamingEchoProvider(EchoProvider):
+    """``fixture-stream-<pieces>-<seconds>``: the echo in ``pieces`` pieces spread over
+    ``seconds`` (a model streaming at a set rate, for tests and the bench)."""
+
+    def __init__(self, model: str, pieces: int, seconds: float) -> None:
+        self.model = model
+        self.pieces = pieces
+        self.interval = seconds / pieces
+
+    async def before_piece(self) -> None:
+        await asyncio.sleep(self.interval)
+
+
+def split_pieces(text: str, pieces: int) -> list[str]:
+    """``text`` cut into at most ``pieces`` consecutive pieces (joined, they are the text)."""
+    if not text:
+        return []
+    size = max(1, -(-len(text) // pieces))
+    return [text[start : start + size] for start in range(0, len(text), size)]
+
+
+STREAM_PREFIX = "fixture-stream-"
+MOST_PIECES = 10_000
+
+
+def stream_rate(model: str) -> tuple[int, float] | None:
+    """(pieces, seconds) of a ``fixture-stream-<pieces>-<seconds>`` model, else None."""
+    if not model.startswith(STREAM_PREFIX):
+        return None
+    pieces, _, seconds = model.removeprefix(STREAM_PREFIX).partition("-")
+    try:
+        rate = int(pieces), float(seconds)
+    except ValueError:
+        return None
+    if not (1 <= rate[0] <= MOST_PIECES and 0 <= rate[1] <= SLOWEST_SECONDS):
+        return None
+    return rate
 
 
 SLOW_PREFIX = "fixture-slow-"
@@ -89,6 +137,7 @@ class ScriptedProvider:
             )
             for index, call in enumerate(output.tool_calls)
         ]
+        request.streamed(output.text or "")
         return InferenceResult(
             text=output.text,
             tool_calls=calls,

@@ -1,6 +1,8 @@
 """The OpenAI provider: chat completions with tools through the ``openai`` async client.
 
-Works with any OpenAI-compatible server (``OPENAI_BASE_URL``: vLLM, Ollama, ...). Retries only
+Works with any OpenAI-compatible server (``OPENAI_BASE_URL``: vLLM, Ollama, ...). Answers are
+streamed (``stream_options.include_usage`` asks for the usage in the last chunk) and each text
+piece is handed to the request's ``on_text`` as it comes. Retries only
 provider failures (timeouts, connection errors, 429, 5xx) with exponential backoff, jitter and
 ``Retry-After`` (capped), and gives up within ``YOKE_PROVIDER_GIVE_UP_SECONDS``; 4xx other than
 429 fail at once. The client's own retries are off so this is the one policy.
@@ -14,8 +16,10 @@ import logging
 import os
 import random
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import openai
 from openai import AsyncOpenAI
 
@@ -93,10 +97,14 @@ class OpenAIProvider:
                 }
                 for tool in request.tools.values()
             ]
-        response = await self._create_with_retries(arguments)
-        return self._result(response, request.call_id_prefix)
+        return await self._stream_with_retries(arguments, request)
 
-    async def _create_with_retries(self, arguments: dict[str, Any]) -> Any:
+    async def _stream_with_retries(
+        self, arguments: dict[str, Any], request: InferenceRequest
+    ) -> InferenceResult:
+        """Stream one answer (usage reported in its last chunk), retrying provider failures
+        until the give-up bound; once text has been streamed, a failure is final (the draft
+        people saw is abandoned, never restarted under them)."""
         settings = self.settings
         started = time.monotonic()
         deadline = started + settings.provider_give_up_seconds
@@ -105,12 +113,23 @@ class OpenAIProvider:
             attempt += 1
             remaining = deadline - time.monotonic()
             request_started = time.monotonic()
+            answer = StreamedAnswer()
             try:
-                response = await self.client.chat.completions.create(
+                stream = await self.client.chat.completions.create(
                     **arguments,
+                    stream=True,
+                    stream_options={"include_usage": True},
                     timeout=max(0.1, min(settings.provider_request_timeout_seconds, remaining)),
                 )
-            except RETRYABLE as error:
+                async for chunk in stream:
+                    answer.add(chunk, request)
+            except (*RETRYABLE, httpx.TransportError) as error:
+                if answer.streamed:
+                    LLM_REQUESTS.labels(self.label, "error").inc()
+                    raise ProviderFailed(
+                        f"{self.model}: the answer broke off after {answer.pieces} pieces "
+                        f"({describe(error)})"
+                    ) from error
                 LLM_REQUESTS.labels(self.label, "retryable_error").inc()
                 delay = min(8.0, 0.5 * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
                 hinted = retry_after_seconds(error)
@@ -132,39 +151,86 @@ class OpenAIProvider:
                 raise ProviderFailed(f"{self.model}: {describe(error)}") from error
             LLM_REQUESTS.labels(self.label, "ok").inc()
             LLM_LATENCY.labels(self.label).observe(time.monotonic() - request_started)
-            return response
+            return answer.result(self.model, request.call_id_prefix)
 
-    def _result(self, response: Any, call_id_prefix: str) -> InferenceResult:
-        if not response.choices:
-            raise ProviderFailed(f"{self.model}: the response had no choices")
-        message = response.choices[0].message
-        calls: list[ToolCallPart] = []
-        for index, call in enumerate(message.tool_calls or []):
-            function = getattr(call, "function", None)
-            if function is None:
+
+@dataclass
+class _CallSlot:
+    call_id: str | None = None
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass
+class StreamedAnswer:
+    """An answer put together from its chunks: text pieces, tool calls by index, usage."""
+
+    text: list[str] = field(default_factory=list)
+    calls: dict[int, _CallSlot] = field(default_factory=dict)
+    usage: Any = None
+    model: str | None = None
+    choices: int = 0
+
+    @property
+    def pieces(self) -> int:
+        return len(self.text)
+
+    @property
+    def streamed(self) -> bool:
+        return bool(self.text)
+
+    def add(self, chunk: Any, request: InferenceRequest) -> None:
+        self.model = getattr(chunk, "model", None) or self.model
+        if getattr(chunk, "usage", None) is not None:
+            self.usage = chunk.usage
+        for choice in getattr(chunk, "choices", None) or []:
+            if choice.index != 0:
                 continue
-            call_id = call.id or f"{call_id_prefix}-{index}"
-            try:
-                parsed = json.loads(function.arguments or "{}")
-                if not isinstance(parsed, dict):
-                    raise ValueError("arguments are not a JSON object")
-                calls.append(ToolCallPart(call_id=call_id, name=function.name, input=parsed))
-            except ValueError as error:
-                calls.append(
-                    ToolCallPart(
-                        call_id=call_id,
-                        name=function.name,
-                        input_error=f"arguments are not valid JSON ({error}): "
-                        f"{function.arguments[:200]}",
-                    )
-                )
-        usage = response.usage
+            self.choices += 1
+            delta = choice.delta
+            if delta is None:
+                continue
+            if delta.content:
+                self.text.append(delta.content)
+                request.streamed(delta.content)
+            for call in delta.tool_calls or []:
+                slot = self.calls.setdefault(call.index, _CallSlot())
+                slot.call_id = call.id or slot.call_id
+                function = call.function
+                if function is not None:
+                    slot.name += function.name or ""
+                    slot.arguments += function.arguments or ""
+
+    def result(self, model: str, call_id_prefix: str) -> InferenceResult:
+        if not self.choices and self.usage is None:
+            raise ProviderFailed(f"{model}: the response had no choices")
+        calls = [
+            tool_call(slot.call_id or f"{call_id_prefix}-{index}", slot.name, slot.arguments)
+            for index, slot in sorted(self.calls.items())
+            if slot.name
+        ]
+        usage = self.usage
         return InferenceResult(
-            text=message.content or None,
+            text="".join(self.text) or None,
             tool_calls=calls,
             usage=Usage(
-                model=response.model or self.model,
+                model=self.model or model,
                 input_tokens=usage.prompt_tokens if usage else 0,
                 output_tokens=usage.completion_tokens if usage else 0,
             ),
+        )
+
+
+def tool_call(call_id: str, name: str, arguments: str) -> ToolCallPart:
+    """A model's call; arguments that are not a JSON object are kept as the reason it fails."""
+    try:
+        parsed = json.loads(arguments or "{}")
+        if not isinstance(parsed, dict):
+            raise ValueError("arguments are not a JSON object")
+        return ToolCallPart(call_id=call_id, name=name, input=parsed)
+    except ValueError as error:
+        return ToolCallPart(
+            call_id=call_id,
+            name=name,
+            input_error=f"arguments are not valid JSON ({error}): {arguments[:200]}",
         )

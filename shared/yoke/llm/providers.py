@@ -15,7 +15,14 @@ from yoke.llm.base import (
     ProviderFailed,
     ScriptedOutput,
 )
-from yoke.llm.fixtures import EchoProvider, ScriptedProvider, SlowEchoProvider, slow_seconds
+from yoke.llm.fixtures import (
+    EchoProvider,
+    ScriptedProvider,
+    SlowEchoProvider,
+    StreamingEchoProvider,
+    slow_seconds,
+    stream_rate,
+)
 from yoke.llm.openai_provider import OpenAIProvider
 from yoke.metrics import LLM_LATENCY, LLM_REQUESTS, model_label
 from yoke.models import Usage
@@ -53,6 +60,9 @@ def provider_for(model: str, script: list[ScriptedOutput], settings: Settings) -
     seconds = slow_seconds(model)
     if seconds is not None:
         return Measured(SlowEchoProvider(model, seconds))
+    rate = stream_rate(model)
+    if rate is not None:
+        return Measured(StreamingEchoProvider(model, *rate))
     if model.startswith("fixture-"):
         raise ProviderFailed(f"unknown fixture model {model!r}")
     return OpenAIProvider(model, settings)

@@ -24,7 +24,13 @@ from pydantic import Field, JsonValue
 
 from yoke import topology
 from yoke.ids import SYSTEM_ACTOR_ID, derive_id
-from yoke.metrics import OPEN_TOOL_CALLS, OVERDUE_TOOL_CALLS, TOOL_CALL_SECONDS, TOOL_CALLS
+from yoke.metrics import (
+    OPEN_TOOL_CALLS,
+    OVERDUE_TOOL_CALLS,
+    TOOL_CALL_SECONDS,
+    TOOL_CALLS,
+    tool_label,
+)
 from yoke.models import Document, Message, MessageMeta, SubmitReply, ToolResultPart, as_utc
 from yoke.runtime.posting import Poster
 from yoke.store import Store
@@ -145,7 +151,7 @@ class OpenCalls:
             return False, existing
         await self.finish(call, end)
         seconds = (end.ended_at - as_utc(call.opened_at)).total_seconds()
-        TOOL_CALLS.labels(call.tool, call.source, outcome).inc()
+        TOOL_CALLS.labels(tool_label(call.tool), call.source, metric_outcome(end)).inc()
         TOOL_CALL_SECONDS.labels(call.source).observe(max(0.0, seconds))
         log.info(
             "tool call %s (%s) ended: %s",
@@ -274,6 +280,13 @@ class OpenCalls:
                 log.warning("could not check open tool calls' deadlines: %r", error)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopping.wait(), REAP_SECONDS)
+
+
+def metric_outcome(end: CallEnd) -> str:
+    """The words calls answered in the step use too: ``ok`` and ``error`` for an answer."""
+    if end.outcome == "answered":
+        return "error" if end.is_error else "ok"
+    return end.outcome
 
 
 def timeout_text(call: OpenCall) -> str:
