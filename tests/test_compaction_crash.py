@@ -18,18 +18,11 @@ from tests.support.processes import ServiceProcess, eventually
 from yoke.client import Client
 from yoke.models import Message, Part, TextPart, ToolCallPart, ToolResultPart
 from yoke.runtime.actor import instance_state_id
-from yoke.runtime.compaction import (
-    PROCEDURES,
-    SWAP_STEPS,
-    SWAPPING,
-    carriable,
-    chain_of,
-    needs_compaction,
-    split_for_compaction,
-)
+from yoke.runtime.chain import SWAPPING, carriable, chain_of
+from yoke.runtime.compaction import SWAP_STEPS, needs_compaction, split_for_compaction
 from yoke.runtime.instances import PROCESSOR, ProcessorConfig
 from yoke.runtime.joins import Join, join_id
-from yoke.store import Store
+from yoke.store import PROCEDURES, Store
 
 pytestmark = pytest.mark.slow
 

@@ -43,7 +43,7 @@ from yoke.metrics import (
     FOLLOWUPS_SCHEDULED,
 )
 from yoke.models import Actor, Document, Message, MessageMeta, MessagePosted, TextPart, utcnow
-from yoke.runtime.compaction import carry_tail
+from yoke.runtime.chain import carry_tail
 from yoke.runtime.join_config import FollowUpConfig, JoinConfig, load_join_config
 from yoke.runtime.joins import ensure_participant, join_id, participant_id
 from yoke.runtime.posting import Poster

@@ -33,7 +33,7 @@ from services.gateway.tool_calls import ToolCallStates
 from yoke.dead_letters import list_dead_letters
 from yoke.models import Conversation, Participant
 from yoke.runtime.catalog import ToolCatalog
-from yoke.runtime.compaction import chain_of
+from yoke.runtime.chain import chain_of
 from yoke.store import Store
 from yoke.tokens import Token
 from yoke.webhooks import dead_letters

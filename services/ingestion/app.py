@@ -33,7 +33,7 @@ from yoke.models import (
     TextPart,
 )
 from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
-from yoke.runtime.compaction import carry_tail, copy_target
+from yoke.runtime.chain import carry_tail, copy_target
 from yoke.runtime.instances import INGESTION, IngestionConfig, IngestionState
 from yoke.runtime.joins import ensure_participant_id
 from yoke.runtime.open_calls import OpenCalls
