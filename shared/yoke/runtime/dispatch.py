@@ -41,7 +41,10 @@ MAX_BACKGROUND_CALLS = 1000
 
 class McpCaller(Protocol):
     async def call(
-        self, full_name: str, arguments: dict[str, object], timeout: float  # noqa: ASYNC109
+        self,
+        full_name: str,
+        arguments: dict[str, object],
+        timeout: float,  # noqa: ASYNC109
     ) -> tuple[str, bool]: ...
 
 
