@@ -107,9 +107,7 @@ def _not_a_json_constant(name: str) -> object:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_command(
-    body: bytes, max_bytes: int, model: type[Command]
-) -> Command | SubmitReply:
+def parse_command(body: bytes, max_bytes: int, model: type[Command]) -> Command | SubmitReply:
     """The command in ``body``, or the rejection that says why not.
 
     The raw checks come first, each cheap and bounded: size, UTF-8, nesting depth. Then the
