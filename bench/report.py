@@ -19,6 +19,7 @@ SECTIONS = (
     "busHop",
     "turnLatency",
     "gateway",
+    "tools",
     "throughput",
     "replicas",
     "growth",
@@ -158,6 +159,35 @@ def gateway_lines(gateway: Figures) -> list[str]:
     return lines
 
 
+def tool_lines(tools: Figures) -> list[str]:
+    """Each kind's whole turn and tool round, each against the inline built-in's."""
+    if "inline" not in tools:
+        return []
+    title = f"Tool rounds, {tools['rounds']} turns of each kind, one at a time (ms)"
+    header = f"{title:<62}{'p50':>7}{'p99':>9}{'max':>9}{'x inline p50':>14}{'p99':>6}"
+    lines = ["", header]
+    kinds = (
+        ("inline", "inline built-in (clock, in the processor's step)"),
+        ("worker", "worker (yoke.tools.worker.serve, a process of its own)"),
+        ("mcp", "MCP over stdio (echo of tests/support/mcp_server.py)"),
+    )
+    for kind, label in kinds:
+        lines.append(f"  {label}")
+        ratios = tools["ratios"].get(kind, {})
+        for series, what in (
+            ("turn", "line -> answer in the forum"),
+            ("round", "call line -> result line (store)"),
+        ):
+            figures = tools[kind][series]
+            p50, p99 = ratios.get(f"{series}P50"), ratios.get(f"{series}P99")
+            shown = f"{p50:>13.2f}x{p99:>5.2f}x" if p50 is not None and p99 is not None else ""
+            lines.append(
+                f"    {what:<58}{figures['p50Ms']:>7.1f}{figures['p99Ms']:>9.1f}"
+                f"{figures['maxMs']:>9.1f}" + shown
+            )
+    return lines
+
+
 def render(results: Figures) -> str:
     lines: list[str] = []
     header = (
@@ -184,6 +214,7 @@ def render(results: Figures) -> str:
         for name, figures in stages.items():
             lines.append(f"  {name:<48}{figures['p50Ms']:>9.1f}{figures['p99Ms']:>9.1f}")
     lines += gateway_lines(results["gateway"])
+    lines += tool_lines(results["tools"])
     cpu_latency = results["turnLatency"].get("cpuMsPerTurn") or {}
     cpu_load = results["throughput"].get("cpuMsPerTurn") or {}
     if cpu_latency or cpu_load:

@@ -21,6 +21,7 @@ SMALLEST = [
     "--turns=5",
     "--turn-warmup=1",
     "--gateway-turns=3",
+    "--tool-turns=3",
     "--forums=3",
     "--forum-turns=1",
     "--growth-lines=20",
@@ -36,6 +37,7 @@ SECTIONS = (
     "busHop",
     "turnLatency",
     "gateway",
+    "tools",
     "throughput",
     "replicas",
     "growth",
@@ -44,8 +46,9 @@ SECTIONS = (
     "ratios",
     "targets",
 )
-# About 50 s on a quiet machine; the deadline leaves room for a shared one.
-DEADLINE = 240
+# About 60 s on a quiet machine (the tool rounds' share about 10); the deadline leaves room for
+# a shared one (it took 225 s at load average 20 on 2 cpus).
+DEADLINE = 300
 
 
 def test_the_smallest_bench_measures_every_phase(
@@ -76,6 +79,12 @@ def test_the_smallest_bench_measures_every_phase(
     series = ("post", "amqpSubmit", "postToStream", "amqpTurn", "postToWebhook")
     assert [gateway[name]["count"] for name in series] == [3] * 5, gateway
     assert gateway["exitCode"] == 0 and set(gateway["ratios"]) == {"accept", "answer"}
+    tools = figures["tools"]  # each kind's turns and rounds, every call answered, no error
+    kinds = ("inline", "worker", "mcp")
+    counts = [tools[kind][series]["count"] for kind in kinds for series in ("turn", "round")]
+    assert counts == [3] * 6, tools
+    assert all(tools[kind]["round"]["p50Ms"] < tools[kind]["turn"]["p50Ms"] for kind in kinds)
+    assert tools["workerExitCode"] == 0 and set(tools["ratios"]) == {"worker", "mcp"}
     replicas = figures["replicas"]  # 1 vs 2 processor replicas over the bench's 4 shards
     assert replicas["one"]["turns"] == 3 and replicas["two"]["turns"] == 3, replicas
     assert sorted(replicas["shardsOwnedWithTwo"]) == [2, 2] and replicas["secondExitCode"] == 0
