@@ -18,6 +18,11 @@ async def run_yoke(env: dict[str, str], *args: str, timeout: float = 60) -> tupl
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    out, err = await asyncio.wait_for(process.communicate(), timeout)
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), timeout)
+    except TimeoutError:
+        process.kill()  # a verb left running goes on changing the servers after the test
+        await process.wait()
+        raise
     assert process.returncode is not None
     return process.returncode, out.decode(errors="replace"), err.decode(errors="replace")
