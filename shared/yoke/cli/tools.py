@@ -18,7 +18,7 @@ import aio_pika
 from yoke import topology
 from yoke.cli.errors import CommandError, UsageError
 from yoke.cli.tool_users import ToolUserRefused, create_tool_user, delete_tool_user
-from yoke.runtime.catalog import CLASH_PREFIX, LocalTools, ToolCatalog, registered_servers
+from yoke.runtime.catalog import LocalTools, ToolCatalog, listed_name, registered_servers
 from yoke.settings import Settings
 from yoke.store import Store
 from yoke.tools.catalog import (
@@ -70,9 +70,8 @@ async def with_store_action(action: Any) -> None:
 
 
 def listing_of(entry: CatalogEntry) -> ToolListing:
-    name = entry.id.removeprefix(CLASH_PREFIX) if entry.id.startswith(CLASH_PREFIX) else entry.id
     return ToolListing(
-        name=name,
+        name=listed_name(entry.id),
         description=entry.description,
         input_schema=entry.input_schema,
         source=entry.source,

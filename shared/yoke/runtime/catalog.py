@@ -67,7 +67,16 @@ def same_entry(a: CatalogEntry, b: CatalogEntry) -> bool:
 
 
 def clash_id(entry: CatalogEntry) -> str:
-    return CLASH_PREFIX + derive_id("tool-clash", entry.id, entry.source, entry.origin)
+    # The name it wanted stays readable (a tool name holds no ':'): the listing shows it.
+    digest = derive_id("tool-clash", entry.id, entry.source, entry.origin)
+    return f"{CLASH_PREFIX}{entry.id}:{digest}"
+
+
+def listed_name(entry_id: str) -> str:
+    """The tool name a catalog id stands for (a clash's id holds the name it wanted)."""
+    if entry_id.startswith(CLASH_PREFIX):
+        return entry_id.removeprefix(CLASH_PREFIX).partition(":")[0]
+    return entry_id
 
 
 def matches(pattern: str, name: str) -> bool:
