@@ -50,7 +50,7 @@ GUARDIAN_OK = {"policies": [{"kind": "rule", "pattern": "refund", "steer": "No r
 INVALID: list[tuple[Any, str]] = [
     ({"modle": "fixture-echo"}, "modle"),
     ({"model": ""}, "model"),
-    ({"tools": ["clock", "no-such-tool"]}, "tools"),
+    ({"tools": ["clock", "no such tool!"]}, "tools"),
     ({"tools": "clock"}, "tools"),
     ({"instructions": 7}, "instructions"),
     ({"hopCap": 0}, "hopCap"),

@@ -359,6 +359,7 @@ async def test_add_worker_registers_a_tool_its_queue_and_user_and_remove_drops_t
     assert code == 0, err
     assert await own_store.db[CATALOG].find_one({"_id": worker_name}) is None
     assert not await user_exists(management, topology.tool_user(worker_name))
+    assert topology.tool_queue(worker_name) not in await management.queues()
 
 
 # --- 5. plugin tools in a turn -----------------------------------------------------------

@@ -83,10 +83,10 @@ def listing_of(entry: CatalogEntry) -> ToolListing:
 
 async def tools_list(args: argparse.Namespace) -> None:
     async def action(store: Store) -> None:
-        catalog = catalog_of(store)
-        rows = [listing_of(entry) for entry in await catalog.listing()]
+        entries = await catalog_of(store).listing()
+        rows = [listing_of(entry) for entry in entries]
         # A registered server whose tools no process has listed yet (the mesh not running).
-        listed = {entry.origin for entry in await catalog.listing() if entry.source == "mcp"}
+        listed = {entry.origin for entry in entries if entry.source == "mcp"}
         for server in await registered_servers(store):
             if server.id not in listed:
                 rows.append(
@@ -186,6 +186,15 @@ async def declare_tool_queue(settings: Settings, tool: str) -> None:
         await connection.close()
 
 
+async def delete_tool_queue(settings: Settings, tool: str) -> None:
+    connection = await aio_pika.connect(settings.amqp_url.split(",")[0].strip())
+    try:
+        channel = await connection.channel()
+        await channel.queue_delete(topology.tool_queue(tool))
+    finally:
+        await connection.close()
+
+
 async def add_worker(args: argparse.Namespace) -> None:
     problem = name_problem(args.name)
     if problem is not None:
@@ -246,6 +255,8 @@ async def remove(args: argparse.Namespace) -> None:
             await delete_tool_user(settings, args.name)
         except ToolUserRefused as error:
             print(f"yoke: the RabbitMQ user was not deleted: {error}", file=sys.stderr)
+        # Calls still waiting there end at their deadlines, in the store, all the same.
+        await delete_tool_queue(settings, args.name)
         print(f"removed worker tool {args.name}", file=sys.stderr)
 
     await with_store_action(action)
