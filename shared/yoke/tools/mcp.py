@@ -114,6 +114,9 @@ BACKOFF_INITIAL_SECONDS = 0.5
 BACKOFF_MAX_SECONDS = 10.0
 # A session that lasted this long was healthy: the next reconnect starts from the short delay.
 STABLE_SESSION = 30.0
+# The least a server is given to start, initialise and list its tools (its call timeout if
+# longer).
+START_SECONDS = 30.0
 PING_INTERVAL_SECONDS = 15.0
 PING_TIMEOUT_SECONDS = 10.0
 MAX_CALLS_IN_FLIGHT = 64
@@ -380,14 +383,18 @@ class McpConnection:
             session = await stack.enter_async_context(
                 ClientSession(relay_out, write, message_handler=on_message, client_info=CLIENT_INFO)
             )
+            # Starting is not a call: a server may take longer to start (npx fetching it, a
+            # loaded machine) than its calls may take, and killing it at the call timeout
+            # would start it again and again, never connecting.
+            start_seconds = max(self.server.timeout_seconds, START_SECONDS)
             try:
-                with anyio.fail_after(self.server.timeout_seconds):
+                with anyio.fail_after(start_seconds):
                     await session.initialize()
                     tools = await self._list_tools(session)
             except TimeoutError as error:
                 raise _Broken(
                     "the server did not initialise and list its tools within "
-                    f"{_seconds(self.server.timeout_seconds)}"
+                    f"{_seconds(start_seconds)}"
                 ) from error
             attempt.session = session
             attempt.ready_at = asyncio.get_running_loop().time()
