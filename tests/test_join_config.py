@@ -127,7 +127,7 @@ async def test_an_invalid_field_exits_2_naming_it_and_writes_nothing(
         ("{not json", [], "is not JSON"),
         ("[1, 2]", [], "a join configuration is a JSON object"),
         ({"model": "fixture-echo"}, ["--follow-up-after", "-1"], "followUp.afterSeconds:"),
-        ({"model": "fixture-echo"}, ["--tools", "clock,nope"], "tools:"),
+        ({"model": "fixture-echo"}, ["--tools", "clock,nope"], "unknown tools nope"),
     ],
     ids=["not-json", "not-an-object", "follow-up-after", "tools-option"],
 )
