@@ -14,6 +14,7 @@ from pydantic.json_schema import models_json_schema
 from yoke import topology
 from yoke.models import (
     AgentActivity,
+    AgentDelta,
     AgentForumJoined,
     Envelope,
     MessagePosted,
@@ -25,7 +26,7 @@ from yoke.models import (
 )
 from yoke.tools.worker import DIRECT_REPLY_TO
 
-EVENTS = (MessagePosted, AgentForumJoined, MonologueCompacted, AgentActivity)
+EVENTS = (MessagePosted, AgentForumJoined, MonologueCompacted, AgentActivity, AgentDelta)
 # What yoke.forum carries (published with yoke-kind=forum): all an outside system may read.
 FORUM_EVENTS = (MessagePosted, AgentActivity)
 
@@ -108,6 +109,15 @@ def asyncapi_document() -> dict[str, Any]:
         messages[key] = _message(
             event.TYPE, f"{event.__name__}Event", f"Routing key {event.TYPE}.<id>."
         )
+    messages[_key(AgentDelta)]["summary"] = (
+        f"Routing key {AgentDelta.TYPE}.<forum id>. A piece of the text an agent is writing for "
+        "the forum, as the model produces it (pieces merged, at most about 20 a second per "
+        "draft). Ephemeral: never stored nor sent again, published with an expiration, and a "
+        "delta may be missing; ordered by index from 0 within a draft. messageId is the id the "
+        "forum line will have (its conversation.message.posted replaces the draft); the last "
+        "delta of a draft has end: posted (the line follows) or abandoned (no line comes). "
+        "Only text that reaches the forum is streamed, never tool calls."
+    )
     event_refs = {_key(e): {"$ref": f"#/components/messages/{_key(e)}"} for e in EVENTS}
     return {
         "asyncapi": "3.0.0",
@@ -147,13 +157,35 @@ def asyncapi_document() -> dict[str, Any]:
                 "address": "{eventType}.{forumId}",
                 "description": f"Topic exchange {topology.FORUM_EXCHANGE}, what bridges bind "
                 "to: forum lines (conversation.message.posted.<forum id>) and agent activity "
-                "(agent.activity.<forum id>), never a monologue's events. Bind "
+                "(agent.activity.<forum id>), and drafts (agent.delta.<forum id>, the "
+                "forumDeltas channel), never a monologue's events. Bind "
                 "conversation.message.posted.# for every forum's lines. The mesh feeds it from "
                 f"{topology.EVENTS_EXCHANGE} (internal exchange: nobody publishes to it).",
                 "parameters": {"eventType": {}, "forumId": {}},
                 "messages": {
                     _key(event): {"$ref": f"#/components/messages/{_key(event)}"}
                     for event in FORUM_EVENTS
+                },
+                "bindings": {
+                    "amqp": {
+                        "is": "routingKey",
+                        "exchange": {
+                            "name": topology.FORUM_EXCHANGE,
+                            "type": "topic",
+                            "durable": True,
+                        },
+                    }
+                },
+            },
+            "forumDeltas": {
+                "address": topology.routing_key(AgentDelta.TYPE, "{forumId}"),
+                "description": f"Topic exchange {topology.FORUM_EXCHANGE}: the drafts of the "
+                "agents' lines in a forum, as they are written. Bind agent.delta.<forum id> "
+                "beside conversation.message.posted.<forum id> to draw a line while it is "
+                "written; a bridge that wants finished lines only leaves it unbound.",
+                "parameters": {"forumId": {}},
+                "messages": {
+                    _key(AgentDelta): {"$ref": f"#/components/messages/{_key(AgentDelta)}"}
                 },
                 "bindings": {
                     "amqp": {
@@ -253,6 +285,11 @@ def asyncapi_document() -> dict[str, Any]:
                 "reply": {"channel": {"$ref": "#/channels/toolResultReplies"}},
             },
             "publishForum": {"action": "send", "channel": {"$ref": "#/channels/forum"}},
+            "publishForumDeltas": {
+                "action": "send",
+                "channel": {"$ref": "#/channels/forumDeltas"},
+                "summary": "The processor publishes a draft's deltas while the model writes.",
+            },
             "publishEvents": {"action": "send", "channel": {"$ref": "#/channels/events"}},
         },
         "components": {"schemas": _component_schemas(), "messages": messages},

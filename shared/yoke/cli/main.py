@@ -6,15 +6,16 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from pydantic import ValidationError
 
 from yoke.bus import Bus
 from yoke.cli import supervisor
-from yoke.cli.errors import CommandError, UsageError
+from yoke.cli.base import CommandError, UsageError, with_store
 from yoke.cli.publishers import register as register_publishers
 from yoke.cli.status import register as register_status
 from yoke.cli.tokens import register as register_tokens
@@ -34,15 +35,6 @@ from yoke.runtime.posting import Poster
 from yoke.settings import Settings
 from yoke.store import Store
 from yoke.tls import refused_as_misconfigured
-
-
-async def with_store(action: Callable[[Store], Awaitable[None]]) -> None:
-    store = Store(Settings().mongodb_url, app_name="yoke-cli")
-    try:
-        await store.ensure_indexes()
-        await action(store)
-    finally:
-        await store.close()
 
 
 def split_tools(value: str | None) -> list[str] | None:
@@ -401,6 +393,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_MISCONFIGURED)
     except KeyboardInterrupt:
         sys.exit(130)
+    except BrokenPipeError:  # `yoke tools list | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import Any
 import aio_pika
 
 from yoke import topology
-from yoke.cli.errors import CommandError, UsageError
+from yoke.cli.base import CommandError, UsageError, with_store
 from yoke.cli.tool_users import ToolUserRefused, create_tool_user, delete_tool_user
 from yoke.runtime.catalog import LocalTools, ToolCatalog, listed_name, registered_servers
 from yoke.settings import Settings
@@ -60,15 +60,6 @@ async def check_tool_names(store: Store, names: Iterable[str] | None) -> None:
         raise UsageError(f"unknown tools {', '.join(unknown)} (yoke tools list shows the catalog)")
 
 
-async def with_store_action(action: Any) -> None:
-    store = Store(Settings().mongodb_url, app_name="yoke-cli")
-    try:
-        await store.ensure_indexes()
-        await action(store)
-    finally:
-        await store.close()
-
-
 def listing_of(entry: CatalogEntry) -> ToolListing:
     return ToolListing(
         name=listed_name(entry.id),
@@ -107,7 +98,7 @@ async def tools_list(args: argparse.Namespace) -> None:
                 state = row.status if row.reason is None else f"{row.status}: {row.reason}"
                 print(f"{row.name}\t{row.source}\t{state}\t{row.description}")
 
-    await with_store_action(action)
+    await with_store(action)
 
 
 def parse_headers(values: list[str] | None) -> dict[str, str]:
@@ -159,7 +150,7 @@ async def add_mcp(args: argparse.Namespace) -> None:
             raise CommandError(f"an MCP server named {args.name} is registered already")
         print(args.name)
 
-    await with_store_action(action)
+    await with_store(action)
 
 
 def read_schema(path: str) -> dict[str, Any]:
@@ -229,7 +220,7 @@ async def add_worker(args: argparse.Namespace) -> None:
         print(f"connect as RabbitMQ user {topology.tool_user(args.name)} with the password:")
         print(password)
 
-    await with_store_action(action)
+    await with_store(action)
 
 
 async def remove(args: argparse.Namespace) -> None:
@@ -259,7 +250,7 @@ async def remove(args: argparse.Namespace) -> None:
         await delete_tool_queue(settings, args.name)
         print(f"removed worker tool {args.name}", file=sys.stderr)
 
-    await with_store_action(action)
+    await with_store(action)
 
 
 def register(commands: Any) -> None:
