@@ -601,14 +601,23 @@ PROCESSOR_ACTOR = ActorDefinition(
 )
 
 
+async def host_tools(hosting: McpHosting, dispatch: ToolDispatch, stopping: asyncio.Event) -> None:
+    """The catalog's local and MCP side for this process's life; then the MCP calls still
+    running here stop (their deadlines end them in the store)."""
+    try:
+        await hosting.run(stopping)
+    finally:
+        await dispatch.close()
+
+
 def register(service: Service) -> None:
     global _dispatch
     local = LocalTools.load()
     catalog = ToolCatalog(service.store, local)
     open_calls = OpenCalls(service.store, service.poster)
     hosting = McpHosting(service.store, catalog)
-    _dispatch = ToolDispatch(catalog, local, open_calls, service.bus, hosting.host)
-    service.background("tool catalog", lambda: hosting.run(service.stopping))
+    dispatch = _dispatch = ToolDispatch(catalog, local, open_calls, service.bus, hosting.host)
+    service.background("tool catalog", lambda: host_tools(hosting, dispatch, service.stopping))
     service.background("tool call deadlines", lambda: open_calls.run_reaper(service.stopping))
     # Monologue lines that start a step: user lines, and the agent's tool calls. Its plain text
     # lines go to egress only (the runtime moves the watermark past them as it writes them).

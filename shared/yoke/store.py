@@ -93,6 +93,12 @@ class Store:
         "writers",
         "followups",
         "replicas",
+        # The tools' (yoke.tools.catalog, yoke.runtime.open_calls): a call is the first
+        # write to two of them, under load.
+        "tool_catalog",
+        "mcp_servers",
+        "tool_calls",
+        "tool_call_ends",
     )
 
     def __init__(self, url: str, *, app_name: str = "yoke", pool_size: int = 16) -> None:

@@ -31,6 +31,8 @@ from yoke.tools.catalog import (
     name_problem,
 )
 
+# Longest an MCP call may run (it holds a session's slot and, past 2 s, waits in the store).
+MAX_MCP_TIMEOUT_SECONDS = 3600.0
 # Longest a worker's call may wait (the queue's messages expire then, the call ends in error).
 MAX_WORKER_TIMEOUT_SECONDS = 7 * 24 * 3600.0
 
@@ -136,6 +138,8 @@ async def add_mcp(args: argparse.Namespace) -> None:
         raise UsageError(f"--url {args.url!r}: an http:// or https:// URL")
     if args.header and args.url is None:
         raise UsageError("--header goes with --url (a stdio server takes --env)")
+    if not 0 < args.timeout <= MAX_MCP_TIMEOUT_SECONDS:
+        raise UsageError(f"--timeout must be above 0 and at most {MAX_MCP_TIMEOUT_SECONDS:g}")
     server = McpServer(
         id=args.name,
         command=command,

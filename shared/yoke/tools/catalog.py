@@ -3,8 +3,9 @@
 One document per tool name in the store's ``tool_catalog`` collection (``_id`` = the name),
 written by whatever hosts the source (every process for the built-ins and plugins, the
 processes that connect to an MCP server for its tools, ``yoke tools add-worker`` for a
-worker). The processor, the guardian's runner, join validation and ``yoke tools list`` all
-read this one catalog. Two sources offering one name: the first registered keeps it (a unique
+worker). The processor, join validation (``yoke agent create``, ``yoke join``) and
+``yoke tools list`` all read this one catalog (the guardian's runner has only its own
+``steer`` tool). Two sources offering one name: the first registered keeps it (a unique
 insert decides), the other is listed ``unavailable``.
 """
 
