@@ -22,7 +22,9 @@ class DeltaSink:
     def __init__(self) -> None:
         self.published: list[Envelope] = []
 
-    async def publish_event(self, envelope: Envelope, key: str, headers: object = None) -> None:
+    async def publish_event(
+        self, envelope: Envelope, key: str, headers: object = None, *, expiration: object = None
+    ) -> None:
         self.published.append(envelope)
 
 

@@ -271,10 +271,16 @@ class Bus:
                 delay = min(delay * 2, 1.0)
 
     async def publish_event(
-        self, envelope: Envelope, key: str, headers: Mapping[str, str] | None = None
+        self,
+        envelope: Envelope,
+        key: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        expiration: float | None = None,
     ) -> None:
         """Publish a domain event to ``yoke.events`` as ``<type>.<key>``, keyed for the shards,
-        with the headers the services' route exchanges select on."""
+        with the headers the services' route exchanges select on (``expiration``: seconds an
+        ephemeral event may wait in a queue)."""
         await self.publish(
             topology.EVENTS_EXCHANGE,
             topology.routing_key(envelope.type, key),
@@ -285,6 +291,7 @@ class Bus:
                 topology.CONVERSATION_HEADER: key,
                 topology.EVENT_HEADER: envelope.type,
             },
+            expiration=expiration,
         )
 
     async def reply(self, reply_to: str, correlation_id: str | None, body: bytes) -> None:

@@ -27,6 +27,9 @@ INTERVAL_SECONDS = 0.05
 PUBLISH_SECONDS = 2.0
 # How long a step's end waits for the draft's last delta.
 END_WAIT_SECONDS = 1.0
+# A delta unread this long is dropped by the broker: a bridge's queue bound to yoke.forum that
+# nobody reads holds no stale drafts (invariant 14); the lines stay.
+DELTA_TTL_SECONDS = 60.0
 # Text buffered and not yet published, at most (a broker that cannot keep up loses pieces, and
 # then the draft: the finished line still comes).
 MAX_PENDING_CHARS = 1 << 20
@@ -57,6 +60,7 @@ class Draft:
         self._end: DraftEnd | None = None
         self._broken = False
         self._wake = asyncio.Event()
+        self._ending = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def push(self, piece: str) -> None:
@@ -78,6 +82,7 @@ class Draft:
         if self._end is not None:
             return
         self._end = how
+        self._ending.set()
         if self._task is None:
             return  # nothing was streamed: no draft to end
         self._wake.set()
@@ -106,7 +111,9 @@ class Draft:
                 return
             if end is not None:
                 return
-            await asyncio.sleep(INTERVAL_SECONDS)  # merge what comes meanwhile
+            # Merge what comes meanwhile; the end goes at once (the line waits for it).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ending.wait(), INTERVAL_SECONDS)
 
     async def _publish(self, text: str, end: DraftEnd | None) -> bool:
         delta = AgentDelta(
@@ -124,6 +131,7 @@ class Draft:
                     Envelope.wrap(derive_id("delta", self.message_id, str(self.index)), delta),
                     delta.key,
                     {topology.KIND_HEADER: topology.PUBLIC_KIND},
+                    expiration=DELTA_TTL_SECONDS,
                 ),
                 PUBLISH_SECONDS,
             )
