@@ -78,3 +78,18 @@ def test_the_worker_contract_is_described_from_the_wire_models() -> None:
     codes = set(schemas["SubmitReply"]["properties"]["code"]["anyOf"][0]["enum"])
     assert {"unknown_call", "call_closed", "wrong_tool", "missing_user_id"} <= codes
     assert "duplicate" in schemas["SubmitReply"]["properties"]
+
+
+def test_drafts_have_their_channel_on_the_forum_exchange() -> None:
+    """agent.delta.<forum> on yoke.forum, what a bridge binds beside the forum's lines."""
+    document = asyncapi_document()
+    deltas = document["channels"]["forumDeltas"]
+    assert deltas["address"] == "agent.delta.{forumId}"
+    assert deltas["bindings"]["amqp"]["exchange"]["name"] == topology.FORUM_EXCHANGE
+    (message,) = deltas["messages"]
+    summary = document["components"]["messages"][message]
+    assert summary["payload"] == {"$ref": "#/components/schemas/AgentDeltaEvent"}
+    schema = document["components"]["schemas"]["AgentDelta"]
+    assert set(schema["required"]) == {"forumId", "agentActorId", "messageId", "index", "text"}
+    assert set(schema["properties"]["end"]["anyOf"][0]["enum"]) == {"posted", "abandoned"}
+    assert document["operations"]["publishForumDeltas"]["action"] == "send"

@@ -5,8 +5,9 @@ the tab's session storage), opens a forum, posts a line as a named person, sees 
 answer arrive over the stream without a reload, and opens the agent's monologue beside it,
 tool call and result included, each call with its source, state and duration (a built-in
 answered in the step; worker calls nobody serves: one waiting in the store, one its deadline
-ended). ``make browser`` (a prerequisite of ``make test``) installs
-``chromium`` and ``chromium-driver``.
+ended); an answer streamed by the model is drawn as it is written, then replaced by its line.
+``make browser`` (a prerequisite of ``make test``) installs ``chromium`` and
+``chromium-driver``.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def use_the_console(
     wait_for(
         driver,
         "the agent's answer",
-        lambda d: any("it is late" in t for t in texts(d, "#lines li.agent")),
+        lambda d: any("it is late" in t for t in texts(d, "#lines li.agent:not(.draft)")),
     )
     assert driver.execute_script("return window.consoleMark") == "still the same page"
     person = driver.find_element(By.CSS_SELECTOR, "#lines li.person")
@@ -240,6 +241,48 @@ def use_the_console(
     assert not driver.find_element(By.ID, "token-form").is_displayed()
 
 
+# Records, in the page, each text a draft shows as it changes: {at (ms since the epoch), id, text}.
+WATCH_DRAFTS = """
+window.draftLog = [];
+const lines = document.getElementById("lines");
+new MutationObserver(() => {
+  for (const node of lines.querySelectorAll("li.draft")) {
+    const text = node.querySelector(".text").textContent;
+    const last = window.draftLog[window.draftLog.length - 1];
+    if (text && (!last || last.text !== text || last.id !== node.dataset.draftId)) {
+      window.draftLog.push({ at: Date.now(), id: node.dataset.draftId, text });
+    }
+  }
+}).observe(lines, { childList: true, subtree: true, characterData: true });
+"""
+
+
+def watch_a_draft(
+    driver: WebDriver, url: str, secret: str, forum_id: str, text: str
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Posts ``text`` in the forum's page and waits for the agent's line; (what the draft
+    showed as it was written, the agent lines' message ids the page ends with)."""
+    driver.get(url + "/")
+    driver.execute_script("sessionStorage.setItem('yoke.token', arguments[0])", secret)
+    driver.get(f"{url}/forums/{forum_id}")
+    state = (By.ID, "stream-state")
+    wait_for(driver, "the live stream", lambda d: d.find_element(*state).text == "live")
+    driver.execute_script(WATCH_DRAFTS)
+    driver.find_element(By.ID, "post-name").send_keys("Ada")
+    driver.find_element(By.ID, "post-text").send_keys(text)
+    driver.find_element(By.ID, "post-send").click()
+    wait_for(
+        driver,
+        "the streamed answer's line",
+        lambda d: text in texts(d, "#lines li.agent:not(.draft) .text"),
+    )
+    assert not driver.find_elements(By.CSS_SELECTOR, "#lines li.draft"), page_text(driver)
+    answers = driver.find_elements(By.CSS_SELECTOR, "#lines li.agent:not(.draft)")
+    ids = [str(node.get_attribute("data-message-id")) for node in answers]
+    log: list[dict[str, Any]] = driver.execute_script("return window.draftLog")
+    return log, ids
+
+
 async def worker_calls(store: Store, client: Client, new_join: JoinFactory) -> tuple[str, Join]:
     """A join whose agent calls both worker tools in one round; returns once the late call's
     deadline has ended it (the other one waits on)."""
@@ -287,6 +330,26 @@ async def test_the_console_shows_a_forum_live_and_the_agents_monologue(
         workers_forum_id,
         tmp_path,
     )
+
+
+async def test_the_console_draws_an_answer_as_it_is_written_then_shows_its_line(
+    gateway_url: str, browser: WebDriver, store: Store, new_join: JoinFactory
+) -> None:
+    """A model streaming 20 pieces over 2 s: the draft grows in the page, each text it shows a
+    prefix of the answer, from before the line is stored; the line then takes its place."""
+    text = "an answer that the model writes slowly, in twenty pieces, for the console to draw"
+    forum_id, _ = await new_join(model="fixture-stream-20-2")
+    await ensure_token_indexes(store)
+    _, secret = await create_token(store, "drafts-console", [forum_id])
+    log, ids = await asyncio.to_thread(watch_a_draft, browser, gateway_url, secret, forum_id, text)
+    [line] = [m for m in await store.history(forum_id) if m.role == "agent"]
+    assert ids == [line.id] and line.text == text
+    assert log, "no draft was drawn"
+    assert {entry["id"] for entry in log} == {line.id}
+    assert all(text.startswith(entry["text"]) for entry in log), log
+    assert len(log) >= 2 and len(log[0]["text"]) < len(text), log  # drawn as it grew
+    stored_at = line.created_at.replace(tzinfo=UTC).timestamp() * 1000
+    assert log[0]["at"] < stored_at, (log[0], line.created_at)
 
 
 def seconds_between(start: str, end: str) -> float:

@@ -31,6 +31,7 @@ from tests.support.broker import fresh_vhost
 from tests.support.gateway_process import running_gateway, start_gateway
 from tests.support.mesh import JoinFactory, Mesh, lines_until
 from tests.support.processes import ROOT, eventually, free_port
+from tests.support.sse import EventReader
 from yoke.bus import Bus
 from yoke.cli.supervisor import GATEWAY, SERVICES
 from yoke.client import Client
@@ -536,48 +537,6 @@ async def test_the_amqp_doors_rejections_carry_a_code(
 
 
 # --- the stream -------------------------------------------------------------------------
-
-
-@dataclass
-class Event:
-    event: str
-    data: dict[str, Any]
-    id: str | None
-
-
-class EventReader:
-    """Server-Sent Events from an open response, one at a time, with a deadline each."""
-
-    def __init__(self, response: httpx.Response) -> None:
-        self.lines = response.aiter_lines()
-
-    async def next(self, timeout: float = 30) -> Event:
-        fields: dict[str, str] = {}
-        async with asyncio.timeout(timeout):
-            async for line in self.lines:
-                if line == "":
-                    if "data" in fields:
-                        return Event(
-                            fields.get("event", "message"),
-                            json.loads(fields["data"]),
-                            fields.get("id"),
-                        )
-                    fields.clear()
-                    continue
-                if line.startswith(":"):
-                    continue
-                name, _, value = line.partition(":")
-                fields[name] = value[1:] if value.startswith(" ") else value
-        raise AssertionError("the stream ended")
-
-    async def messages(self, count: int, timeout: float = 30) -> tuple[list[Event], list[Event]]:
-        """The next ``count`` message events, and the activity events among them."""
-        messages: list[Event] = []
-        activity: list[Event] = []
-        while len(messages) < count:
-            event = await self.next(timeout)
-            (messages if event.event == "message" else activity).append(event)
-        return messages, activity
 
 
 @contextlib.asynccontextmanager

@@ -238,7 +238,9 @@ async def list_messages(
         **ERRORS,
         200: {
             "description": "Server-Sent Events: `message` (the line, `id:` its seq) in seq "
-            "order, and `activity` ({agentActorId, state}) while an agent's step runs.",
+            "order, `activity` ({agentActorId, state}) while an agent's step runs, and `delta` "
+            "(a piece of the text an agent is writing: {forumId, agentActorId, messageId, "
+            "inReplyTo, index, text, end?}; no `id:`, not replayed after a reconnect).",
             "content": {"text/event-stream": {}},
         },
     },

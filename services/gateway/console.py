@@ -12,8 +12,11 @@ is shown if some forum in scope has an agent whose active monologue, or one of i
 chain, it is. Mesh-wide dead letters (the broker's queue) are shown to all-forums tokens only;
 webhook dead letters to the tokens whose scope holds their forum.
 
-The monologue view draws each tool call with its source, state and duration
-(``services/gateway/tool_calls.py``), redrawn as the call ends.
+The forum view draws an agent's line as it is written, from the stream's ``delta`` events
+(keyed by the line's id, text appended in index order), and replaces that draft with the line
+when it comes (or drops it when it ends ``abandoned``). The monologue view draws each tool call
+with its source, state and duration (``services/gateway/tool_calls.py``), redrawn as the call
+ends.
 """
 
 from __future__ import annotations

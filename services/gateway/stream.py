@@ -7,8 +7,13 @@ gap before an event, everything after ``Last-Event-ID`` on a reconnect, and the 
 while the forum is quiet. Every read is a bounded range by seq (invariant 11).
 
 Only forum events reach the queue: it is bound by routing key to the forum ids being watched
-(``conversation.message.posted.<forum>``, ``agent.activity.<forum>``), so a monologue's lines
-can never appear on a forum's stream.
+(``conversation.message.posted.<forum>``, ``agent.activity.<forum>``, ``agent.delta.<forum>``),
+so a monologue's lines can never appear on a forum's stream.
+
+Drafts (``agent.delta``) are passed on as they come, never stored or replayed: a stream that
+opens mid-answer sends the deltas from then on, and then the line. A slow client's deltas are
+dropped before its lines are (they have a small budget of their own, so they never take a
+line's room): a draft with a gap shows it by its ``index``, and the line replaces it anyway.
 """
 
 from __future__ import annotations
@@ -27,17 +32,22 @@ from aio_pika.abc import (
     AbstractRobustChannel,
     AbstractRobustConnection,
 )
+from prometheus_client import Counter
 from pydantic import ValidationError
 
 from yoke import amqp_nodes, topology
 from yoke.ids import new_id
-from yoke.models import AgentActivity, Envelope, Message, MessagePosted
+from yoke.models import AgentActivity, AgentDelta, Envelope, Message, MessagePosted
 from yoke.store import Store
 
 log = logging.getLogger(__name__)
 
 # Events a slow stream may have waiting; past this it drops them and reads the store instead.
 SUBSCRIBER_BACKLOG = 1000
+# Deltas a slow stream may have waiting, and their text in characters; past either, it drops
+# deltas (never a line: the line that follows replaces the draft). Invariant 14.
+DELTA_BACKLOG = 200
+DELTA_BACKLOG_CHARS = 1 << 18
 # A quiet stream sends a comment this often (proxies keep it open) and checks the forum's head.
 IDLE_SECONDS = 15.0
 # Lines read from the store at once when a stream catches up.
@@ -45,25 +55,55 @@ CATCH_UP_LINES = 500
 # Longest wait to drop a forum's bindings when its last stream ends.
 UNBIND_SECONDS = 5.0
 
-StreamItem = MessagePosted | AgentActivity
+DELTAS_DROPPED = Counter(
+    "yoke_gateway_stream_deltas_dropped",
+    "agent.delta events not sent to a stream whose client read too slowly",
+)
+
+StreamItem = MessagePosted | AgentActivity | AgentDelta
+# The events a stream's queue is bound to, per forum.
+STREAMED_EVENTS = (MessagePosted.TYPE, AgentActivity.TYPE, AgentDelta.TYPE)
 
 
 @dataclass(eq=False)
 class Subscriber:
-    """One open stream's inbox."""
+    """One open stream's inbox, in arrival order; lines and deltas bounded apart (``offer``)."""
 
     forum_id: str
-    inbox: asyncio.Queue[StreamItem] = field(
-        default_factory=lambda: asyncio.Queue(SUBSCRIBER_BACKLOG)
-    )
+    inbox: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
     # Set when an event was dropped (the inbox was full): the stream reads the head instead.
     missed: bool = False
+    waiting_events: int = 0
+    waiting_deltas: int = 0
+    waiting_delta_chars: int = 0
 
     def offer(self, item: StreamItem) -> None:
-        try:
-            self.inbox.put_nowait(item)
-        except asyncio.QueueFull:
+        if isinstance(item, AgentDelta):
+            chars = len(item.text)
+            if (
+                self.waiting_deltas >= DELTA_BACKLOG
+                or self.waiting_delta_chars + chars > DELTA_BACKLOG_CHARS
+            ):
+                DELTAS_DROPPED.inc()
+                return
+            self.waiting_deltas += 1
+            self.waiting_delta_chars += chars
+        elif self.waiting_events >= SUBSCRIBER_BACKLOG:
             self.missed = True
+            return
+        else:
+            self.waiting_events += 1
+        self.inbox.put_nowait(item)
+
+    async def take(self) -> StreamItem:
+        """The next item, in arrival order."""
+        item = await self.inbox.get()
+        if isinstance(item, AgentDelta):
+            self.waiting_deltas -= 1
+            self.waiting_delta_chars -= len(item.text)
+        else:
+            self.waiting_events -= 1
+        return item
 
 
 class Hub:
@@ -139,7 +179,7 @@ class Hub:
 
     async def _bind(self, forum_id: str, *, bind: bool) -> None:
         assert self._queue is not None
-        for event_type in (MessagePosted.TYPE, AgentActivity.TYPE):
+        for event_type in STREAMED_EVENTS:
             key = topology.routing_key(event_type, forum_id)
             if bind:
                 await self._queue.bind(self._events, routing_key=key)
@@ -157,7 +197,7 @@ class Hub:
             return
         if isinstance(payload, MessagePosted):
             forum_id = payload.conversation_id
-        elif isinstance(payload, AgentActivity):
+        elif isinstance(payload, AgentActivity | AgentDelta):
             forum_id = payload.forum_id
         else:
             return
@@ -183,6 +223,11 @@ def message_event(message: Message) -> bytes:
 def activity_event(activity: AgentActivity) -> bytes:
     body = {"agentActorId": activity.agent_actor_id, "state": activity.state}
     return sse("activity", json.dumps(body, separators=(",", ":")))
+
+
+def delta_event(delta: AgentDelta) -> bytes:
+    # No id: Last-Event-ID stays a line's seq (deltas are not replayed after a reconnect).
+    return sse("delta", json.dumps(delta.to_wire(), separators=(",", ":")))
 
 
 class ForumStream:
@@ -217,7 +262,7 @@ class ForumStream:
             yield chunk
         while True:
             try:
-                item = await asyncio.wait_for(self.subscriber.inbox.get(), IDLE_SECONDS)
+                item = await asyncio.wait_for(self.subscriber.take(), IDLE_SECONDS)
             except TimeoutError:
                 yield b": keepalive\n\n"
                 async for chunk in self.catch_up():
@@ -225,6 +270,8 @@ class ForumStream:
                 continue
             if isinstance(item, AgentActivity):
                 yield activity_event(item)
+            elif isinstance(item, AgentDelta):
+                yield delta_event(item)
             elif item.seq == self.cursor + 1:
                 yield message_event(item.message)
                 self.cursor = item.seq

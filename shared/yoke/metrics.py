@@ -1,7 +1,8 @@
 """The Prometheus series the services share (``yoke_`` prefix; never a conversation id label).
 
 A part's own series are defined beside it: shard ownership's in :mod:`yoke.ownership`, the
-gateway's in ``services/gateway/deps.py`` and its webhooks' in ``services/gateway/webhooks.py``.
+gateway's in ``services/gateway/deps.py``, its streams' in ``services/gateway/stream.py`` and its
+webhooks' in ``services/gateway/webhooks.py``.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ const TOKEN_KEY = "yoke.token";
 const NAME_KEY = "yoke.name";
 const MONOLOGUE_POLL_MS = 1000;
 const RECONNECT_MS = 1000;
+// A draft that got no delta (nor its line) for this long is dropped: its step died unseen.
+const DRAFT_STALE_MS = 60000;
 
 const $ = (id) => document.getElementById(id);
 const names = new Map();
@@ -73,6 +75,7 @@ function renderLine(message) {
   const [kind, label] = describe(message);
   const item = element("li", "line " + kind);
   item.dataset.seq = String(message.seq);
+  item.dataset.messageId = message.id;
   item.dataset.role = message.role;
   const head = element("div", "head");
   head.append(element("span", "seq", "#" + message.seq));
@@ -152,13 +155,71 @@ function showToolCalls(list, calls) {
 async function appendLines(list, messages, lastSeq) {
   await resolveNames(messages.map((m) => m.authorActorId));
   let seq = lastSeq;
+  const firstDraft = list.querySelector("li.draft"); // drafts stay below the lines
   for (const message of messages) {
     if (message.seq <= seq) continue; // seen already (events may repeat)
-    list.append(renderLine(message));
+    list.insertBefore(renderLine(message), firstDraft);
     seq = message.seq;
   }
   if (messages.length) list.lastElementChild?.scrollIntoView({ block: "nearest" });
   return seq;
+}
+
+// --- drafts: an agent's line drawn as it is written ------------------------------------------
+
+// By the id the line will have: {node, text, next (the index expected), agent, inReplyTo, timer}.
+const drafts = new Map();
+
+function dropDraft(messageId) {
+  const draft = drafts.get(messageId);
+  if (!draft) return;
+  clearTimeout(draft.timer);
+  draft.node.remove();
+  drafts.delete(messageId);
+}
+
+// Each delta's text is appended in index order; a skipped index (deltas lost to a reconnect or
+// a slow connection, or a stream opened mid-answer) shows as "…". The line replaces the draft.
+function showDelta(list, delta) {
+  const shown = list.querySelector('li.line[data-message-id="' + CSS.escape(delta.messageId) + '"]');
+  if (shown) return; // its line is here already (a late delta)
+  let draft = drafts.get(delta.messageId);
+  if (draft && delta.index === 0 && draft.next > 0) {
+    dropDraft(delta.messageId); // the step started over (a retry): so does its draft
+    draft = undefined;
+  }
+  if (!draft) {
+    const node = element("li", "line agent draft");
+    node.dataset.draftId = delta.messageId;
+    const head = element("div", "head");
+    head.append(element("span", "author", nameOf(delta.agentActorId)));
+    head.append(element("span", "tag", "writing…"));
+    node.append(head, element("div", "text", ""));
+    list.append(node);
+    draft = { node, text: "", next: 0, agent: delta.agentActorId, inReplyTo: delta.inReplyTo, timer: 0 };
+    drafts.set(delta.messageId, draft);
+  }
+  if (delta.index < draft.next) return; // seen already
+  if (delta.index > draft.next) draft.text += "…";
+  draft.text += delta.text;
+  draft.next = delta.index + 1;
+  draft.node.querySelector(".text").textContent = draft.text;
+  clearTimeout(draft.timer);
+  draft.timer = setTimeout(() => dropDraft(delta.messageId), DRAFT_STALE_MS);
+  if (delta.end === "abandoned") dropDraft(delta.messageId);
+  else if (delta.end === "posted") draft.node.dataset.state = "posted";
+  draft.node.scrollIntoView({ block: "nearest" });
+}
+
+// A line ends its own draft, and an agent's line (a notice too) any draft of that agent for
+// the same line whose end never came.
+function lineArrived(message) {
+  dropDraft(message.id);
+  const inReplyTo = (message.meta || {}).inReplyTo;
+  if (message.role !== "agent" || !inReplyTo) return;
+  for (const [id, draft] of drafts) {
+    if (draft.agent === message.authorActorId && draft.inReplyTo === inReplyTo) dropDraft(id);
+  }
 }
 
 // --- the token ---------------------------------------------------------------------------
@@ -258,8 +319,11 @@ async function forumPage() {
         if (event === "message") {
           const message = JSON.parse(data);
           lastSeq = await appendLines(lines, [message], lastSeq);
+          lineArrived(message);
           if (message.role === "agent") activity.delete(message.authorActorId);
           showActivity();
+        } else if (event === "delta") {
+          showDelta(lines, JSON.parse(data));
         } else if (event === "activity") {
           const update = JSON.parse(data);
           activity.set(update.agentActorId, update.state);
