@@ -5,9 +5,9 @@ First the floor: a raw relay hop and one hop of the yoke bus, each with a warm-u
 events over ``--conversations`` closed loops, then ``--serial`` events one at a time (the raw
 side first, so the store's after-work cannot slow it). Then the five services start as real
 processes and the turn phases run (:mod:`bench.mesh_bench`): latency, the HTTP gateway against
-the AMQP door (:mod:`bench.gateway`), tool rounds inline, by a worker and over MCP
-(:mod:`bench.tool_rounds`), throughput (also with one and with two processor
-replicas), growth, isolation and scale. The table is printed and written to
+the AMQP door (:mod:`bench.gateway`), streaming (:mod:`bench.streaming`), tool rounds inline,
+by a worker and over MCP (:mod:`bench.tool_rounds`), throughput (also with one and with two
+processor replicas), growth, isolation and scale. The table is printed and written to
 ``bench/results.json``.
 """
 
@@ -31,6 +31,7 @@ from bench.loop import Side, closed_loop
 from bench.mesh_bench import Figures, MeshBench
 from bench.sandbox import Sandbox, management_url_for, sandbox
 from bench.stats import Run, Samples, percentile, summary, table
+from bench.streaming import StreamingBench
 from bench.tool_rounds import ToolRoundsBench
 from yoke.logs import configure_logging
 from yoke.redact import redact_url
@@ -51,6 +52,7 @@ SIZES: tuple[tuple[str, float, float, type, str], ...] = (
     ("turns", 200, 20, int, "turns one at a time in one forum (turn latency)"),
     ("turn-warmup", 10, 3, int, "unmeasured turns before the latency phase"),
     ("gateway-turns", 200, 20, int, "turns one at a time through the HTTP gateway and AMQP"),
+    ("stream-turns", 30, 5, int, "turns one at a time of a model streaming 50 pieces over 2 s"),
     ("tool-turns", 200, 20, int, "rounds of tool turns, one turn of each kind a round"),
     ("forums", 200, 10, int, "forums posting at once (throughput)"),
     ("forum-turns", 5, 2, int, "turns each forum posts, one after another (throughput)"),
@@ -89,7 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "tool rounds, --tool-turns rounds, each one turn of three fixture-script agents "
             "making one call: the built-in clock inline in the processor, a worker tool served "
             "by a yoke.tools.worker process, an MCP server's echo over stdio; the whole turn "
-            "and the call line -> result line, against the inline one's. Uses "
+            "and the call line -> result line, against the inline one's; (9) streaming, "
+            "--stream-turns turns one at a time through the gateway of an agent whose model "
+            "streams 50 pieces over 2 s (fixture-stream-50-2): POST -> the first delta and "
+            "POST -> the finished line on an open /stream. Uses "
             "YOKE_AMQP_URL / YOKE_MONGODB_URL (and YOKE_RABBITMQ_MANAGEMENT_URL) when set; "
             "works in a fresh vhost and database that it removes afterwards. Prints a table "
             "with targets and pass/miss, writes it as JSON, asserts nothing."
@@ -110,7 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             default=None,
             help=f"{text} (default {default:g}, --quick {quick:g})",
         )
-    for phase in ("hop", "gateway", "tools", "replicas", "growth", "isolation", "scale"):
+    phases = ("hop", "gateway", "streaming", "tools", "replicas", "growth", "isolation", "scale")
+    for phase in phases:
         parser.add_argument(
             f"--skip-{phase}", action="store_true", help=f"leave the {phase} phase out"
         )
@@ -169,6 +175,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "shards",
         "turns",
         "gateway_turns",
+        "stream_turns",
         "tool_turns",
         "forums",
         "forum_turns",
@@ -382,6 +389,8 @@ async def measure_turns(
         results["turnLatency"], _ = await mesh.latency()
         if not args.skip_gateway:
             results["gateway"] = await GatewayBench(mesh).run()
+        if not args.skip_streaming:
+            results["streaming"] = await StreamingBench(mesh).run()
         if not args.skip_tools:
             results["tools"] = await ToolRoundsBench(mesh).run()
         results["throughput"] = await mesh.throughput()

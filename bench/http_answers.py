@@ -1,7 +1,7 @@
 """Where an agent's answer reaches a system that speaks only HTTP: a forum's open ``/stream``
 (Server-Sent Events) and a webhook receiver the gateway POSTs to. Both stamp the answer's
 arrival by the line it answers (``meta.inReplyTo``), so a turn posted over HTTP can be timed to
-each of them.
+each of them; the stream also stamps the first ``delta`` of each answer's draft.
 """
 
 from __future__ import annotations
@@ -26,11 +26,15 @@ class Arrivals:
         self._ended: str | None = None
 
     def arrived(self, message: dict[str, Any]) -> None:
-        at = time.perf_counter()
         meta: dict[str, Any] = message.get("meta") or {}
         line_id = meta.get("inReplyTo")
         if message.get("role") != "agent" or not line_id:
             return
+        self.arrived_for(line_id)
+
+    def arrived_for(self, line_id: str) -> None:
+        """Something answering ``line_id`` came now (only the first arrival counts)."""
+        at = time.perf_counter()
         self.seen.setdefault(line_id, at)
         future = self._waiting.pop(line_id, None)
         if future is not None and not future.done():
@@ -67,7 +71,9 @@ class Arrivals:
 
 
 class StreamReader:
-    """One open ``GET /v1/forums/{id}/stream``, its ``message`` events fed to :attr:`answers`."""
+    """One open ``GET /v1/forums/{id}/stream``: its ``message`` events fed to :attr:`answers`,
+    its ``delta`` events to :attr:`drafts` (the first of each draft) and counted in
+    :attr:`deltas`, both by the line answered."""
 
     def __init__(self, base_url: str, forum_id: str, token: str) -> None:
         self.path = f"/v1/forums/{forum_id}/stream"
@@ -75,6 +81,8 @@ class StreamReader:
         # A connection of its own (the stream holds it), never timing out between events.
         self.http = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(30, read=None))
         self.answers = Arrivals("the gateway's stream")
+        self.drafts = Arrivals("the gateway's stream (deltas)")
+        self.deltas: dict[str, int] = {}
         self._opened = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -113,15 +121,25 @@ class StreamReader:
                     if line == "":
                         if event == "message" and data:
                             self.answers.arrived(json.loads(data))
+                        elif event == "delta" and data:
+                            self.draft_arrived(json.loads(data))
                         event, data = "message", ""
                     elif line.startswith("event:"):
                         event = line[6:].strip()
                     elif line.startswith("data:"):
                         data = line[5:].strip()
             self.answers.end("the stream ended")
+            self.drafts.end("the stream ended")
         except Exception as error:
             self.answers.end(f"the stream failed: {error!r}")
+            self.drafts.end(f"the stream failed: {error!r}")
             raise
+
+    def draft_arrived(self, delta: dict[str, Any]) -> None:
+        line_id = delta.get("inReplyTo")
+        if line_id:
+            self.drafts.arrived_for(line_id)
+            self.deltas[line_id] = self.deltas.get(line_id, 0) + 1
 
 
 class WebhookReceiver:

@@ -19,6 +19,7 @@ SECTIONS = (
     "busHop",
     "turnLatency",
     "gateway",
+    "streaming",
     "tools",
     "throughput",
     "replicas",
@@ -159,6 +160,26 @@ def gateway_lines(gateway: Figures) -> list[str]:
     return lines
 
 
+def streaming_lines(streaming: Figures) -> list[str]:
+    """How soon a streamed answer shows, and how soon its line is there."""
+    if "postToLine" not in streaming:
+        return []
+    title = f"Streaming, {streaming['turns']} turns of {streaming['model']}, one at a time (ms)"
+    lines = ["", f"{title:<62}{'p50':>8}{'p99':>9}{'max':>9}"]
+    writing = f"{streaming['modelSeconds']} s of writing"
+    for label, key in (
+        ("POST -> first delta on /stream", "postToFirstDelta"),
+        (f"POST -> finished line on /stream ({writing})", "postToLine"),
+    ):
+        figures = streaming[key]
+        lines.append(
+            f"  {label:<60}{figures['p50Ms']:>8.1f}{figures['p99Ms']:>9.1f}{figures['maxMs']:>9.1f}"
+        )
+    deltas = streaming["deltasPerAnswer"]
+    lines.append(f"  deltas per answer: {deltas['min']} to {deltas['max']}, p50 {deltas['p50']:g}")
+    return lines
+
+
 def tool_lines(tools: Figures) -> list[str]:
     """Each kind's whole turn and tool round, each against the inline built-in's."""
     if "inline" not in tools:
@@ -214,6 +235,7 @@ def render(results: Figures) -> str:
         for name, figures in stages.items():
             lines.append(f"  {name:<48}{figures['p50Ms']:>9.1f}{figures['p99Ms']:>9.1f}")
     lines += gateway_lines(results["gateway"])
+    lines += streaming_lines(results["streaming"])
     lines += tool_lines(results["tools"])
     cpu_latency = results["turnLatency"].get("cpuMsPerTurn") or {}
     cpu_load = results["throughput"].get("cpuMsPerTurn") or {}

@@ -21,6 +21,7 @@ SMALLEST = [
     "--turns=5",
     "--turn-warmup=1",
     "--gateway-turns=3",
+    "--stream-turns=3",
     "--tool-turns=3",
     "--forums=3",
     "--forum-turns=1",
@@ -37,6 +38,7 @@ SECTIONS = (
     "busHop",
     "turnLatency",
     "gateway",
+    "streaming",
     "tools",
     "throughput",
     "replicas",
@@ -46,8 +48,9 @@ SECTIONS = (
     "ratios",
     "targets",
 )
-# About 60 s on a quiet machine (the tool rounds' share about 10); the deadline leaves room for
-# a shared one (it took 225 s at load average 20 on 2 cpus).
+# About 70 s on a quiet machine (the tool rounds' and streaming's share about 10 each; 90 s at
+# load average 4); the deadline leaves room for a shared one (it took 225 s at load average 20
+# on 2 cpus).
 DEADLINE = 300
 
 
@@ -79,6 +82,11 @@ def test_the_smallest_bench_measures_every_phase(
     series = ("post", "amqpSubmit", "postToStream", "amqpTurn", "postToWebhook")
     assert [gateway[name]["count"] for name in series] == [3] * 5, gateway
     assert gateway["exitCode"] == 0 and set(gateway["ratios"]) == {"accept", "answer"}
+    streaming = figures["streaming"]  # the draft shows long before its line (2 s of writing)
+    assert [streaming[name]["count"] for name in ("postToFirstDelta", "postToLine")] == [3, 3]
+    assert streaming["postToFirstDelta"]["maxMs"] < streaming["postToLine"]["p50Ms"], streaming
+    assert streaming["postToLine"]["p50Ms"] >= 2000 and streaming["deltasPerAnswer"]["min"] >= 2
+    assert streaming["exitCode"] == 0
     tools = figures["tools"]  # each kind's turns and rounds, every call answered, no error
     kinds = ("inline", "worker", "mcp")
     counts = [tools[kind][series]["count"] for kind in kinds for series in ("turn", "round")]
