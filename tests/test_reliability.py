@@ -69,7 +69,12 @@ async def _join(store: Store, poster: Poster, forum_id: str, *, agent_id: str | 
 
 
 def _answers(lines: list[Message], agent_id: str) -> list[str]:
-    return [line.text for line in agent_lines(lines) if line.author_actor_id == agent_id]
+    """The agent's answers (not the notices that tell the forum it could not answer)."""
+    return [
+        line.text
+        for line in agent_lines(lines)
+        if line.author_actor_id == agent_id and line.type == "message"
+    ]
 
 
 async def _health(mesh: Mesh) -> dict[str, int]:
@@ -176,7 +181,8 @@ async def test_a_poison_line_is_set_aside_and_the_next_lines_are_answered(
         store, forum.id, lambda lines: _answers(lines, agent_id) == ["one", "two", "three"]
     )
     assert lines[0].id == first
-    # One notice in the monologue names the line and the reason; the forum never sees it.
+    # One notice in the monologue names the line and the reason; the forum is told in plain
+    # words, without either.
     join_state = await store.states.find_one(
         {"actor": "processor", "config.agentActorId": agent_id}
     )
@@ -190,7 +196,10 @@ async def test_a_poison_line_is_set_aside_and_the_next_lines_are_answered(
     [notice] = notices(found)
     copied = next(line for line in found if line.meta.source_message_id == poison)
     assert copied.id in notice.text and "poisoned line" in notice.text
-    assert not [line for line in await store.history(forum.id) if line.type == "notice"]
+    [told] = [line for line in await store.history(forum.id) if line.type == "notice"]
+    assert told.meta.in_reply_to == poison and told.author_actor_id == agent_id
+    assert "could not answer" in told.text
+    assert copied.id not in told.text and "poisoned" not in told.text
 
     async def letter() -> bool:
         letters = await list_dead_letters(amqp_url)
