@@ -28,8 +28,10 @@ class EchoProvider:
 
     model = "fixture-echo"
 
-    # The echo is streamed in this many pieces, as a real model streams its answer.
-    pieces = 3
+    # The echo is streamed in this many pieces (none: the default echo, which load tests and
+    # demos run by the thousand, does not double the broker's publishes per turn with deltas;
+    # ``fixture-stream-<pieces>-<seconds>`` is the echo that streams).
+    pieces = 0
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         text = newest_user_text(request.transcript)
@@ -74,7 +76,7 @@ class StreamingEchoProvider(EchoProvider):
 
 def split_pieces(text: str, pieces: int) -> list[str]:
     """``text`` cut into at most ``pieces`` consecutive pieces (joined, they are the text)."""
-    if not text:
+    if not text or pieces <= 0:
         return []
     size = max(1, -(-len(text) // pieces))
     return [text[start : start + size] for start in range(0, len(text), size)]
