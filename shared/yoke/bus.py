@@ -8,6 +8,7 @@ service a consistent-hash exchange feeding ``shards`` quorum queues with single 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from aio_pika.abc import (
     AbstractQueue,
     AbstractRobustConnection,
 )
-from aiormq.exceptions import AMQPError
+from aiormq.exceptions import AMQPError, DeliveryError
 
 from yoke import amqp_nodes, topology
 from yoke.errors import Transient
@@ -31,6 +32,10 @@ log = logging.getLogger(__name__)
 PUBLISH_RETRY_SECONDS = 30.0
 # How soon a dropped connection is tried again (aio-pika's default is 5 s).
 RECONNECT_INTERVAL_SECONDS = 1.0
+# Nacks in a row of one publish after which the publisher channel is replaced. RabbitMQ 3.10
+# can leave a channel that published to a quorum queue while its leader was being elected
+# nacking every later publish to that queue for minutes, while a new channel's are confirmed.
+NACKS_BEFORE_NEW_CHANNEL = 3
 
 OnMessage = Callable[[AbstractIncomingMessage], Awaitable[None]]
 
@@ -68,6 +73,9 @@ class Bus:
         self._connection: AbstractRobustConnection | None = None
         self._publisher: AbstractChannel | None = None
         self._exchanges: dict[str, AbstractExchange] = {}
+        self._renewing = asyncio.Lock()
+        # How many times a nacking publisher channel was replaced (see NACKS_BEFORE_NEW_CHANNEL).
+        self.publisher_renewals = 0
         # Worker tools' call queues declared by this process (bounded by the catalog).
         self._tool_queues: set[str] = set()
         self.subscriptions: list[Subscription] = []
@@ -220,6 +228,11 @@ class Bus:
             raise RuntimeError("Bus.connect() was not called")
         return self._publisher
 
+    @property
+    def publisher(self) -> AbstractChannel:
+        """The confirming channel publishes go on (replaced when it keeps being nacked)."""
+        return self._channel()
+
     # --- publishing --------------------------------------------------------------------
 
     async def publish(
@@ -253,13 +266,15 @@ class Bus:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PUBLISH_RETRY_SECONDS
         delay = 0.05
+        nacks = 0
         while True:
+            channel = self._channel()
             try:
                 target = self._exchanges.get(exchange)
                 if target is None and not exchange:
-                    target = self._channel().default_exchange
+                    target = channel.default_exchange
                 elif target is None:
-                    target = await self._channel().get_exchange(exchange, ensure=False)
+                    target = await channel.get_exchange(exchange, ensure=False)
                 await target.publish(message, routing_key=routing_key, timeout=10)
                 return
             except (TimeoutError, AMQPError, ConnectionError, RuntimeError) as error:
@@ -267,8 +282,28 @@ class Bus:
                     # The broker is away: whoever asked should wait and try again, not give up.
                     raise Transient(f"publish to {exchange} failed: {error!r}") from error
                 log.warning("publish to %s failed (%s); retrying", exchange, error)
+                if isinstance(error, DeliveryError):
+                    nacks += 1
+                    if nacks % NACKS_BEFORE_NEW_CHANNEL == 0:
+                        await self._renew_publisher(channel)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    async def _renew_publisher(self, nacking: AbstractChannel) -> None:
+        """Replace the publisher channel that keeps nacking (once, however many publishes saw
+        it): later publishes, and the retries of those in flight, go on a new channel."""
+        async with self._renewing:
+            if self._publisher is not nacking:
+                return  # another publish replaced it already
+            renewed = await self.connection.channel(publisher_confirms=True)
+            self._exchanges = {
+                name: await renewed.get_exchange(name, ensure=False) for name in self._exchanges
+            }
+            self._publisher = renewed
+            self.publisher_renewals += 1
+        log.warning("publisher channel kept nacking; publishing on a new channel")
+        with contextlib.suppress(AMQPError, ConnectionError, RuntimeError):
+            await nacking.close()
 
     async def publish_event(
         self,
