@@ -285,7 +285,9 @@ class Bus:
                 if isinstance(error, DeliveryError):
                     nacks += 1
                     if nacks % NACKS_BEFORE_NEW_CHANNEL == 0:
-                        await self._renew_publisher(channel)
+                        # Shielded: a publisher given up on (a draft's delta) must not leave
+                        # a new channel half made.
+                        await asyncio.shield(self._renew_publisher(channel))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
