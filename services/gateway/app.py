@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Header, Query, Request
@@ -44,15 +44,18 @@ from services.gateway.deps import (
 )
 from services.gateway.stream import ForumStream, Hub
 from services.gateway.webhooks import WebhookWorker
-from yoke.client import Client
+from yoke import topology
+from yoke.client import STOP_LINE, Client
 from yoke.errors import EXIT_MISCONFIGURED, describe_validation_error, is_transient
 from yoke.ids import new_id
 from yoke.logs import configure_logging
 from yoke.models import (
     MAX_NAME_CHARS,
     CommandAuthor,
+    Conversation,
     Message,
     SubmitMessage,
+    SubmitReply,
     WireModel,
     check_storable,
     unstorable,
@@ -60,7 +63,7 @@ from yoke.models import (
 from yoke.redact import redact
 from yoke.settings import Settings
 from yoke.store import Store
-from yoke.tokens import ensure_token_indexes, token_in_force
+from yoke.tokens import Token, ensure_token_indexes, token_in_force
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +113,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 api = APIRouter(prefix="/v1")
+BodyModel = TypeVar("BodyModel", bound=WireModel)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -125,7 +129,8 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def parse_post(body: bytes) -> PostMessage:
+def parse_body(body: bytes, model: type[BodyModel]) -> BodyModel:
+    """A JSON object body as ``model``, or a 400 naming what is wrong with it."""
     try:
         data = json.loads(body)
     except ValueError as error:  # UnicodeDecodeError too
@@ -133,7 +138,7 @@ def parse_post(body: bytes) -> PostMessage:
     if not isinstance(data, dict):
         raise ApiError(400, "invalid_body", "body must be a JSON object")
     try:
-        return PostMessage.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as error:
         raise ApiError(400, "invalid_body", describe_validation_error(error)) from error
 
@@ -172,10 +177,15 @@ async def post_message(
 ) -> JSONResponse:
     state = gateway(request)
     max_text = state.settings.max_text_bytes
-    post = parse_post(await read_body(request, max_text * 2 + 4096))
+    post = parse_body(await read_body(request, max_text * 2 + 4096), PostMessage)
     size = len(post.text.encode())
     if size > max_text:
         raise ApiError(413, "too_large", f"text is {size} bytes; the limit is {max_text}")
+    check_idempotency_key(idempotency_key)
+    return await submit_line(state, forum, token, post.author, post.text, idempotency_key)
+
+
+def check_idempotency_key(idempotency_key: str | None) -> None:
     if idempotency_key is not None and (
         not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS or unstorable(idempotency_key)
     ):
@@ -184,32 +194,85 @@ async def post_message(
             "invalid_idempotency_key",
             f"Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY_CHARS} characters of text",
         )
-    command = SubmitMessage(
-        conversation_id=forum.id,
-        author=CommandAuthor(
-            external_id=token.namespaced(post.author.external_id),
-            display_name=post.author.display_name,
-        ),
-        text=post.text,
-        # Namespaced too: one token's key never finds another token's line.
-        idempotency_key=token.namespaced(idempotency_key or new_id()),
-    )
+
+
+async def submit_command(state: Gateway, body: bytes, routing_key: str) -> SubmitReply:
+    """Publish a command on ``yoke.commands`` and wait for the door's answer (503 without one)."""
     timeout = state.settings.gateway_submit_timeout_seconds
     try:
-        reply = await state.client.submit_raw(
-            command.model_dump_json(exclude_none=True).encode(), reply_timeout=timeout
-        )
+        return await state.client.submit_raw(body, reply_timeout=timeout, routing_key=routing_key)
     except TimeoutError as error:
         raise unavailable(f"the mesh did not answer within {timeout:g} s; try again") from error
     except Exception as error:
         log.warning("could not submit to the mesh: %r", error)
         raise unavailable("the mesh cannot be reached; try again") from error
+
+
+async def submit_line(
+    state: Gateway,
+    forum: Conversation,
+    token: Token,
+    author: PostAuthor,
+    text: str,
+    idempotency_key: str | None,
+) -> JSONResponse:
+    """One line in the forum as the token's person ``author``: 202 with its id, or the door's
+    refusal as an error. Every line the gateway writes comes here."""
+    command = SubmitMessage(
+        conversation_id=forum.id,
+        author=CommandAuthor(
+            external_id=token.namespaced(author.external_id),
+            display_name=author.display_name,
+        ),
+        text=text,
+        # Namespaced too: one token's key never finds another token's line.
+        idempotency_key=token.namespaced(idempotency_key or new_id()),
+    )
+    body = command.model_dump_json(exclude_none=True).encode()
+    reply = await submit_command(state, body, topology.SUBMIT_COMMAND)
     if reply.status == "rejected":
         code = reply.code or "invalid_command"
         raise ApiError(STATUS_OF_CODE.get(code, 400), code, reply.error or "rejected")
     assert reply.message_id is not None
-    body = Accepted(message_id=reply.message_id, duplicate=bool(reply.duplicate))
-    return JSONResponse(body.to_wire(), status_code=202)
+    accepted = Accepted(message_id=reply.message_id, duplicate=bool(reply.duplicate))
+    return JSONResponse(accepted.to_wire(), status_code=202)
+
+
+class PostStop(WireModel):
+    author: PostAuthor
+
+
+@api.post(
+    "/forums/{forumId}/stop",
+    status_code=202,
+    response_model=Accepted,
+    responses={
+        **ERRORS,
+        503: {"model": ErrorBody, "description": "the mesh did not answer in time"},
+    },
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": PostStop.model_json_schema(by_alias=True)}},
+        }
+    },
+    summary="Stop every agent in a forum, as one of your token's people",
+    description="Submits the line `/stop` for `author`, exactly as if they had typed it: the "
+    "answer is that line's id.",
+)
+async def stop_agents(
+    request: Request,
+    forum: ForumDep,
+    token: TokenDep,
+    idempotency_key: Annotated[
+        str | None,
+        Header(alias="Idempotency-Key", description="As for posting a line."),
+    ] = None,
+) -> JSONResponse:
+    stop = parse_body(await read_body(request, 16384), PostStop)
+    check_idempotency_key(idempotency_key)
+    state = gateway(request)
+    return await submit_line(state, forum, token, stop.author, STOP_LINE, idempotency_key)
 
 
 @api.get(

@@ -15,6 +15,10 @@ from yoke import amqp_nodes, topology
 from yoke.ids import new_id
 from yoke.models import CommandAuthor, Envelope, Message, MessagePosted, SubmitMessage, SubmitReply
 
+# The line a person types in a forum to stop every agent there (see the README);
+# ``yoke stop`` and the gateway's stop route submit exactly this for the person named.
+STOP_LINE = "/stop"
+
 
 class Client:
     def __init__(self, amqp_url: str, *, queue_prefix: str = topology.BRIDGE_QUEUE_PREFIX) -> None:
@@ -77,8 +81,15 @@ class Client:
             command.model_dump_json(exclude_none=True).encode(), reply_timeout
         )
 
-    async def submit_raw(self, body: bytes, reply_timeout: float = 30.0) -> SubmitReply:
-        """Publish any body as a submit command (bridges, and tests of bad input)."""
+    async def submit_raw(
+        self,
+        body: bytes,
+        reply_timeout: float = 30.0,
+        *,
+        routing_key: str = topology.SUBMIT_COMMAND,
+    ) -> SubmitReply:
+        """Publish any body as a command (a line by default; bridges, the gateway's other
+        commands, and tests of bad input) and wait for the door's answer."""
         assert self._channel is not None and self._replies is not None
         correlation_id = new_id()
         future: asyncio.Future[SubmitReply] = asyncio.get_running_loop().create_future()
@@ -96,7 +107,7 @@ class Client:
                     message_id=correlation_id,
                     delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
                 ),
-                routing_key=topology.SUBMIT_COMMAND,
+                routing_key=routing_key,
             )
             return await asyncio.wait_for(future, reply_timeout)
         finally:

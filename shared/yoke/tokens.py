@@ -4,7 +4,8 @@ Only a token's SHA-256 is stored: the secret is shown once, when it is made, and
 database gives nobody a working token. A token is named (the name is its ``_id``: unique by
 insert) and scoped to the forums it names, or to all. What a token's callers say about
 themselves is namespaced by its name (:func:`namespaced`), so one token cannot speak as the
-people of another.
+people of another. Deciding a tool call's approval is a right of its own (``can_approve``): a
+token that only posts lines, say a website's, cannot also let an agent's tool run.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ class TokenError(Exception):
 
 
 class Token(Document):
-    """A stored token: its name (``id``), the secret's hash, and its forums (None: all)."""
+    """A stored token: its name (``id``), the secret's hash, its forums (None: all), and whether
+    its callers may decide approvals in those forums."""
 
     hash: str
     forums: list[str] | None = None
+    can_approve: bool = False
     created_at: datetime = Field(default_factory=utcnow)
 
     def allows(self, forum_id: str) -> bool:
@@ -68,13 +71,18 @@ async def ensure_token_indexes(store: Store) -> None:
 
 
 async def create_token(
-    store: Store, name: str, forums: list[str] | None = None
+    store: Store, name: str, forums: list[str] | None = None, *, can_approve: bool = False
 ) -> tuple[Token, str]:
     """A new token and its secret (the only time the secret exists outside the caller)."""
     if not NAME_PATTERN.match(name):
         raise TokenError(f"invalid token name {name!r}: use 1-64 letters, digits, '-' or '_'")
     secret = SECRET_PREFIX + secrets.token_urlsafe(32)
-    token = Token(id=name, hash=hash_secret(secret), forums=sorted(set(forums)) if forums else None)
+    token = Token(
+        id=name,
+        hash=hash_secret(secret),
+        forums=sorted(set(forums)) if forums else None,
+        can_approve=can_approve,
+    )
     if not await store.insert_if_absent(collection(store), token.to_document()):
         raise TokenError(f"a token named {name!r} exists; revoke it first")
     return token, secret

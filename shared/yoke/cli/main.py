@@ -22,7 +22,7 @@ from yoke.cli.tokens import register as register_tokens
 from yoke.cli.tools import check_tool_names
 from yoke.cli.tools import register as register_tools
 from yoke.cli.webhooks import register as register_webhooks
-from yoke.client import Client
+from yoke.client import STOP_LINE, Client
 from yoke.dead_letters import list_dead_letters, replay_dead_letters
 from yoke.errors import EXIT_MISCONFIGURED, Misconfigured, describe_validation_error
 from yoke.logs import configure_cli_logging
@@ -50,6 +50,7 @@ async def agent_create(args: argparse.Namespace) -> None:
             model=args.model,
             tools=split_tools(args.tools),
             instructions=args.instructions,
+            while_busy=args.while_busy,
         )
         print(agent.id)
 
@@ -61,6 +62,15 @@ async def forum_create(args: argparse.Namespace) -> None:
         print((await create_forum(store, args.title)).id)
 
     await with_store(action)
+
+
+def add_while_busy(verb: argparse.ArgumentParser, what: str) -> None:
+    verb.add_argument(
+        "--while-busy",
+        choices=get_args(WhileBusy),
+        help=f"{what}: queue (each line answered in turn), coalesce (a burst answered at "
+        "once) or interrupt (a person's line cancels the model call in flight)",
+    )
 
 
 def join_config_of(args: argparse.Namespace) -> JoinConfig:
@@ -84,6 +94,8 @@ def join_config_of(args: argparse.Namespace) -> JoinConfig:
         data["model"] = args.model
     if args.tools is not None:
         data["tools"] = split_tools(args.tools) or []
+    if args.while_busy is not None:
+        data["whileBusy"] = args.while_busy
     if args.follow_up_after is not None:
         follow_up = data.get("followUp")
         data["followUp"] = {
@@ -147,6 +159,24 @@ async def post(args: argparse.Namespace) -> None:
             )
         except TimeoutError as error:
             # Nobody consumes the commands (ingestion down) or it is too busy to answer.
+            raise CommandError(f"no answer within {args.timeout:g} s") from error
+    if reply.status != "accepted":
+        raise CommandError(reply.error or "rejected")
+    print(reply.message_id)
+
+
+async def stop(args: argparse.Namespace) -> None:
+    """The line ``/stop`` as ``cli:NAME``: what the person would type in the forum."""
+    async with Client(Settings().amqp_url) as client:
+        try:
+            reply = await client.submit(
+                args.forum,
+                STOP_LINE,
+                external_id=f"cli:{args.as_}",
+                display_name=args.as_,
+                reply_timeout=args.timeout,
+            )
+        except TimeoutError as error:
             raise CommandError(f"no answer within {args.timeout:g} s") from error
     if reply.status != "accepted":
         raise CommandError(reply.error or "rejected")
@@ -306,6 +336,7 @@ def parser() -> argparse.ArgumentParser:
     create.add_argument("--model", help="model id (default fixture-echo)")
     create.add_argument("--tools", help="comma-separated tool names, e.g. clock,calculator")
     create.add_argument("--instructions", help="the agent's system instructions")
+    add_while_busy(create, "a person's line while the agent is busy (default queue)")
 
     forum = commands.add_parser("forum", help="manage forums").add_subparsers(
         dest="sub", required=True
@@ -319,6 +350,7 @@ def parser() -> argparse.ArgumentParser:
     joining.add_argument("--forum", required=True)
     joining.add_argument("--model", help="overrides the agent's model for this join")
     joining.add_argument("--tools", help="overrides the agent's tools for this join")
+    add_while_busy(joining, "overrides the agent's whileBusy for this join")
     joining.add_argument(
         "--config",
         metavar="FILE.json",
@@ -342,6 +374,20 @@ def parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=30.0, help="seconds to wait for the answer (default 30)"
     )
     posting.add_argument("text")
+
+    stopping = command(
+        commands,
+        "stop",
+        stop,
+        "stop every agent in a forum (submits the line /stop as NAME); prints the line's id",
+    )
+    stopping.add_argument("--forum", required=True)
+    stopping.add_argument(
+        "--as", dest="as_", required=True, metavar="NAME", help="who stops (external id cli:NAME)"
+    )
+    stopping.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds to wait for the answer (default 30)"
+    )
 
     showing = command(commands, "history", history, "a conversation's lines in seq order")
     showing.add_argument("conversation")

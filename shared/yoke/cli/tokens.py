@@ -30,15 +30,23 @@ async def _create(store: Store, args: argparse.Namespace) -> None:
         forum = await store.get_conversation(forum_id)
         if forum is None or forum.kind != "forum":
             raise TokenError(f"unknown forum {forum_id!r}")
-    token, secret = await create_token(store, args.name, forums or None)
+    token, secret = await create_token(
+        store, args.name, forums or None, can_approve=args.can_approve
+    )
     scope = ", ".join(token.forums) if token.forums else "all forums"
-    print(f"token {token.id} for {scope}; it is shown only now:")
+    rights = "; it may decide approvals" if token.can_approve else ""
+    print(f"token {token.id} for {scope}{rights}; it is shown only now:")
     print(secret)
 
 
 async def _list(store: Store, args: argparse.Namespace) -> None:
     for token in await list_tokens(store):
-        entry = {"name": token.id, "forums": token.forums, "createdAt": token.created_at}
+        entry = {
+            "name": token.id,
+            "forums": token.forums,
+            "canApprove": token.can_approve,
+            "createdAt": token.created_at,
+        }
         print(json.dumps(entry, default=str, separators=(",", ":")))
 
 
@@ -61,7 +69,7 @@ async def token_revoke(args: argparse.Namespace) -> None:
 
 
 def register(commands: Any) -> None:
-    """``yoke token create --name NAME [--forum ID ...]``, ``yoke token list``,
+    """``yoke token create --name NAME [--forum ID ...] [--can-approve]``, ``yoke token list``,
     ``yoke token revoke NAME``."""
     token = commands.add_parser("token", help="the HTTP gateway's tokens").add_subparsers(
         dest="sub", required=True
@@ -76,7 +84,12 @@ def register(commands: Any) -> None:
     create.add_argument(
         "--forum", action="append", metavar="ID", help="a forum it may use (repeatable)"
     )
-    help = "one JSON line per token: name, forums (null: all), createdAt"
+    create.add_argument(
+        "--can-approve",
+        action="store_true",
+        help="its callers may approve or reject tool calls awaiting a decision in its forums",
+    )
+    help = "one JSON line per token: name, forums (null: all), canApprove, createdAt"
     token.add_parser("list", help=help, description=help).set_defaults(handler=token_list)
     help = "delete a token: it stops working at once"
     revoke = token.add_parser("revoke", help=help, description=help)
