@@ -33,11 +33,17 @@ class Client:
 
     async def __aenter__(self) -> Client:
         self._connection = await amqp_nodes.connect_robust(self.amqp_url)
-        self._channel = await self._connection.channel(publisher_confirms=True)
-        self._replies = await self._channel.declare_queue(
-            self.queue_prefix + new_id(), exclusive=True, auto_delete=True
-        )
-        await self._replies.consume(self._on_reply, no_ack=True)
+        try:
+            self._channel = await self._connection.channel(publisher_confirms=True)
+            self._replies = await self._channel.declare_queue(
+                self.queue_prefix + new_id(), exclusive=True, auto_delete=True
+            )
+            await self._replies.consume(self._on_reply, no_ack=True)
+        except BaseException:
+            # No __aexit__ follows a failed __aenter__: a refused reply queue (a user without
+            # ``bridge.*``) would leave the connection's tasks to die with the event loop.
+            await self._connection.close()
+            raise
         return self
 
     @property

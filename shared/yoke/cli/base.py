@@ -3,7 +3,10 @@ the store it works on."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+
+from aiormq.exceptions import ChannelAccessRefused
 
 from yoke.settings import Settings
 from yoke.store import Store
@@ -15,6 +18,20 @@ class CommandError(Exception):
 
 class UsageError(CommandError):
     """A command's input is invalid (say, a join configuration): exit code 2, like argparse."""
+
+
+@contextmanager
+def refusals_as_errors() -> Iterator[None]:
+    """A permission RabbitMQ refuses (ACCESS_REFUSED) as one line naming it, not a traceback:
+    it is a deployment's choice of user, not a bug (posting needs a bridge's user, whose reply
+    queues are ``bridge.*``; the services' user may declare only ``yoke.*``)."""
+    try:
+        yield
+    except ChannelAccessRefused as error:
+        raise CommandError(
+            f"RabbitMQ refused: {error} (the user in YOKE_AMQP_URL may not do this; "
+            "posting needs a bridge's user, compose's publisher: see the README)"
+        ) from error
 
 
 async def with_store(action: Callable[[Store], Awaitable[None]]) -> None:

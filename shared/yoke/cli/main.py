@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from yoke.bus import Bus
 from yoke.cli import supervisor
-from yoke.cli.base import CommandError, UsageError, with_store
+from yoke.cli.base import CommandError, UsageError, refusals_as_errors, with_store
 from yoke.cli.publishers import register as register_publishers
 from yoke.cli.status import register as register_status
 from yoke.cli.tokens import register as register_tokens
@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_cli_logging()  # warnings and tracebacks without connection passwords
     args = parser().parse_args(argv)
     try:
-        with refused_as_misconfigured():
+        with refused_as_misconfigured(), refusals_as_errors():
             asyncio.run(args.handler(args))
     except CommandError as error:
         print(f"yoke: {redact(str(error))}", file=sys.stderr)
