@@ -104,6 +104,26 @@ OVERDUE_TOOL_CALLS = Gauge(
     "Open tool calls found past their deadline at the last check, each then ended (above 0 "
     "check after check: they cannot be ended).",
 )
+APPROVALS_REQUESTED = Counter(
+    "yoke_tool_approvals_requested",
+    "Calls of gated tools that waited for a person's decision, by tool.",
+    ["tool"],
+)
+APPROVALS_DECIDED = Counter(
+    "yoke_tool_approvals_decided",
+    "Approvals decided, by decision (approve, reject, expired, stopped).",
+    ["decision"],
+)
+APPROVAL_SECONDS = Histogram(
+    "yoke_tool_approval_seconds",
+    "From a gated call's request to its decision.",
+    buckets=(1, 5, 15, 30, 60, 300, 900, 1800, 3600, 4 * 3600, 12 * 3600, 86400, 7 * 86400),
+)
+PENDING_APPROVALS = Gauge(
+    "yoke_tool_approvals_pending",
+    "Calls waiting for a person's decision, as stored (every processor replica reports the "
+    "same number: aggregate with max).",
+)
 DOOM_LOOPS = Counter(
     "yoke_doom_loops", "Tool calls refused as a repeat of the same call.", ["tool"]
 )
@@ -196,7 +216,8 @@ DEAD_LETTER_REASONS = ("malformed", "failed")
 LLM_OUTCOMES = ("ok", "error", "retryable_error")
 TOOL_OUTCOMES = ("ok", "error")
 # Notice reasons: the processor's (services/processor/app.py) and the guardian's.
-PROCESSOR_NOTICES = ("budget", "provider", "doom_loop")
+PROCESSOR_NOTICES = ("budget", "provider", "doom_loop", "approval")
+APPROVAL_DECISIONS = ("approve", "reject", "expired", "stopped")
 GUARDIAN_NOTICES = ("guardian",)
 MODEL_SERVICES = frozenset({"processor", "guardian"})
 
@@ -222,6 +243,9 @@ def initialize(service: str, prices: Iterable[str] = ()) -> None:
             TOOL_CALL_SECONDS.labels(source)
         for reason in PROCESSOR_NOTICES:
             NOTICES.labels(reason)
+    if service in ("processor", "ingestion"):  # the reaper decides expiries, the door the rest
+        for decision in APPROVAL_DECISIONS:
+            APPROVALS_DECIDED.labels(decision)
     if service == "guardian":
         for reason in GUARDIAN_NOTICES:
             NOTICES.labels(reason)

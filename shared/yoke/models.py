@@ -270,10 +270,83 @@ class AgentDelta(WireModel):
         return self.forum_id
 
 
-EventPayload = MessagePosted | AgentForumJoined | MonologueCompacted | AgentActivity | AgentDelta
+class ApprovalRequested(WireModel):
+    """A call of a gated tool waits for a person's decision (docs/approvals.md). On
+    ``yoke.forum``: ``input`` is the one piece of a monologue that leaves the mesh, on purpose,
+    so that the approvers see what they approve."""
+
+    TYPE: ClassVar[str] = "tool.approval.requested"
+
+    forum_id: str
+    agent_actor_id: str
+    call_id: str
+    tool: str
+    input: dict[str, JsonValue] = Field(default_factory=dict)
+    # When the call ends with "no decision within N s" unless someone decides first.
+    deadline: datetime
+
+    @property
+    def key(self) -> str:
+        return self.forum_id
+
+
+ApprovalDecision = Literal["approve", "reject", "expired", "stopped"]
+
+
+class ApprovalDecided(WireModel):
+    """The first decision on a gated call (``expired``: nobody decided by the deadline;
+    ``stopped``: a stop in the forum ended it). ``by`` is who decided, as the deciding door
+    names them; absent for ``expired``."""
+
+    TYPE: ClassVar[str] = "tool.approval.decided"
+
+    forum_id: str
+    call_id: str
+    decision: ApprovalDecision
+    by: CommandAuthor | None = None
+    reason: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.forum_id
+
+
+class ToolCallApproved(WireModel):
+    """Inside the mesh only: an approved call is to run now. Keyed by the call's monologue, so
+    it reaches the processor that owns that conversation's shard, in its lane."""
+
+    TYPE: ClassVar[str] = "tool.call.approved"
+
+    conversation_id: str
+    call_id: str
+
+    @property
+    def key(self) -> str:
+        return self.conversation_id
+
+
+EventPayload = (
+    MessagePosted
+    | AgentForumJoined
+    | MonologueCompacted
+    | AgentActivity
+    | AgentDelta
+    | ApprovalRequested
+    | ApprovalDecided
+    | ToolCallApproved
+)
 EVENT_TYPES: dict[str, type[EventPayload]] = {
     model.TYPE: model
-    for model in (MessagePosted, AgentForumJoined, MonologueCompacted, AgentActivity, AgentDelta)
+    for model in (
+        MessagePosted,
+        AgentForumJoined,
+        MonologueCompacted,
+        AgentActivity,
+        AgentDelta,
+        ApprovalRequested,
+        ApprovalDecided,
+        ToolCallApproved,
+    )
 }
 
 
@@ -429,6 +502,11 @@ RejectCode = Literal[
     "call_closed",
     "wrong_tool",
     "missing_user_id",
+    "awaiting_approval",
+    # tool.approval.submit only (see SubmitApproval)
+    "not_allowed",
+    "already_decided",
+    "not_awaiting_approval",
 ]
 
 
@@ -440,7 +518,8 @@ class SubmitReply(WireModel):
     # With ``error``: ``invalid_body`` (not UTF-8 JSON, or nested too deeply),
     # ``invalid_command`` (a field is missing or wrong), ``too_large``, ``unknown_conversation``,
     # ``not_a_forum``; for tool results ``unknown_call``, ``call_closed``, ``wrong_tool``,
-    # ``missing_user_id``.
+    # ``missing_user_id``, ``awaiting_approval``; for approvals ``not_allowed``,
+    # ``already_decided``, ``unknown_call``, ``not_awaiting_approval``.
     code: RejectCode | None = None
 
 
@@ -463,3 +542,27 @@ class SubmitToolResult(WireModel):
     call_id: CommandId
     output: Annotated[str, BeforeValidator(check_storable)]
     is_error: bool = False
+
+
+MAX_REASON_CHARS = 2000
+
+
+class SubmitApproval(WireModel):
+    """``tool.approval.submit``: a person's decision on a call that waits for approval, keyed
+    by ``callId``. Taken only from the mesh's own user (the CLI, the HTTP gateway) or a
+    publisher made with ``yoke publisher create --can-approve`` (the AMQP ``user_id`` that
+    RabbitMQ verified); the first decision stands."""
+
+    call_id: CommandId
+    decision: Literal["approve", "reject"]
+    reason: (
+        Annotated[
+            str, Field(min_length=1, max_length=MAX_REASON_CHARS), BeforeValidator(check_storable)
+        ]
+        | None
+    ) = None
+    by: CommandAuthor
+
+
+# ApprovalDecided names CommandAuthor, defined with the commands below it.
+ApprovalDecided.model_rebuild()

@@ -99,6 +99,10 @@ class Store:
         "mcp_servers",
         "tool_calls",
         "tool_call_ends",
+        # Approvals (yoke.runtime.open_calls, yoke.runtime.approvals): the first decision on a
+        # gated call, and the publishers that may decide.
+        "tool_call_decisions",
+        "approvers",
     )
 
     def __init__(self, url: str, *, app_name: str = "yoke", pool_size: int = 16) -> None:
@@ -168,6 +172,8 @@ class Store:
         await self.actors.create_index([("externalId", ASCENDING)], name="external_id")
         await self.states.create_index([("actor", ASCENDING), ("watch", ASCENDING)], name="watch")
         await self.failures.create_index([("stateId", ASCENDING)], name="state")
+        # A forum's pending approvals (GET /v1/forums/{id}/approvals, yoke approvals, a stop).
+        await self.db["tool_calls"].create_index([("forumId", ASCENDING)], name="forum")
 
     async def ping(self) -> None:
         await self.db.command("ping")

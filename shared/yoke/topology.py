@@ -26,6 +26,8 @@ PUBLIC_KIND = "forum"
 SUBMIT_COMMAND = "conversation.message.submit"
 # A tool worker's answer to a call (keyed by its callId: results have no conversationId).
 TOOL_RESULT_COMMAND = "tool.result.submit"
+# A person's decision on a call that waits for approval (keyed by its callId too).
+APPROVAL_COMMAND = "tool.approval.submit"
 
 # Tool workers: each worker tool NAME has the queue yoke.tool.NAME (quorum, competing consumers,
 # declared by the mesh only) and the RabbitMQ user tool-NAME, which may read only that queue and

@@ -16,9 +16,12 @@ from yoke.models import (
     AgentActivity,
     AgentDelta,
     AgentForumJoined,
+    ApprovalDecided,
+    ApprovalRequested,
     Envelope,
     MessagePosted,
     MonologueCompacted,
+    SubmitApproval,
     SubmitMessage,
     SubmitReply,
     SubmitToolResult,
@@ -26,9 +29,18 @@ from yoke.models import (
 )
 from yoke.tools.worker import DIRECT_REPLY_TO
 
-EVENTS = (MessagePosted, AgentForumJoined, MonologueCompacted, AgentActivity, AgentDelta)
+EVENTS = (
+    MessagePosted,
+    AgentForumJoined,
+    MonologueCompacted,
+    AgentActivity,
+    AgentDelta,
+    ApprovalRequested,
+    ApprovalDecided,
+)
 # What yoke.forum carries (published with yoke-kind=forum): all an outside system may read.
 FORUM_EVENTS = (MessagePosted, AgentActivity)
+APPROVAL_EVENTS = (ApprovalRequested, ApprovalDecided)
 
 
 def _key(event: type[BaseModel]) -> str:
@@ -41,6 +53,7 @@ def _component_schemas() -> dict[str, Any]:
         SubmitReply,
         ToolCallRequest,
         SubmitToolResult,
+        SubmitApproval,
         *EVENTS,
     ]
     _, definitions = models_json_schema(
@@ -103,6 +116,17 @@ def asyncapi_document() -> dict[str, Any]:
             f"answer without it is rejected) and reply_to {DIRECT_REPLY_TO}. The first answer "
             "is the call's result.",
         ),
+        "submitApproval": _message(
+            topology.APPROVAL_COMMAND,
+            "SubmitApproval",
+            "A person's decision on a call that waits for approval, keyed by callId. Taken "
+            "only from a publisher made with yoke publisher create --can-approve (or the "
+            "mesh's own user: the CLI, the HTTP gateway), published with the AMQP user_id "
+            "property set to it (the broker verifies it). by names the person as your system "
+            "knows them. The first decision stands: a later one is rejected with code "
+            "already_decided; others are not_allowed, missing_user_id, unknown_call, "
+            "not_awaiting_approval.",
+        ),
     }
     for event in EVENTS:
         key = _key(event)
@@ -118,6 +142,18 @@ def asyncapi_document() -> dict[str, Any]:
         "forum line will have (its conversation.message.posted replaces the draft); the last "
         "delta of a draft has end: posted (the line follows) or abandoned (no line comes). "
         "Only text that reaches the forum is streamed, never tool calls."
+    )
+    messages[_key(ApprovalRequested)]["summary"] = (
+        f"Routing key {ApprovalRequested.TYPE}.<forum id>. A call of a gated tool waits for a "
+        "person's decision until deadline: approve or reject it with "
+        f"{topology.APPROVAL_COMMAND}. input is the call's input, shown to the forum's "
+        "approvers on purpose (the one piece of a monologue that leaves the mesh)."
+    )
+    messages[_key(ApprovalDecided)]["summary"] = (
+        f"Routing key {ApprovalDecided.TYPE}.<forum id>. The decision that stands on a gated "
+        "call: approve (the tool runs now), reject (its result is the error 'rejected by NAME: "
+        "REASON'), expired (nobody decided by the deadline) or stopped (a stop in the forum); "
+        "by as the deciding door named the person, absent for expired."
     )
     event_refs = {_key(e): {"$ref": f"#/components/messages/{_key(e)}"} for e in EVENTS}
     return {
@@ -240,6 +276,43 @@ def asyncapi_document() -> dict[str, Any]:
                     }
                 },
             },
+            "forumApprovals": {
+                "address": "{eventType}.{forumId}",
+                "description": f"Topic exchange {topology.FORUM_EXCHANGE}: approvals in a "
+                "forum (tool.approval.requested.<forum id>, tool.approval.decided.<forum id>). "
+                "Bind tool.approval.*.<forum id> to show the forum's approvers what waits.",
+                "parameters": {"eventType": {}, "forumId": {}},
+                "messages": {
+                    _key(event): {"$ref": f"#/components/messages/{_key(event)}"}
+                    for event in APPROVAL_EVENTS
+                },
+                "bindings": {
+                    "amqp": {
+                        "is": "routingKey",
+                        "exchange": {
+                            "name": topology.FORUM_EXCHANGE,
+                            "type": "topic",
+                            "durable": True,
+                        },
+                    }
+                },
+            },
+            "approvals": {
+                "address": topology.APPROVAL_COMMAND,
+                "description": f"Topic exchange {topology.COMMANDS_EXCHANGE}; keyed by callId. "
+                "Set reply_to for the door's answer.",
+                "messages": {"submitApproval": {"$ref": "#/components/messages/submitApproval"}},
+                "bindings": {
+                    "amqp": {
+                        "is": "routingKey",
+                        "exchange": {
+                            "name": topology.COMMANDS_EXCHANGE,
+                            "type": "topic",
+                            "durable": True,
+                        },
+                    }
+                },
+            },
             "toolResultReplies": {
                 "address": DIRECT_REPLY_TO,
                 "description": "RabbitMQ's direct reply-to (consume it before publishing): the "
@@ -285,7 +358,19 @@ def asyncapi_document() -> dict[str, Any]:
                 "summary": "A worker answers a call; the door checks the call and who sent it.",
                 "reply": {"channel": {"$ref": "#/channels/toolResultReplies"}},
             },
+            "submitApproval": {
+                "action": "receive",
+                "channel": {"$ref": "#/channels/approvals"},
+                "summary": "A person approves or rejects a gated call; the first decision "
+                "stands.",
+                "reply": {"channel": {"$ref": "#/channels/replies"}},
+            },
             "publishForum": {"action": "send", "channel": {"$ref": "#/channels/forum"}},
+            "publishForumApprovals": {
+                "action": "send",
+                "channel": {"$ref": "#/channels/forumApprovals"},
+                "summary": "The mesh asks a forum's approvers, then says what was decided.",
+            },
             "publishForumDeltas": {
                 "action": "send",
                 "channel": {"$ref": "#/channels/forumDeltas"},

@@ -16,7 +16,7 @@ from pydantic import Field
 
 from yoke.llm.base import ScriptedOutput
 from yoke.models import WireModel
-from yoke.runtime.join_config import JoinConfig, load_versioned_join_config
+from yoke.runtime.join_config import ApprovalConfig, JoinConfig, load_versioned_join_config
 from yoke.store import Store
 
 DEFAULT_MODEL = "fixture-echo"
@@ -56,6 +56,8 @@ class ProcessorConfig(WireModel):
     model_give_up_seconds: float | None = Field(default=None, gt=0)
     # The join has a guardian: the agent's lines are routed to it (else it is not bothered).
     guarded: bool = False
+    # Tools whose calls wait for a person's decision (the agent's, or the join's).
+    approval: ApprovalConfig | None = None
 
     def with_join(self, join: JoinConfig | None) -> ProcessorConfig:
         """This config with what the join sets; None fields of the join keep the defaults."""
@@ -78,6 +80,7 @@ JOIN_TUNABLES = (
     "budget_usd",
     "model_give_up_seconds",
     "script",
+    "approval",
 )
 
 

@@ -15,6 +15,7 @@ from pydantic import ConfigDict, Field, field_validator
 from yoke.ids import new_id
 from yoke.llm.base import ScriptedOutput
 from yoke.models import WireModel
+from yoke.runtime.catalog import matches
 from yoke.safe_regex import compile_safe
 from yoke.store import Store
 from yoke.tools.catalog import TOOL_NAME, is_tool_pattern
@@ -72,6 +73,40 @@ class LlmPolicy(StrictWireModel):
     kind: Literal["llm"]
 
 
+DEFAULT_APPROVAL_SECONDS = 86400.0
+
+
+def tool_list_problem(tools: list[str] | None) -> str | None:
+    """Why a tool list's names are not names the catalog writes (None: they are)."""
+    bad = [name for name in tools or [] if not is_tool_pattern(name)]
+    if not bad:
+        return None
+    return (
+        f"not a tool name: {', '.join(bad)} (names match {TOOL_NAME.pattern}, "
+        "or SERVER__* for every tool of an MCP server)"
+    )
+
+
+class ApprovalConfig(StrictWireModel):
+    """Tools whose calls wait for a person's decision before they run (docs/approvals.md)."""
+
+    tools: list[str] = Field(min_length=1, max_length=100)
+    # How long a person has to decide; then the call ends in "no decision within N s".
+    timeout_seconds: float = Field(default=DEFAULT_APPROVAL_SECONDS, gt=0, le=30 * 86400)
+
+    @field_validator("tools")
+    @classmethod
+    def tool_names(cls, tools: list[str]) -> list[str]:
+        problem = tool_list_problem(tools)
+        if problem is not None:
+            raise ValueError(problem)
+        return tools
+
+    def gates(self, tool: str) -> bool:
+        """Whether a call of ``tool`` waits for a decision (``SERVER__*`` gates a server)."""
+        return any(matches(pattern, tool) for pattern in self.tools)
+
+
 GuardianPolicy = Annotated[RulePolicy | NoProgressPolicy | LlmPolicy, Field(discriminator="kind")]
 
 
@@ -106,6 +141,7 @@ class JoinConfig(StrictWireModel):
     model_give_up_seconds: float | None = Field(default=None, gt=0, le=3600)
     follow_up: FollowUpConfig | None = None
     guardian: GuardianConfig | None = None
+    approval: ApprovalConfig | None = None
     # The replies of the ``fixture-script`` model, in order (tests and demos).
     script: list[ScriptedOutput] | None = Field(default=None, max_length=1000)
 
@@ -114,12 +150,9 @@ class JoinConfig(StrictWireModel):
     def tool_names(cls, tools: list[str] | None) -> list[str] | None:
         """Names as the catalog writes them (``SERVER__*`` for all of a server's); whether a
         tool exists is checked against the catalog by ``yoke join``, which has the store."""
-        bad = [name for name in tools or [] if not is_tool_pattern(name)]
-        if bad:
-            raise ValueError(
-                f"not a tool name: {', '.join(bad)} (names match {TOOL_NAME.pattern}, "
-                "or SERVER__* for every tool of an MCP server)"
-            )
+        problem = tool_list_problem(tools)
+        if problem is not None:
+            raise ValueError(problem)
         return tools
 
 

@@ -33,7 +33,12 @@ from yoke.runtime.instances import (
     ProcessorConfig,
     ProcessorState,
 )
-from yoke.runtime.join_config import JoinConfig, load_versioned_join_config, save_join_config
+from yoke.runtime.join_config import (
+    ApprovalConfig,
+    JoinConfig,
+    load_versioned_join_config,
+    save_join_config,
+)
 from yoke.runtime.posting import Poster
 from yoke.store import Store
 
@@ -92,6 +97,7 @@ async def create_agent(
     tools: list[str] | None = None,
     instructions: str | None = None,
     actor_id: str | None = None,
+    approval: ApprovalConfig | None = None,
 ) -> Actor:
     """A new agent actor; its id is the ``authorActorId`` of its lines."""
     meta: dict[str, JsonValue] = {}
@@ -101,6 +107,8 @@ async def create_agent(
         meta["tools"] = list(tools)
     if instructions:
         meta["instructions"] = instructions
+    if approval is not None:
+        meta["approval"] = approval.to_wire()
     return await store.save_actor(
         Actor(id=actor_id or new_id(), kind="agent", name=name, meta=meta)
     )
@@ -195,6 +203,11 @@ async def join_conversation(
         model=str(agent.meta.get("model") or DEFAULT_MODEL),
         tools=default_tools,
         instructions=str(agent.meta.get("instructions") or ""),
+        approval=(
+            ApprovalConfig.model_validate(agent.meta["approval"])
+            if isinstance(agent.meta.get("approval"), dict)
+            else None
+        ),
     )
     state = ProcessorState(
         monologue_id=active_monologue, agent_participant_id=monologue_participant.id

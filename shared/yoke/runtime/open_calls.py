@@ -9,6 +9,15 @@ MCP call finishing, a stop or a rejected approval. The winner then writes the re
 (its id derived from the call, so a second writer's copy is a no-op), which wakes the processor
 like any tool result, and deletes the open call. A crash between those steps is finished by
 the next reap, which finds an open call that has an end.
+
+A call of a gated tool (docs/approvals.md) is an open call *awaiting approval*: it has not run,
+and its deadline is the approval's. The first decision on it is a :class:`CallDecision`, again
+a unique insert, so a person's approve or reject, the deadline (``expired``) and a stop cannot
+all win: a rejection, expiry or stop then ends the call as above; an approval publishes
+``tool.call.approved`` keyed by the call's monologue, and the processor owning that
+conversation runs the call (:meth:`yoke.runtime.dispatch.ToolDispatch.run_approved`), its own
+timeout starting then. Every decision is announced on ``yoke.forum`` as
+``tool.approval.decided``.
 """
 
 from __future__ import annotations
@@ -25,13 +34,31 @@ from pydantic import Field, JsonValue
 from yoke import topology
 from yoke.ids import SYSTEM_ACTOR_ID, derive_id
 from yoke.metrics import (
+    APPROVAL_SECONDS,
+    APPROVALS_DECIDED,
+    APPROVALS_REQUESTED,
     OPEN_TOOL_CALLS,
     OVERDUE_TOOL_CALLS,
+    PENDING_APPROVALS,
     TOOL_CALL_SECONDS,
     TOOL_CALLS,
     tool_label,
 )
-from yoke.models import Document, Message, MessageMeta, SubmitReply, ToolResultPart, as_utc
+from yoke.models import (
+    ApprovalDecided,
+    ApprovalDecision,
+    ApprovalRequested,
+    CommandAuthor,
+    Document,
+    Envelope,
+    EventPayload,
+    Message,
+    MessageMeta,
+    SubmitReply,
+    ToolCallApproved,
+    ToolResultPart,
+    as_utc,
+)
 from yoke.runtime.posting import Poster
 from yoke.store import Store
 from yoke.tools.catalog import ToolSource
@@ -40,13 +67,20 @@ log = logging.getLogger(__name__)
 
 TOOL_CALLS_COLLECTION = "tool_calls"
 TOOL_CALL_ENDS_COLLECTION = "tool_call_ends"
+TOOL_CALL_DECISIONS_COLLECTION = "tool_call_decisions"
 # How often each processor looks for calls past their deadline, and for ends left unfinished.
 REAP_SECONDS = 1.0
 # Ends are kept this long to answer a late or repeated answer (then pruned, hourly).
 END_RETENTION = timedelta(days=7)
 PRUNE_SECONDS = 3600.0
+# A decision whose call still awaits approval this long after it was taken (its decider died
+# half-way, say) is carried out again by the reaper, at most this often per call.
+REAPPLY_SECONDS = 30.0
 
 EndOutcome = Literal["answered", "timeout", "stopped", "rejected", "failed"]
+# ``running``: what ran it answers (or its deadline); ``awaiting_approval``: a gated call not run
+# yet, its deadline the approval's; ``approved``: handed to what runs it, its deadline the tool's.
+CallState = Literal["running", "awaiting_approval", "approved"]
 
 
 class OpenCall(Document):
@@ -66,10 +100,20 @@ class OpenCall(Document):
     meta: MessageMeta = Field(default_factory=MessageMeta)
     # Extra routing headers of the result line (topology.GUARDED_HEADER).
     route: dict[str, str] = Field(default_factory=dict)
+    # The join's forum and agent (a forum's pending approvals, a stop in the forum).
+    forum_id: str | None = None
+    agent_actor_id: str | None = None
+    state: CallState = "running"
+    # Set on a gated call: how long a person had to decide (the error text's N).
+    approval_timeout_seconds: float | None = None
 
     @property
     def idempotency_key(self) -> str:
         return derive_id("tool-idempotency", self.id)
+
+    @property
+    def awaiting_approval(self) -> bool:
+        return self.state == "awaiting_approval"
 
 
 class CallEnd(Document):
@@ -82,6 +126,17 @@ class CallEnd(Document):
     # Who ended it: the worker's RabbitMQ user, a person's name, or None (the mesh).
     by: str | None = None
     ended_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+
+class CallDecision(Document):
+    """The first decision on a gated call (``id`` is the call's): who, what and why."""
+
+    tool: str
+    forum_id: str | None = None
+    decision: ApprovalDecision
+    by: CommandAuthor | None = None
+    reason: str | None = None
+    decided_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
 
 
 def open_call_id(instance_id: str, call_line_id: str, model_call_id: str) -> str:
@@ -111,7 +166,10 @@ class OpenCalls:
         self.poster = poster
         self.calls = store.db[TOOL_CALLS_COLLECTION]
         self.ends = store.db[TOOL_CALL_ENDS_COLLECTION]
+        self.decisions = store.db[TOOL_CALL_DECISIONS_COLLECTION]
         self._pruned_at = 0.0
+        # When the reaper last carried out a decision again, by call (only calls still open).
+        self._reapplied: dict[str, float] = {}
 
     async def open(self, call: OpenCall) -> bool:
         """Record the call (``False``: a redelivered step had recorded it already)."""
@@ -209,6 +267,11 @@ class OpenCalls:
                 "wrong_tool",
                 f"call {call_id!r} is a call of {call.tool}, which user {user!r} does not serve",
             )
+        if call.awaiting_approval:
+            return _rejected(
+                "awaiting_approval",
+                f"call {call_id!r} waits for a person's approval and was never sent to a worker",
+            )
         if datetime.now(UTC) > as_utc(call.deadline):
             _, end = await self.end(
                 call, outcome="timeout", output=timeout_text(call), is_error=True
@@ -238,14 +301,157 @@ class OpenCalls:
             "call_closed", f"call {end.id!r} has ended already ({end.outcome}): {end.output}"
         )
 
+    # --- approvals ---------------------------------------------------------------------------
+
+    async def request_approval(self, call: OpenCall) -> None:
+        """Record a gated call as awaiting approval and ask the forum's approvers.
+
+        The request is published again on a redelivered step (the store is the truth; the
+        event's id is derived, so readers take it once)."""
+        assert call.awaiting_approval and call.forum_id and call.agent_actor_id
+        if await self.open(call):
+            APPROVALS_REQUESTED.labels(tool_label(call.tool)).inc()
+        request = ApprovalRequested(
+            forum_id=call.forum_id,
+            agent_actor_id=call.agent_actor_id,
+            call_id=call.id,
+            tool=call.tool,
+            input=call.input,
+            deadline=call.deadline,
+        )
+        await self._publish_forum(request, derive_id("approval-requested", call.id))
+
+    async def get_decision(self, call_id: str) -> CallDecision | None:
+        document = await self.decisions.find_one({"_id": call_id})
+        return CallDecision.from_document(document) if document is not None else None
+
+    async def decide(
+        self,
+        call: OpenCall,
+        decision: ApprovalDecision,
+        *,
+        by: CommandAuthor | None = None,
+        reason: str | None = None,
+    ) -> tuple[bool, CallDecision]:
+        """Take ``decision`` on ``call`` unless one was taken first (a unique insert), and carry
+        out the one that stands; returns (this one won, the decision that stands)."""
+        record = CallDecision(
+            id=call.id,
+            tool=call.tool,
+            forum_id=call.forum_id,
+            decision=decision,
+            by=by,
+            reason=reason,
+        )
+        if not await self.store.insert_if_absent(self.decisions, record.to_document()):
+            existing = await self.get_decision(call.id)
+            assert existing is not None  # decisions are pruned only long after their call
+            return False, existing
+        APPROVALS_DECIDED.labels(decision).inc()
+        seconds = (record.decided_at - as_utc(call.opened_at)).total_seconds()
+        APPROVAL_SECONDS.observe(max(0.0, seconds))
+        log.info(
+            "approval of %s: %s",
+            call.tool,
+            decision,
+            extra={"conversationId": call.conversation_id, "messageId": call.call_line_id},
+        )
+        await self.carry_out(call, record)
+        return True, record
+
+    async def carry_out(self, call: OpenCall, record: CallDecision) -> None:
+        """What a decision does (idempotent: a crash half-way is finished by doing it again).
+
+        Approved: the processor owning the call's monologue is told to run it, in that
+        conversation's lane. Otherwise the call ends with its error result. Then the forum's
+        approvers are told."""
+        name = record.by.display_name if record.by is not None else "someone"
+        if record.decision == "approve":
+            approved = ToolCallApproved(conversation_id=call.conversation_id, call_id=call.id)
+            # Not yoke-kind forum: this one stays inside the mesh.
+            await self.poster.bus.publish_event(
+                Envelope.wrap(derive_id("call-approved", call.id), approved), approved.key
+            )
+        elif record.decision == "reject":
+            why = f": {record.reason}" if record.reason else ""
+            await self.end(
+                call, outcome="rejected", output=f"rejected by {name}{why}", is_error=True, by=name
+            )
+        elif record.decision == "expired":
+            await self.end(call, outcome="timeout", output=no_decision_text(call), is_error=True)
+        else:
+            await self.end(
+                call, outcome="stopped", output=f"stopped by {name}", is_error=True, by=name
+            )
+        if call.forum_id:
+            decided = ApprovalDecided(
+                forum_id=call.forum_id,
+                call_id=call.id,
+                decision=record.decision,
+                by=record.by,
+                reason=record.reason,
+            )
+            await self._publish_forum(decided, derive_id("approval-decided", call.id))
+
+    async def mark_approved(self, call: OpenCall, deadline: datetime) -> OpenCall:
+        """The approved call handed to what runs it: its deadline is now the tool's own.
+
+        An update, safe because only the lane of the call's conversation writes an approved
+        call; a call ended meanwhile is not brought back (no upsert)."""
+        approved = call.model_copy(update={"state": "approved", "deadline": deadline})
+        await self.calls.replace_one({"_id": call.id}, approved.to_document())
+        return approved
+
+    async def end_for_forum(
+        self, forum_id: str, by: CommandAuthor, *, agent_actor_id: str | None = None
+    ) -> int:
+        """End every open call of the forum (of one agent there, if given) with
+        ``stopped by NAME``: what a stop does. A call awaiting approval is decided ``stopped``
+        (unless a decision came first), so its approvers are told. Returns how many this
+        ended."""
+        ended = 0
+        async for document in self.calls.find({"forumId": forum_id}):
+            call = OpenCall.from_document(document)
+            if agent_actor_id is not None and call.agent_actor_id != agent_actor_id:
+                continue
+            if call.awaiting_approval:
+                won, record = await self.decide(call, "stopped", by=by)
+                if won:
+                    ended += 1
+                    continue
+                if record.decision != "approve":
+                    await self.carry_out(call, record)
+                    continue
+            won, _ = await self.end(
+                call,
+                outcome="stopped",
+                output=f"stopped by {by.display_name}",
+                is_error=True,
+                by=by.display_name,
+            )
+            ended += won
+        return ended
+
+    async def _publish_forum(self, payload: EventPayload, event_id: str) -> None:
+        """On ``yoke.forum`` (yoke-kind forum, keyed by the forum), like the forum's lines."""
+        await self.poster.bus.publish_event(
+            Envelope.wrap(event_id, payload), payload.key, {topology.KIND_HEADER: "forum"}
+        )
+
     # --- deadlines ---------------------------------------------------------------------------
 
     async def reap(self) -> int:
         """End every call past its deadline and finish ends a crash left; returns how many
-        calls are still open. Whatever ran a call may be gone: the deadline holds anyway."""
+        calls are still open. Whatever ran a call may be gone: the deadline holds anyway.
+
+        A call awaiting approval past its deadline is decided ``expired``; one whose decision
+        was taken but not carried out (its decider died half-way) is carried out again."""
         now = datetime.now(UTC)
-        still = 0
+        still = pending = 0
         overdue: list[OpenCall] = []
+        expired: list[OpenCall] = []
+        undone: list[tuple[OpenCall, CallDecision]] = []
+        seen: set[str] = set()
         async for document in self.calls.find({}):
             try:
                 call = OpenCall.from_document(document)
@@ -253,23 +459,57 @@ class OpenCalls:
                 log.error("dropping an unreadable open tool call %s: %s", document["_id"], error)
                 await self.calls.delete_one({"_id": document["_id"]})
                 continue
+            seen.add(call.id)
             end = await self.get_end(call.id)
             if end is not None:
                 await self.finish(call, end)
+                continue
+            decision = await self.get_decision(call.id) if call.awaiting_approval else None
+            if decision is not None:
+                if self._due_again(call.id, decision, now):
+                    undone.append((call, decision))
+                still += 1
             elif now > as_utc(call.deadline):
-                overdue.append(call)
+                (expired if call.awaiting_approval else overdue).append(call)
             else:
                 still += 1
+                pending += call.awaiting_approval
         OPEN_TOOL_CALLS.set(still)
+        PENDING_APPROVALS.set(pending)
         # Counted before they are ended: calls that cannot be ended (the store refusing the
         # end, the broker the result line) are counted again every round (YokeToolCallsOverdue).
-        OVERDUE_TOOL_CALLS.set(len(overdue))
+        OVERDUE_TOOL_CALLS.set(len(overdue) + len(expired))
+        self._reapplied = {k: v for k, v in self._reapplied.items() if k in seen}
         for call in overdue:
             await self.end(call, outcome="timeout", output=timeout_text(call), is_error=True)
+        for call in expired:
+            won, record = await self.decide(call, "expired")
+            if not won:  # decided meanwhile: see that it is carried out
+                await self.carry_out(call, record)
+        for call, record in undone:
+            log.warning(
+                "carrying out again the %s decision on %s taken at %s",
+                record.decision,
+                call.tool,
+                record.decided_at,
+                extra={"conversationId": call.conversation_id},
+            )
+            await self.carry_out(call, record)
         if time.monotonic() - self._pruned_at > PRUNE_SECONDS:
             self._pruned_at = time.monotonic()
             await self.ends.delete_many({"endedAt": {"$lt": now - END_RETENTION}})
+            await self.decisions.delete_many({"decidedAt": {"$lt": now - END_RETENTION}})
         return still
+
+    def _due_again(self, call_id: str, decision: CallDecision, now: datetime) -> bool:
+        """A decision left undone long enough, and not carried out again just now."""
+        if (now - as_utc(decision.decided_at)).total_seconds() < REAPPLY_SECONDS:
+            return False
+        last = self._reapplied.get(call_id)
+        if last is not None and time.monotonic() - last < REAPPLY_SECONDS:
+            return False
+        self._reapplied[call_id] = time.monotonic()
+        return True
 
     async def run_reaper(self, stopping: asyncio.Event) -> None:
         """Reap every :data:`REAP_SECONDS` until ``stopping``; a failing round is retried."""
@@ -291,3 +531,7 @@ def metric_outcome(end: CallEnd) -> str:
 
 def timeout_text(call: OpenCall) -> str:
     return f"{call.tool} gave no answer within {call.timeout_seconds:g} s"
+
+
+def no_decision_text(call: OpenCall) -> str:
+    return f"no decision within {call.approval_timeout_seconds or 0:g} s"
