@@ -16,7 +16,7 @@ from tests.support.fake_openai import FakeOpenAI, completion
 from yoke.llm.base import InferenceRequest, ProviderFailed, newest_user_text
 from yoke.llm.fixtures import EchoProvider
 from yoke.llm.openai_provider import OpenAIProvider
-from yoke.llm.prompting import NO_RESULT, to_chat_messages
+from yoke.llm.prompting import NO_RESULT, to_chat_messages, unanswered_last
 from yoke.models import Message, MessageMeta, Part, TextPart, ToolCallPart, ToolResultPart
 from yoke.settings import Settings
 
@@ -315,3 +315,35 @@ def test_any_interleaving_gives_a_valid_chat_that_keeps_every_line(seed: int) ->
             if isinstance(part, ToolResultPart) and part.call_id == call_id
         ]
         assert message["content"] == (later[0] if later else f"ERROR: {NO_RESULT}"), seed
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_a_burst_moved_last_keeps_the_chat_valid_and_ends_it_in_order(seed: int) -> None:
+    """whileBusy coalesce and interrupt put the unanswered user lines last (unanswered_last):
+    the chat stays valid for any interleaving, loses no line, and ends with the burst."""
+    rng = random.Random(seed)
+    transcript = random_transcript(rng)
+    for seq, message in enumerate(transcript, start=1):
+        message.seq = seq
+    since = rng.randint(0, len(transcript))
+    moved = unanswered_last(transcript, since)
+    assert sorted(m.id for m in moved) == sorted(m.id for m in transcript)
+    messages = to_chat_messages(moved, NAMES, "", NOW)
+    assert first_violation(messages) is None, (seed, shape(messages))
+    burst = [m.text for m in user_lines(transcript) if m.seq > since]
+    tail = messages[len(messages) - len(burst) :] if burst else []
+    assert all(m["role"] == "user" for m in tail), (seed, shape(messages))
+    said = [m["content"].split(": ", 1)[-1].split("] ", 1)[-1] for m in tail]
+    assert said == burst, seed
+    assert [m.seq for m in moved if m.seq <= since] == list(range(1, since + 1)), seed
+
+
+def user_lines(transcript: list[Message]) -> list[Message]:
+    return [
+        m
+        for m in transcript
+        if m.role == "user"
+        and m.type == "message"
+        and m.text
+        and not any(isinstance(p, ToolResultPart) for p in m.parts)
+    ]

@@ -73,6 +73,9 @@ class Route:
     key_of: Callable[[AbstractIncomingMessage], str]
     handle: Callable[[AbstractIncomingMessage], Awaitable[None]]
     gate: Gate | None = None
+    # Shown each delivery with its key as it arrives, before it waits in its lane (never fails
+    # it: an error is logged): see Service.on_arrival.
+    peek: Callable[[str, AbstractIncomingMessage], None] | None = None
 
 
 def key_from_header(message: AbstractIncomingMessage) -> str:
@@ -116,6 +119,11 @@ class Dispatcher:
             except Malformed as error:
                 await self._dead_letter(message, "malformed", str(error), attempts=1)
                 return
+            if route.peek is not None:
+                try:
+                    route.peek(key, message)
+                except Exception:
+                    log.exception("looking at an arriving delivery failed; it is handled anyway")
             if gate is None:
                 # While draining, a delivery is left unacked: the broker returns it, in order,
                 # to whoever consumes the shard next.

@@ -61,6 +61,10 @@ class Lanes:
             if not self._queues:
                 self._idle.set()
 
+    def busy(self, key: str) -> bool:
+        """Whether ``key`` has a job running or queued (a new job would wait behind it)."""
+        return key in self._queues
+
     @property
     def active(self) -> int:
         return len(self._queues)

@@ -82,6 +82,29 @@ def to_chat_messages(
     return chat
 
 
+def unanswered_last(transcript: list[Message], answered_through: int) -> list[Message]:
+    """The transcript with the user text lines after ``answered_through`` moved to its end.
+
+    A step that answers a burst of lines at once (``whileBusy`` coalesce or interrupt) reads up
+    to the newest line, and some of what it reads was written after the burst began: the
+    agent's answer to an earlier line, a tool round. In seq order the prompt would end with
+    that answer, as if the agent had spoken last; so the burst goes last, in its own order.
+    Only user text lines move (nothing that calls or answers a tool), so the prompt stays
+    valid (invariant 10) for any interleaving.
+    """
+    burst = [
+        line
+        for line in transcript
+        if line.seq > answered_through
+        and line.role == "user"
+        and line.type == "message"
+        and line.text
+        and not any(isinstance(part, ToolResultPart) for part in line.parts)
+    ]
+    moved = {line.id for line in burst}
+    return [line for line in transcript if line.id not in moved] + burst
+
+
 def assistant_turn(text: str, calls: list[ToolCallPart]) -> ChatMessage:
     turn: ChatMessage = {"role": "assistant", "content": text or None}
     if calls:

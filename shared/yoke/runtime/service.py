@@ -94,6 +94,7 @@ class Service:
         # Which lane a shard delivery runs in: its conversation, unless a service says otherwise.
         self.lane_key: Callable[[AbstractIncomingMessage], str] = key_from_header
         self._intakes: list[tuple[str, str, Route]] = []
+        self._arrivals: list[Callable[[str, AbstractIncomingMessage], None]] = []
         self._commands: dict[str, Callable[[AbstractIncomingMessage], Awaitable[None]]] = {}
         # Which shards this replica consumes (None until started, or with no shards at all).
         self.ownership: Ownership | None = None
@@ -151,6 +152,12 @@ class Service:
         """
         self._intakes.append((exchange, binding, Route("", key_of, self._router(binding, key_of))))
         self._commands[binding] = handle
+
+    def on_arrival(self, look: Callable[[str, AbstractIncomingMessage], None]) -> None:
+        """Show ``look`` each shard delivery (with its lane key) that arrives while its lane is
+        busy, before it waits there behind the work in progress (synchronous, and it must not
+        hold the delivery up: say, to cancel a model call the new line makes moot)."""
+        self._arrivals.append(look)
 
     def background(self, name: str, work: Work) -> None:
         """Run ``work()`` for the service's lifetime: from the moment it consumes (work that
@@ -277,7 +284,16 @@ class Service:
         return task
 
     def _shard_consumer(self, queue: str, gate: Gate) -> OnMessage:
-        return self.dispatcher.on_message(Route(queue, self.lane_key, self._handle_event, gate))
+        peek = self._peek if self._arrivals else None
+        return self.dispatcher.on_message(
+            Route(queue, self.lane_key, self._handle_event, gate, peek)
+        )
+
+    def _peek(self, key: str, message: AbstractIncomingMessage) -> None:
+        if not self.dispatcher.lanes.busy(key):
+            return  # nothing runs for it: its own turn comes at once
+        for look in self._arrivals:
+            look(key, message)
 
     async def stop(self) -> None:
         """Stop taking deliveries, finish the in-flight ones, then close channels (not cancel)."""

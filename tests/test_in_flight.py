@@ -1,0 +1,128 @@
+"""The registry of model calls in flight (yoke.runtime.in_flight): who may cancel what.
+
+Pure logic over asyncio tasks; the mesh-level behaviour is in tests/test_while_busy.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from yoke.runtime.in_flight import Arrival, InFlight, cancelled_here
+
+CONVERSATION = "m1"
+
+
+def line(seq: int, conversation: str = CONVERSATION) -> Arrival:
+    return Arrival(conversation, seq, f"line-{seq}", "alice")
+
+
+async def forever() -> None:
+    await asyncio.Event().wait()
+
+
+async def test_a_newer_line_interrupts_an_interruptible_call_and_the_step_knows_it() -> None:
+    registry = InFlight()
+    task = asyncio.ensure_future(forever())
+    with registry.track(
+        CONVERSATION, task, trigger_seq=3, covered_seq=5, interruptible=True
+    ) as call:
+        assert not registry.interrupt(line(5))  # shown to the model already (or redelivered)
+        assert not registry.interrupt(line(9, "m2"))  # another conversation
+        assert registry.interrupt(line(6))
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert cancelled_here(call)
+        assert call.cancelled == ("interrupt", line(6))
+        assert not registry.interrupt(line(7))  # once
+    assert registry.call_in(CONVERSATION) is None
+
+
+async def test_a_call_under_queue_or_coalesce_is_not_interrupted() -> None:
+    registry = InFlight()
+    task = asyncio.ensure_future(forever())
+    with registry.track(CONVERSATION, task, trigger_seq=3, covered_seq=3, interruptible=False):
+        assert not registry.interrupt(line(4))
+        await asyncio.sleep(0)
+        assert not task.done()
+    task.cancel()
+
+
+async def test_a_stop_cancels_the_call_for_an_earlier_line_only() -> None:
+    registry = InFlight()
+    later = asyncio.ensure_future(forever())
+    with registry.track(CONVERSATION, later, trigger_seq=8, covered_seq=8, interruptible=True):
+        # A redelivered stop, older than the line being answered: it stops nothing again.
+        assert not registry.stop(line(6))
+        await asyncio.sleep(0)
+        assert not later.done()
+    later.cancel()
+    earlier = asyncio.ensure_future(forever())
+    with registry.track(CONVERSATION, earlier, trigger_seq=9, covered_seq=12, interruptible=False):
+        assert registry.stop(line(10))  # whatever whileBusy says
+        with pytest.raises(asyncio.CancelledError):
+            await earlier
+    # The lines before the stop, still queued, are not to be answered; the stop and later are.
+    assert registry.stop_after(CONVERSATION, 9) == line(10)
+    assert registry.stop_after(CONVERSATION, 10) is None
+    assert registry.stop_after("m2", 1) is None
+
+
+async def test_a_stop_seen_before_the_call_starts_cancels_it_at_once() -> None:
+    registry = InFlight()
+    registry.stop(line(5))
+    task = asyncio.ensure_future(forever())
+    with registry.track(
+        CONVERSATION, task, trigger_seq=4, covered_seq=4, interruptible=False
+    ) as call:
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert call.cancelled == ("stop", line(5))
+
+
+async def test_an_answer_being_posted_is_not_cancelled() -> None:
+    registry = InFlight()
+    task = asyncio.ensure_future(asyncio.sleep(0, result="the answer"))
+    with registry.track(
+        CONVERSATION, task, trigger_seq=2, covered_seq=2, interruptible=True
+    ) as call:
+        assert await task == "the answer"
+        assert call.settle()
+        assert not registry.interrupt(line(3))
+        assert not registry.stop(line(3))
+    assert call.cancelled is None
+
+
+async def test_the_step_itself_cancelled_is_not_taken_for_an_interrupt() -> None:
+    """A service stopping cancels the step: that CancelledError goes on up, even when an
+    interrupt came in the same instant."""
+    registry = InFlight()
+    seen: list[bool] = []
+
+    async def step() -> None:
+        task = asyncio.ensure_future(forever())
+        with registry.track(CONVERSATION, task, trigger_seq=1, covered_seq=1, interruptible=True):
+            try:
+                await task
+            except asyncio.CancelledError:
+                call = registry.call_in(CONVERSATION)
+                assert call is not None and call.cancelled is not None
+                seen.append(cancelled_here(call))
+                raise
+
+    running = asyncio.ensure_future(step())
+    await asyncio.sleep(0)
+    assert registry.interrupt(line(2))
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    assert seen == [False]
+
+
+def test_stops_are_bounded() -> None:
+    registry = InFlight(max_stops=2)
+    for conversation in ("a", "b", "c"):
+        registry.stop(Arrival(conversation, 5, "stop", "bob"))
+    assert registry.stop_after("a", 1) is None
+    assert registry.stop_after("c", 1) is not None
