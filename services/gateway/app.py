@@ -5,6 +5,8 @@ a bridge gets, through :class:`yoke.client.Client`), reads lines from the store 
 streams a forum's events from ``yoke.events``. It never writes a message itself.
 
 Routes: ``/v1/forums/{forumId}/messages`` (POST, GET), ``/v1/forums/{forumId}/stream`` (SSE),
+``/v1/forums/{forumId}/stop`` (the line ``/stop``), ``/v1/forums/{forumId}/approvals`` (GET, and
+POST ``/{callId}``: ``tool.approval.submit``, for tokens made with ``--can-approve``),
 ``/openapi.json``; ``/healthz`` and ``/metrics`` need no token.
 """
 
@@ -19,10 +21,11 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import uvicorn
-from fastapi import APIRouter, FastAPI, Header, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -51,9 +54,11 @@ from yoke.ids import new_id
 from yoke.logs import configure_logging
 from yoke.models import (
     MAX_NAME_CHARS,
+    MAX_REASON_CHARS,
     CommandAuthor,
     Conversation,
     Message,
+    SubmitApproval,
     SubmitMessage,
     SubmitReply,
     WireModel,
@@ -61,6 +66,8 @@ from yoke.models import (
     unstorable,
 )
 from yoke.redact import redact
+from yoke.runtime.approvals import PendingApproval, pending_approvals
+from yoke.runtime.open_calls import TOOL_CALL_DECISIONS_COLLECTION, TOOL_CALLS_COLLECTION
 from yoke.settings import Settings
 from yoke.store import Store
 from yoke.tokens import Token, ensure_token_indexes, token_in_force
@@ -275,6 +282,155 @@ async def stop_agents(
     return await submit_line(state, forum, token, stop.author, STOP_LINE, idempotency_key)
 
 
+class PostDecision(WireModel):
+    """A decision on a call awaiting approval; ``by`` is who decides, within your token's
+    namespace like a line's author (default: the token's own name)."""
+
+    decision: Literal["approve", "reject"]
+    reason: (
+        Annotated[
+            str, Field(min_length=1, max_length=MAX_REASON_CHARS), BeforeValidator(check_storable)
+        ]
+        | None
+    ) = None
+    by: PostAuthor | None = None
+
+
+class Decided(WireModel):
+    call_id: str
+    decision: Literal["approve", "reject"]
+    duplicate: bool
+
+
+class ApprovalsPage(WireModel):
+    approvals: list[PendingApproval]
+
+
+# The decision door's reasons as HTTP statuses: a later decision, or a call that no longer
+# waits, is a conflict; the door refusing the gateway itself is the operator's to fix.
+STATUS_OF_DECISION_CODE = {
+    "unknown_call": 404,
+    "already_decided": 409,
+    "not_awaiting_approval": 409,
+    "not_allowed": 500,
+    "missing_user_id": 500,
+}
+
+
+async def approver_in_scope(forum: ForumDep, token: TokenDep) -> Conversation:
+    """The forum of the path, if the token may use it (as :func:`forum_in_scope`) and was made
+    to decide approvals (``yoke token create --can-approve``): else 403."""
+    if not token.can_approve:
+        raise ApiError(
+            403,
+            "forbidden",
+            f"token {token.id!r} may not decide approvals (yoke token create --can-approve)",
+        )
+    return forum
+
+
+ApproverForumDep = Annotated[Conversation, Depends(approver_in_scope)]
+
+
+async def forum_of_call(store: Store, call_id: str) -> str | None:
+    """The forum of a gated call, open or decided (None: no such call, or not a gated one).
+    The decision command names no forum, so the gateway checks the path's against this: a
+    token of one forum never decides another's calls."""
+    projection = {"forumId": 1, "state": 1}
+    found = await store.db[TOOL_CALLS_COLLECTION].find_one({"_id": call_id}, projection)
+    if found is None or found.get("state", "running") == "running":
+        # Decided (and perhaps ended since), or never gated: only a decision names its forum.
+        found = await store.db[TOOL_CALL_DECISIONS_COLLECTION].find_one({"_id": call_id})
+    forum_id = found.get("forumId") if found is not None else None
+    return forum_id if isinstance(forum_id, str) else None
+
+
+@api.post(
+    "/forums/{forumId}/approvals/{callId}",
+    response_model=Decided,
+    responses={
+        **ERRORS,
+        403: {
+            "model": ErrorBody,
+            "description": "forum outside the token's scope, or a token "
+            "not made with --can-approve",
+        },
+        404: {"model": ErrorBody, "description": "unknown forum, or no such call in it"},
+        409: {
+            "model": ErrorBody,
+            "description": "decided first (already_decided), or the "
+            "call no longer waits (not_awaiting_approval)",
+        },
+        503: {"model": ErrorBody, "description": "the mesh did not answer in time"},
+    },
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": PostDecision.model_json_schema(by_alias=True)}
+            },
+        }
+    },
+    summary="Approve or reject a tool call that waits for a person's decision",
+    description="The first decision stands: the same decision again by the same person is "
+    "answered with duplicate true, any other with 409.",
+)
+async def decide_approval(
+    request: Request,
+    forum: ApproverForumDep,
+    token: TokenDep,
+    call_id: Annotated[
+        str,
+        PathParam(
+            alias="callId",
+            max_length=MAX_EXTERNAL_ID_CHARS,
+            description="The call's id (`callId` of its approval event or listing).",
+        ),
+    ],
+) -> JSONResponse:
+    state = gateway(request)
+    decision = parse_body(await read_body(request, MAX_REASON_CHARS * 8 + 4096), PostDecision)
+    if await forum_of_call(state.store, call_id) != forum.id:
+        raise ApiError(404, "unknown_call", f"no call {call_id!r} waits for a decision here")
+    by = decision.by or PostAuthor(external_id=token.id, display_name=token.id)
+    command = SubmitApproval(
+        call_id=call_id,
+        decision=decision.decision,
+        reason=decision.reason,
+        by=CommandAuthor(
+            external_id=token.namespaced(by.external_id), display_name=by.display_name
+        ),
+    )
+    body = command.model_dump_json(exclude_none=True).encode()
+    reply = await submit_command(state, body, topology.APPROVAL_COMMAND)
+    if reply.status == "rejected":
+        code = reply.code or "invalid_command"
+        status = STATUS_OF_DECISION_CODE.get(code, 400)
+        if status == 500:
+            log.error("the decision door refused the gateway: %s", reply.error)
+        raise ApiError(status, code, reply.error or "rejected")
+    answer = Decided(call_id=call_id, decision=decision.decision, duplicate=bool(reply.duplicate))
+    return JSONResponse(answer.to_wire())
+
+
+@api.get(
+    "/forums/{forumId}/approvals",
+    response_model=ApprovalsPage,
+    responses={
+        **ERRORS,
+        403: {
+            "model": ErrorBody,
+            "description": "forum outside the token's scope, or a token "
+            "not made with --can-approve",
+        },
+    },
+    summary="The forum's tool calls waiting for a person's decision, oldest first",
+)
+async def list_approvals(request: Request, forum: ApproverForumDep) -> JSONResponse:
+    pending = await pending_approvals(gateway(request).store, forum.id)
+    return JSONResponse({"approvals": [approval.to_wire() for approval in pending]})
+
+
 @api.get(
     "/forums/{forumId}/messages",
     response_model=MessagesPage,
@@ -338,7 +494,7 @@ async def stream(
     except BaseException:
         await stack.aclose()
         raise
-    forum_stream = ForumStream(state.store, subscriber, cursor)
+    forum_stream = ForumStream(state.store, subscriber, cursor, approver=token.can_approve)
 
     async def events() -> AsyncIterator[bytes]:
         STREAMS.inc()

@@ -14,9 +14,12 @@ webhook dead letters to the tokens whose scope holds their forum.
 
 The forum view draws an agent's line as it is written, from the stream's ``delta`` events
 (keyed by the line's id, text appended in index order), and replaces that draft with the line
-when it comes (or drops it when it ends ``abandoned``). The monologue view draws each tool call
-with its source, state and duration (``services/gateway/tool_calls.py``), redrawn as the call
-ends.
+when it comes (or drops it when it ends ``abandoned``). For a token made with
+``--can-approve`` it lists the calls awaiting approval (``GET /v1/.../approvals``, then the
+stream's ``approval`` events) with the tool, its input and Approve / Reject (a reason for a
+reject), and each decided one with its decision and who took it. The monologue view draws each
+tool call with its source, state and duration (``services/gateway/tool_calls.py``), and a gated
+call's decision, who and why, redrawn as the call ends.
 """
 
 from __future__ import annotations
@@ -152,14 +155,16 @@ async def agents_of(store: Store, forum_id: str) -> list[dict[str, Any]]:
 
 
 @router.get("/console/api/forums/{forumId}")
-async def forum_info(request: Request, forum: ForumDep) -> JSONResponse:
-    """A forum, its head seq and its agents (for the forum view and its monologue panel)."""
+async def forum_info(request: Request, forum: ForumDep, token: TokenDep) -> JSONResponse:
+    """A forum, its head seq and its agents (for the forum view and its monologue panel), and
+    whether the token may decide approvals (the view then lists them, with their buttons)."""
     store = gateway(request).store
     return JSONResponse(
         {
             "forum": forum.to_wire(),
             "head": await store.last_seq(forum.id),
             "agents": await agents_of(store, forum.id),
+            "canApprove": token.can_approve,
         }
     )
 

@@ -7,8 +7,14 @@ gap before an event, everything after ``Last-Event-ID`` on a reconnect, and the 
 while the forum is quiet. Every read is a bounded range by seq (invariant 11).
 
 Only forum events reach the queue: it is bound by routing key to the forum ids being watched
-(``conversation.message.posted.<forum>``, ``agent.activity.<forum>``, ``agent.delta.<forum>``),
-so a monologue's lines can never appear on a forum's stream.
+(``conversation.message.posted.<forum>``, ``agent.activity.<forum>``, ``agent.delta.<forum>``,
+``tool.approval.requested.<forum>``, ``tool.approval.decided.<forum>``), so a monologue's lines
+can never appear on a forum's stream.
+
+Approvals (``tool.approval.requested``, ``tool.approval.decided``) are passed on as they come,
+as ``approval`` events: like drafts they are not replayed (``GET .../approvals`` is what waits),
+and a stream whose token may not decide gets each request without the tool's ``input`` (the one
+piece of a monologue that leaves the mesh goes to the forum's approvers only).
 
 Drafts (``agent.delta``) are passed on as they come, never stored or replayed: a stream that
 opens mid-answer sends the deltas from then on, and then the line. A slow client's deltas are
@@ -37,7 +43,15 @@ from pydantic import ValidationError
 
 from yoke import amqp_nodes, topology
 from yoke.ids import new_id
-from yoke.models import AgentActivity, AgentDelta, Envelope, Message, MessagePosted
+from yoke.models import (
+    AgentActivity,
+    AgentDelta,
+    ApprovalDecided,
+    ApprovalRequested,
+    Envelope,
+    Message,
+    MessagePosted,
+)
 from yoke.store import Store
 
 log = logging.getLogger(__name__)
@@ -60,9 +74,15 @@ DELTAS_DROPPED = Counter(
     "agent.delta events not sent to a stream whose client read too slowly",
 )
 
-StreamItem = MessagePosted | AgentActivity | AgentDelta
+StreamItem = MessagePosted | AgentActivity | AgentDelta | ApprovalRequested | ApprovalDecided
 # The events a stream's queue is bound to, per forum.
-STREAMED_EVENTS = (MessagePosted.TYPE, AgentActivity.TYPE, AgentDelta.TYPE)
+STREAMED_EVENTS = (
+    MessagePosted.TYPE,
+    AgentActivity.TYPE,
+    AgentDelta.TYPE,
+    ApprovalRequested.TYPE,
+    ApprovalDecided.TYPE,
+)
 
 
 @dataclass(eq=False)
@@ -197,7 +217,7 @@ class Hub:
             return
         if isinstance(payload, MessagePosted):
             forum_id = payload.conversation_id
-        elif isinstance(payload, AgentActivity | AgentDelta):
+        elif isinstance(payload, AgentActivity | AgentDelta | ApprovalRequested | ApprovalDecided):
             forum_id = payload.forum_id
         else:
             return
@@ -230,14 +250,27 @@ def delta_event(delta: AgentDelta) -> bytes:
     return sse("delta", json.dumps(delta.to_wire(), separators=(",", ":")))
 
 
-class ForumStream:
-    """The events of one stream, in seq order from ``cursor`` on."""
+def approval_event(approval: ApprovalRequested | ApprovalDecided, *, with_input: bool) -> bytes:
+    """``type`` says which (``tool.approval.requested`` or ``tool.approval.decided``); no id, as
+    for deltas: Last-Event-ID counts lines only."""
+    body = {"type": approval.TYPE, **approval.to_wire()}
+    if not with_input:
+        body.pop("input", None)
+    return sse("approval", json.dumps(body, separators=(",", ":")))
 
-    def __init__(self, store: Store, subscriber: Subscriber, cursor: int) -> None:
+
+class ForumStream:
+    """The events of one stream, in seq order from ``cursor`` on; approval requests carry the
+    tool's input only when ``approver`` (the stream's token may decide)."""
+
+    def __init__(
+        self, store: Store, subscriber: Subscriber, cursor: int, *, approver: bool = False
+    ) -> None:
         self.store = store
         self.subscriber = subscriber
         self.forum_id = subscriber.forum_id
         self.cursor = cursor
+        self.approver = approver
 
     async def lines_up_to(self, seq: int) -> AsyncIterator[bytes]:
         """Every line after the cursor up to ``seq``, from the store, in bounded reads."""
@@ -272,6 +305,8 @@ class ForumStream:
                 yield activity_event(item)
             elif isinstance(item, AgentDelta):
                 yield delta_event(item)
+            elif isinstance(item, ApprovalRequested | ApprovalDecided):
+                yield approval_event(item, with_input=self.approver)
             elif item.seq == self.cursor + 1:
                 yield message_event(item.message)
                 self.cursor = item.seq

@@ -7,6 +7,10 @@ plugins, a quick MCP call), or the call's own result line, for a call that waite
 (a worker's, a slow MCP call), whose :class:`~yoke.runtime.open_calls.CallEnd` says how it ended
 and whose :class:`~yoke.runtime.open_calls.OpenCall` exists while it waits. So each state is read
 by id (a handful of ``$in`` lookups per page of lines), never by scanning the monologue.
+
+A call of a gated tool waits in the store too, first ``awaiting_approval``; once a person (or
+the deadline, or a stop) decides, its :class:`~yoke.runtime.open_calls.CallDecision` says what,
+who and why, shown with the call whatever its state.
 """
 
 from __future__ import annotations
@@ -17,12 +21,22 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from yoke.models import Message, ToolCallPart, ToolResultPart, WireModel, as_utc
+from yoke.models import (
+    ApprovalDecision,
+    CommandAuthor,
+    Message,
+    ToolCallPart,
+    ToolResultPart,
+    WireModel,
+    as_utc,
+)
 from yoke.runtime.catalog import ToolCatalog
 from yoke.runtime.joins import join_id
 from yoke.runtime.open_calls import (
+    TOOL_CALL_DECISIONS_COLLECTION,
     TOOL_CALL_ENDS_COLLECTION,
     TOOL_CALLS_COLLECTION,
+    CallDecision,
     CallEnd,
     OpenCall,
     open_call_id,
@@ -32,14 +46,32 @@ from yoke.runtime.open_calls import (
 from yoke.store import Store
 from yoke.tools.catalog import ToolSource
 
-# running: no result yet and not waiting in the store (its step is under way); open: waiting
-# in the store for its answer; then how it ended (error: the tool answered with an error).
+# running: no result yet and not waiting in the store (its step is under way); awaiting_approval:
+# a gated call nobody has decided on yet; open: waiting in the store for its answer; then how it
+# ended (error: the tool answered with an error).
 CallState = Literal[
-    "running", "open", "answered", "error", "timeout", "stopped", "rejected", "failed"
+    "running",
+    "awaiting_approval",
+    "open",
+    "answered",
+    "error",
+    "timeout",
+    "stopped",
+    "rejected",
+    "failed",
 ]
 # A compacted monologue's context is carried into the next one; the calls there are followed
 # back to the line the agent first wrote (each compaction adds one hop).
 MAX_CARRIED_HOPS = 50
+
+
+class ApprovalView(WireModel):
+    """The decision on a gated call: approve, reject, expired or stopped; by whom, and why."""
+
+    decision: ApprovalDecision
+    by: CommandAuthor | None = None
+    reason: str | None = None
+    decided_at: datetime
 
 
 class ToolCallView(WireModel):
@@ -60,6 +92,8 @@ class ToolCallView(WireModel):
     open_call_id: str | None = None
     deadline: datetime | None = None
     result_line_id: str | None = None
+    # A gated call's decision, once taken.
+    approval: ApprovalView | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +188,7 @@ class ToolCallStates:
         results = {line.id: line for line in await self._messages([*round_ids, *own_ids])}
         waiting = await self._by_id(TOOL_CALLS_COLLECTION, open_ids)
         ends = await self._by_id(TOOL_CALL_ENDS_COLLECTION, open_ids)
+        decisions = await self._by_id(TOOL_CALL_DECISIONS_COLLECTION, open_ids)
         catalog = await self.catalog.entries()
         now = datetime.now(UTC)
         views = []
@@ -192,6 +227,18 @@ class ToolCallStates:
                     opened = OpenCall.from_document(waiting[open_id])
                     view.source = opened.source  # what it was dispatched as, whatever since
                     view.deadline = as_utc(opened.deadline)
+                    if opened.awaiting_approval and open_id not in decisions:
+                        view.state = "awaiting_approval"
+            if open_id in decisions:
+                with contextlib.suppress(ValueError):
+                    decided = CallDecision.from_document(decisions[open_id])
+                    view.open_call_id = open_id
+                    view.approval = ApprovalView(
+                        decision=decided.decision,
+                        by=decided.by,
+                        reason=decided.reason,
+                        decided_at=as_utc(decided.decided_at),
+                    )
             if view.ended_at is not None:
                 view.seconds = max(0.0, (view.ended_at - started).total_seconds())
             views.append(view)

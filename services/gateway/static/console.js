@@ -106,6 +106,7 @@ function renderLine(message) {
 
 const CALL_STATES = {
   running: "running",
+  awaiting_approval: "awaiting approval",
   open: "open",
   answered: "answered",
   error: "error",
@@ -143,6 +144,7 @@ function showToolCalls(list, calls) {
     } else if (call.state !== "running") {
       parts.push(element("span", "call-duration", duration(call.seconds)));
     }
+    if (call.approval) parts.push(element("span", "call-approval", decisionText(call.approval)));
     if (call.openCallId) {
       const id = element("code", "call-id", "callId " + call.openCallId);
       id.title = "the call's id as its worker sees it";
@@ -222,6 +224,117 @@ function lineArrived(message) {
   }
 }
 
+// --- approvals: tool calls waiting for a person's decision -----------------------------------
+
+// "approved by Ada", "rejected by Ada: too dear", "expired: nobody decided in time", ...
+function decisionText(decided) {
+  const who = decided.by ? decided.by.displayName : "someone";
+  const why = decided.reason ? ": " + decided.reason : "";
+  if (decided.decision === "approve") return "approved by " + who + why;
+  if (decided.decision === "reject") return "rejected by " + who + why;
+  if (decided.decision === "expired") return "expired: nobody decided in time";
+  if (decided.decision === "stopped") return "stopped by " + who;
+  return decided.decision;
+}
+
+// By callId: {request (tool.approval.requested, or a listed pending approval), decided}.
+const approvals = new Map();
+
+function showApproval(base, callId) {
+  const entry = approvals.get(callId);
+  const list = $("approvals");
+  let node = list.querySelector('li.approval[data-call-id="' + CSS.escape(callId) + '"]');
+  if (!node) {
+    node = element("li", "approval");
+    node.dataset.callId = callId;
+    list.append(node);
+  }
+  const request = entry.request || {};
+  node.dataset.state = entry.decided ? entry.decided.decision : "pending";
+  const head = element("div", "head");
+  head.append(element("code", "approval-tool", request.tool || "a tool"));
+  if (request.agentActorId) head.append(element("span", "author", nameOf(request.agentActorId)));
+  if (!entry.decided && request.deadline) {
+    head.append(element("span", "meta", "decide by " + new Date(request.deadline).toLocaleString()));
+  }
+  const parts = [head];
+  if (request.input !== undefined) {
+    parts.push(element("pre", "approval-input", JSON.stringify(request.input, null, 2)));
+  }
+  if (entry.decided) {
+    parts.push(element("div", "approval-decision", decisionText(entry.decided)));
+  } else if (canApprove) {
+    const reason = element("input", "approval-reason");
+    reason.placeholder = "reason (for a reject)";
+    reason.maxLength = 2000;
+    reason.setAttribute("aria-label", "reason");
+    const approve = element("button", "approve-button", "Approve");
+    const reject = element("button", "reject-button", "Reject");
+    for (const [button, decision] of [[approve, "approve"], [reject, "reject"]]) {
+      button.type = "button";
+      button.onclick = () => decide(base, callId, decision, reason.value.trim(), [approve, reject]);
+    }
+    const row = element("div", "approval-actions");
+    row.append(reason, approve, reject);
+    parts.push(row);
+  } else {
+    parts.push(element("div", "approval-decision", "waiting for a decision"));
+  }
+  node.replaceChildren(...parts);
+  $("approvals-section").hidden = false;
+}
+
+async function decide(base, callId, decision, reason, buttons) {
+  const body = { decision };
+  if (reason) body.reason = reason;
+  const who = $("post-name").value.trim() || sessionStorage.getItem(NAME_KEY);
+  if (who) body.by = { externalId: who, displayName: who };
+  for (const button of buttons) button.disabled = true;
+  try {
+    await api(base + "/approvals/" + encodeURIComponent(callId), {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+    });
+    status(""); // the stream's decided event redraws it
+  } catch (error) {
+    status("Not decided: " + error.message);
+    for (const button of buttons) button.disabled = false;
+  }
+}
+
+function approvalEvent(base, event) {
+  const entry = approvals.get(event.callId) || {};
+  if (event.type === "tool.approval.requested") entry.request = entry.request || event;
+  else if (event.type === "tool.approval.decided") entry.decided = event;
+  else return;
+  approvals.set(event.callId, entry);
+  showApproval(base, event.callId);
+}
+
+// What waits now (on opening the page and on each reconnect: events missed meanwhile are not
+// sent again); a pending one no longer listed was decided unseen and is dropped.
+async function loadApprovals(base) {
+  if (!canApprove) return;
+  const body = await api(base + "/approvals");
+  const listed = new Set(body.approvals.map((a) => a.callId));
+  await resolveNames(body.approvals.map((a) => a.agentActorId));
+  for (const [callId, entry] of approvals) {
+    if (!entry.decided && !listed.has(callId)) {
+      approvals.delete(callId);
+      $("approvals").querySelector('li.approval[data-call-id="' + CSS.escape(callId) + '"]')?.remove();
+    }
+  }
+  for (const approval of body.approvals) {
+    const entry = approvals.get(approval.callId) || {};
+    entry.request = approval;
+    approvals.set(approval.callId, entry);
+    showApproval(base, approval.callId);
+  }
+}
+
+let canApprove = false;
+
 // --- the token ---------------------------------------------------------------------------
 
 function askForToken(reason) {
@@ -271,6 +384,7 @@ async function forumPage() {
   document.title = (info.forum.title || forumId) + " — Yoke mesh console";
   $("forum-view").hidden = false;
   status("");
+  canApprove = Boolean(info.canApprove);
   const agentNames = new Map(info.agents.map((a) => [a.agentActorId, a.name]));
   for (const agent of info.agents) names.set(agent.agentActorId, agent.name);
   showAgents(info.agents);
@@ -314,7 +428,10 @@ async function forumPage() {
   // The stream, with the token in a header; on any end, again from the last seq seen.
   for (;;) {
     try {
-      const opened = () => ($("stream-state").textContent = "live");
+      const opened = () => {
+        $("stream-state").textContent = "live";
+        loadApprovals(base).catch((error) => status("Approvals: " + error.message));
+      };
       await readStream(base + "/stream", lastSeq, opened, async (event, data) => {
         if (event === "message") {
           const message = JSON.parse(data);
@@ -324,6 +441,10 @@ async function forumPage() {
           showActivity();
         } else if (event === "delta") {
           showDelta(lines, JSON.parse(data));
+        } else if (event === "approval") {
+          const approval = JSON.parse(data);
+          if (approval.agentActorId) await resolveNames([approval.agentActorId]);
+          approvalEvent(base, approval);
         } else if (event === "activity") {
           const update = JSON.parse(data);
           activity.set(update.agentActorId, update.state);
