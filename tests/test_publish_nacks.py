@@ -52,7 +52,11 @@ async def test_a_channel_that_keeps_nacking_is_replaced_and_the_publish_lands(
         await eventually(renewed, timeout=10, what="a new publisher channel")
         assert not publishing.done(), "a nacked publish must be retried, not given up"
         assert bus.publisher is not first
-        assert first.is_closed
+
+        async def old_closed() -> bool:
+            return first.is_closed
+
+        await eventually(old_closed, timeout=10, what="the nacking channel closed")
         # The broker takes it now (no queue refuses it): the retried publish is confirmed.
         await refusing.unbind(topology.EVENTS_EXCHANGE, routing_key=key)
         await asyncio.wait_for(publishing, timeout=10)

@@ -36,6 +36,7 @@ RECONNECT_INTERVAL_SECONDS = 1.0
 # can leave a channel that published to a quorum queue while its leader was being elected
 # nacking every later publish to that queue for minutes, while a new channel's are confirmed.
 NACKS_BEFORE_NEW_CHANNEL = 3
+RENEW_SECONDS = 5.0
 
 OnMessage = Callable[[AbstractIncomingMessage], Awaitable[None]]
 
@@ -74,6 +75,7 @@ class Bus:
         self._publisher: AbstractChannel | None = None
         self._exchanges: dict[str, AbstractExchange] = {}
         self._renewing = asyncio.Lock()
+        self._closing: set[asyncio.Task[None]] = set()
         # How many times a nacking publisher channel was replaced (see NACKS_BEFORE_NEW_CHANNEL).
         self.publisher_renewals = 0
         # Worker tools' call queues declared by this process (bounded by the catalog).
@@ -293,19 +295,37 @@ class Bus:
 
     async def _renew_publisher(self, nacking: AbstractChannel) -> None:
         """Replace the publisher channel that keeps nacking (once, however many publishes saw
-        it): later publishes, and the retries of those in flight, go on a new channel."""
+        it): later publishes, and the retries of those in flight, go on a new channel. Bounded
+        in time: if no new channel opens (the broker going away), the retries go on as before.
+        """
         async with self._renewing:
             if self._publisher is not nacking:
                 return  # another publish replaced it already
-            renewed = await self.connection.channel(publisher_confirms=True)
+            renewed = self.connection.channel(publisher_confirms=True)
+            try:
+                await asyncio.wait_for(renewed.initialize(), RENEW_SECONDS)
+            except (TimeoutError, AMQPError, ConnectionError, RuntimeError) as error:
+                log.warning("publisher channel kept nacking; no new one opened (%r)", error)
+                self._close_later(renewed)
+                return
             self._exchanges = {
                 name: await renewed.get_exchange(name, ensure=False) for name in self._exchanges
             }
             self._publisher = renewed
             self.publisher_renewals += 1
         log.warning("publisher channel kept nacking; publishing on a new channel")
-        with contextlib.suppress(AMQPError, ConnectionError, RuntimeError):
-            await nacking.close()
+        self._close_later(nacking)
+
+    def _close_later(self, channel: AbstractChannel) -> None:
+        """Close a channel without waiting for the broker (one wedged may never answer)."""
+
+        async def close() -> None:
+            with contextlib.suppress(TimeoutError, AMQPError, ConnectionError, RuntimeError):
+                await asyncio.wait_for(channel.close(), RENEW_SECONDS)
+
+        task = asyncio.create_task(close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def publish_event(
         self,
