@@ -8,6 +8,13 @@ It never loops within a delivery and never decides what people see (egress does)
 transcript ends at its trigger (docs/architecture.md, invariant 1), so queued lines are each
 answered once. A line that lands while the agent's tools run is answered by the step after their
 results, not by a model call of its own (docs/architecture.md, invariant 10).
+
+While a step is pending, the join's ``whileBusy`` says what a line does (docs/architecture.md,
+"While the agent is busy"): ``queue`` waits its turn as above; ``coalesce`` and ``interrupt``
+read up to the newest line and answer every unanswered one in one reply, and under
+``interrupt`` a person's line arriving during the model call cancels it (:data:`IN_FLIGHT`,
+told by the intake as the line arrives). A person's ``/stop`` drops the model call in flight,
+ends the open tool calls and leaves the earlier lines unanswered, whatever ``whileBusy`` says.
 """
 
 from __future__ import annotations
@@ -19,24 +26,33 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Literal
 
+from aio_pika.abc import AbstractIncomingMessage
+
 from yoke import topology
+from yoke.client import STOP_LINE
 from yoke.ids import SYSTEM_ACTOR_ID, forwarded_line_id
-from yoke.llm.base import InferenceRequest, ProviderFailed
+from yoke.llm.base import InferenceRequest, InferenceResult, ProviderFailed, estimate_tokens
+from yoke.llm.prompting import unanswered_last
 from yoke.llm.providers import cost_of, provider_for
 from yoke.metrics import (
     DOOM_LOOPS,
     LLM_COST,
+    LLM_COST_ESTIMATED,
     LLM_TOKENS,
+    MODEL_CALLS_CANCELLED,
     NOTICES,
+    STOPS,
     model_label,
     tool_label,
 )
 from yoke.models import (
     AgentActivity,
+    CommandAuthor,
     Envelope,
     ForumNotice,
     Message,
     MessageMeta,
+    MessagePosted,
     Part,
     TextPart,
     ToolCallPart,
@@ -49,10 +65,13 @@ from yoke.runtime.catalog import LocalTools, ToolCatalog
 from yoke.runtime.compaction import call_ids, compact, result_ids
 from yoke.runtime.dispatch import ToolDispatch, deadline_after
 from yoke.runtime.drafts import Draft
+from yoke.runtime.in_flight import Arrival, InFlight, ModelCall, cancelled_here
 from yoke.runtime.instances import (
     PROCESSOR,
     ProcessorConfig,
     ProcessorState,
+    Progress,
+    StopMark,
     load_processor_config,
 )
 from yoke.runtime.mcp_hosting import McpHosting
@@ -76,6 +95,8 @@ ACTIVITY_PUBLISH_SECONDS = 2.0
 OPEN_CALL_GRACE_SECONDS = 1.0
 
 _dispatch: ToolDispatch | None = None
+# This process's model calls in flight and the stops seen for them (fed by notice_arrival).
+IN_FLIGHT = InFlight()
 
 
 def is_step_trigger(config: ProcessorConfig, state: ProcessorState, message: Message) -> bool:
@@ -108,6 +129,17 @@ async def step(context: Context, trigger: Message) -> None:
     if context.config.guarded:  # the agent's lines are the guardian's to see
         context.route[topology.GUARDED_HEADER] = "yes"
     calls = [part for part in trigger.parts if isinstance(part, ToolCallPart)]
+    stop = IN_FLIGHT.stop_after(trigger.conversation_id, trigger.seq)
+    if stop is not None or stopped_round(context.state, trigger):
+        # A person stopped the agent after this line: it is not answered, and a round it
+        # starts ends at once (every call still gets its result: invariant 12).
+        log.info(
+            "not answering: a stop came after this line",
+            extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
+        )
+        if trigger.role == "agent" and calls:
+            await end_round_stopped(context, trigger, calls, stop)
+        return
     if trigger.role == "agent":
         if calls:
             await run_tools(context, trigger, calls)
@@ -130,21 +162,34 @@ async def step(context: Context, trigger: Message) -> None:
             extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
         )
         return
-    transcript = await context_window(context, trigger)
-    if await results_on_their_way(context, transcript):
+    if answered_already(context.state, trigger):
+        log.info(
+            "not answering: an earlier step answered this line with the lines before it",
+            extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
+        )
+        return
+    transcript = await step_window(context, trigger)
+    if round_pending_after(transcript, trigger) or await results_on_their_way(context, transcript):
         log.info(
             "not answering yet: the step after the pending tool results answers this line",
             extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
         )
         return
-    if await compact(context, trigger, transcript):  # then answered in the new monologue
+    upto_trigger = [line for line in transcript if line.seq <= trigger.seq]
+    if await compact(context, trigger, upto_trigger):  # then answered in the new monologue
         return
-    await infer_once(context, trigger, transcript)
+    await infer_once(context, trigger, transcript, answering=newest_wanted(context, transcript))
 
 
 async def answer_tool_results(context: Context, trigger: Message) -> None:
     """Infer once on the results, answering too any line that arrived while the tools ran."""
-    transcript = await context_window(context, trigger)
+    if answered_already(context.state, trigger):
+        log.info(
+            "not answering: an earlier step answered these results with the lines around them",
+            extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
+        )
+        return
+    transcript = await step_window(context, trigger)
     round_index = call_line_index(transcript, trigger)
     if round_index is None:
         # Their call is out of context (a /reset meanwhile): nothing here waits for them.
@@ -164,9 +209,25 @@ async def answer_tool_results(context: Context, trigger: Message) -> None:
         return
     waiting = [
         line
-        for line in transcript[round_index + 1 : -1]
-        if line.role == "user" and wants_model_answer(context.config, line)
+        for line in transcript[round_index + 1 :]
+        if line.role == "user"
+        and wants_model_answer(context.config, line)
+        and line.id != trigger.id
     ]
+    answering = trigger
+    stopped = context.state.stopped
+    if stopped is not None and (
+        stopped.covers(transcript[round_index]) or transcript[round_index].id in stopped.rounds
+    ):
+        # A stop ended this round: no model call for it, only for people's lines after the stop.
+        waiting = [line for line in waiting if not stopped.covers(line)]
+        if not waiting:
+            log.info(
+                "not answering: a stop ended this tool round",
+                extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
+            )
+            return
+        answering = waiting[-1]
     if trigger.meta.loop_guard and not waiting:
         # The guard refused a repeated call: the step ends here rather than spin.
         await post_notice(
@@ -177,7 +238,9 @@ async def answer_tool_results(context: Context, trigger: Message) -> None:
             "kept requesting the same call; it answers again at the next line",
         )
         return
-    await infer_once(context, trigger, transcript)
+    if context.config.while_busy != "queue":
+        answering = newest_wanted(context, transcript) or answering
+    await infer_once(context, trigger, transcript, answering=answering)
 
 
 def is_slash_command(line: Message) -> bool:
@@ -209,6 +272,56 @@ async def context_window(context: Context, trigger: Message) -> list[Message]:
         ),
         up_to_seq=trigger.seq,
     )
+
+
+async def step_window(context: Context, trigger: Message) -> list[Message]:
+    """The lines the step reads: up to its trigger under ``whileBusy: queue``; else up to the
+    conversation's newest line (invariant 1: coalesce and interrupt answer every unanswered
+    line at once), as many lines back as :func:`context_window` reads."""
+    if context.config.while_busy == "queue":
+        return await context_window(context, trigger)
+    head = max(trigger.seq, await context.store.last_seq(trigger.conversation_id))
+    return await context.store.history(
+        trigger.conversation_id,
+        after_seq=max(0, context.state.context_from_seq - 1, head - context.settings.context_lines),
+        up_to_seq=head,
+    )
+
+
+def answered_already(state: ProcessorState, line: Message) -> bool:
+    """Whether a model call was shown ``line`` already, as one of a burst it answered."""
+    return state.answered is not None and state.answered.covers(line)
+
+
+def answered_through(answered: Progress | None, line: Message) -> int:
+    """The seq in the line's conversation up to which every line has been answered."""
+    if answered is not None and answered.conversation_id == line.conversation_id:
+        return answered.seq
+    return line.seq - 1
+
+
+def newest_wanted(context: Context, transcript: list[Message]) -> Message | None:
+    """The newest unanswered line the model answers: the one a burst's reply is in reply to."""
+    if context.config.while_busy == "queue" or not transcript:
+        return None
+    since = answered_through(context.state.answered, transcript[-1])
+    wanted = [
+        line
+        for line in transcript
+        if line.seq > since and line.role == "user" and wants_model_answer(context.config, line)
+    ]
+    if not wanted:
+        return None
+    # Answered as one: in reply to the newest, as near to people as its nearest (invariant 6).
+    target = wanted[-1].model_copy(deep=True)
+    target.meta.agent_hops = min(line.meta.agent_hops for line in wanted)
+    return target
+
+
+def round_pending_after(transcript: list[Message], trigger: Message) -> bool:
+    """A tool round begun after the trigger (read past it): its results' step answers."""
+    call_line = open_round(transcript)
+    return call_line is not None and call_line.seq > trigger.seq
 
 
 def call_line_index(transcript: list[Message], results: Message) -> int | None:
@@ -271,7 +384,8 @@ async def results_on_their_way(context: Context, transcript: list[Message]) -> b
 
 
 async def answer_slash_command(context: Context, trigger: Message) -> None:
-    """A person's ``/status``, ``/model NAME`` or ``/reset``: answered without any model call."""
+    """A person's ``/status``, ``/model NAME``, ``/reset`` or ``/stop``: answered without any
+    model call."""
     config, state = context.config, context.state
     command, _, argument = trigger.text.strip().partition(" ")
     argument = argument.strip()
@@ -292,15 +406,23 @@ async def answer_slash_command(context: Context, trigger: Message) -> None:
     elif command == "/reset":
         state.context_from_seq = trigger.seq + 1
         answer = "starting afresh: earlier lines are no longer in my context"
+    elif command == STOP_LINE and is_person_line(trigger):
+        await carry_out_stop(context, trigger)
+        return
     else:
-        answer = f"unknown command {command}; try /status, /model NAME or /reset"
+        answer = f"unknown command {command}; try /status, /model NAME, /reset or /stop"
     await post_agent_line(context, trigger, [TextPart(text=answer)])
 
 
 async def post_agent_line(
-    context: Context, trigger: Message, parts: list[Part], usage: Usage | None = None
+    context: Context,
+    trigger: Message,
+    parts: list[Part],
+    usage: Usage | None = None,
+    answering: Message | None = None,
 ) -> None:
-    """The step's output, as the agent; its id derives from the trigger (one per step)."""
+    """The step's output, as the agent; its id derives from the trigger (one per step), its
+    routing from the line it answers (the trigger, or the newest of a burst)."""
     await context.post(
         Message(
             id=context.effect_id("output"),
@@ -309,8 +431,150 @@ async def post_agent_line(
             participant_id=context.state.agent_participant_id,
             role="agent",
             parts=parts,
-            meta=carried_meta(context, trigger),
+            meta=answer_meta(context, trigger, answering),
             usage=usage,
+        )
+    )
+
+
+def answer_meta(context: Context, trigger: Message, answering: Message | None) -> MessageMeta:
+    meta = carried_meta(context, answering or trigger)
+    meta.causation_id = trigger.id
+    return meta
+
+
+# --- whileBusy and /stop -----------------------------------------------------------------------
+
+
+def is_person_line(line: Message) -> bool:
+    """A person's line copied from the forum: never an agent's (agentHops above 0), a tool
+    result, a nudge or steering (instructions) or context a compaction carried."""
+    meta = line.meta
+    return (
+        line.role == "user"
+        and line.type == "message"
+        and meta.agent_hops == 0
+        and meta.source_message_id is not None
+        and not meta.instruction
+        and not meta.carried_from
+        and line.author_actor_id != SYSTEM_ACTOR_ID
+        and bool(line.text)
+    )
+
+
+def is_stop_line(line: Message) -> bool:
+    return is_person_line(line) and line.text.strip().partition(" ")[0] == STOP_LINE
+
+
+def notice_arrival(key: str, delivery: AbstractIncomingMessage) -> None:
+    """``Service.on_arrival``: a line arriving for a monologue whose step is pending may
+    cancel that step's model call (a person's line under ``whileBusy: interrupt``, a person's
+    ``/stop`` always); decided at once, not when the line's own turn comes."""
+    headers = delivery.headers or {}
+    if headers.get(topology.ROLE_HEADER) != "user" or topology.COMMAND_HEADER in headers:
+        return
+    envelope = Envelope.model_validate_json(delivery.body)
+    if envelope.type != MessagePosted.TYPE:
+        return
+    payload = envelope.parse()
+    assert isinstance(payload, MessagePosted)
+    line = payload.message
+    if not is_person_line(line):
+        return
+    arrival = Arrival(line.conversation_id, line.seq, line.id, line.author_actor_id)
+    if is_stop_line(line):
+        IN_FLIGHT.stop(arrival)
+    elif not is_slash_command(line):
+        IN_FLIGHT.interrupt(arrival)
+
+
+def stopped_round(state: ProcessorState, line: Message) -> bool:
+    """A call line written before a stop's step ran whose own step comes after: it is ended
+    rather than run."""
+    return state.stopped is not None and line.id in state.stopped.rounds
+
+
+async def name_of(context: Context, actor_id: str) -> CommandAuthor:
+    """Who a line's author is, as a stop names them (``stopped by NAME``)."""
+    actor = await context.store.get_actor(actor_id)
+    if actor is None:
+        return CommandAuthor(external_id=actor_id, display_name="someone")
+    return CommandAuthor(external_id=actor.external_id or actor.id, display_name=actor.name)
+
+
+async def end_round_stopped(
+    context: Context, trigger: Message, calls: list[ToolCallPart], stop: Arrival | None
+) -> None:
+    """Every call of a round a stop came before gets ``stopped by NAME``, none of them runs."""
+    if stop is not None:
+        by = (await name_of(context, stop.actor_id)).display_name
+    else:
+        assert context.state.stopped is not None
+        by = context.state.stopped.by
+    await context.post(
+        Message(
+            id=tool_results_id(context, trigger),
+            conversation_id=trigger.conversation_id,
+            author_actor_id=SYSTEM_ACTOR_ID,
+            role="user",
+            parts=[
+                ToolResultPart(
+                    call_id=call.call_id, name=call.name, output=f"stopped by {by}", is_error=True
+                )
+                for call in calls
+            ],
+            meta=carried_meta(context, trigger),
+        )
+    )
+
+
+async def carry_out_stop(context: Context, trigger: Message) -> None:
+    """A person's ``/stop``: the model call in flight was dropped as it arrived
+    (:func:`notice_arrival`) and the earlier lines' steps answered nothing; here the open tool
+    calls end ``stopped by NAME``, the rounds already written but not yet run are marked to end
+    likewise, and one notice tells the forum. Repeated on a redelivery, it changes nothing: the
+    ends are unique inserts, the notice's id derives from the stop."""
+    state, conversation = context.state, trigger.conversation_id
+    by = await name_of(context, trigger.meta.source_actor_id or trigger.author_actor_id)
+    head = await context.store.last_seq(conversation)
+    later = (
+        await context.store.history(conversation, after_seq=trigger.seq, up_to_seq=head)
+        if head > trigger.seq
+        else []
+    )
+    # Written after the stop by model calls begun before it (their steps come after this one).
+    rounds = [line.id for line in later if line.role == "agent" and call_ids(line)]
+    state.stopped = StopMark(
+        conversation_id=conversation, seq=trigger.seq, by=by.display_name, rounds=rounds[-100:]
+    )
+    state.answered = Progress(
+        conversation_id=conversation,
+        seq=max(trigger.seq, answered_through(state.answered, trigger)),
+    )
+    ended = await OpenCalls(context.store, context.poster).end_for_forum(
+        context.config.source_conversation_id, by, agent_actor_id=context.config.agent_actor_id
+    )
+    STOPS.inc()
+    NOTICES.labels("stopped").inc()
+    log.info(
+        "stopped by a person: %d open tool call(s) ended",
+        ended,
+        extra={"conversationId": conversation, "messageId": trigger.id},
+    )
+    meta = carried_meta(context, trigger)
+    meta.forum_notice = ForumNotice(
+        agent_actor_id=context.config.agent_actor_id,
+        text=f"Stopped, as {by.display_name} asked: I will not answer the earlier messages.",
+    )
+    await context.post(
+        Message(
+            id=context.effect_id("notice", "stopped"),
+            conversation_id=conversation,
+            author_actor_id=SYSTEM_ACTOR_ID,
+            role="user",
+            type="notice",
+            parts=[TextPart(text=f"stopped by {by.display_name}: {ended} open tool call(s) ended")],
+            meta=meta,
         )
     )
 
@@ -413,6 +677,9 @@ async def run_tool_round(context: Context, trigger: Message, calls: list[ToolCal
             deadline=deadline_after(entry.timeout_seconds + grace),
             meta=meta.model_copy(deep=True),
             route=dict(context.route),
+            # What a stop in the forum finds its open calls by (OpenCalls.end_for_forum).
+            forum_id=context.config.source_conversation_id,
+            agent_actor_id=context.config.agent_actor_id,
         )
 
     results = await dispatch.run_round(
@@ -466,77 +733,184 @@ async def display_names(context: Context, transcript: list[Message]) -> dict[str
     return names
 
 
-async def infer_once(context: Context, trigger: Message, transcript: list[Message]) -> None:
+async def infer_once(
+    context: Context,
+    trigger: Message,
+    transcript: list[Message],
+    *,
+    answering: Message | None = None,
+) -> None:
+    """One model call on ``transcript`` (read past the trigger under ``whileBusy`` coalesce and
+    interrupt, which answer every unanswered line: the burst goes last in the prompt, and the
+    reply is in reply to ``answering``, its newest line)."""
     config, state = context.config, context.state
+    answered = state.answered
+    covered = max((line.seq for line in transcript), default=trigger.seq)
+    # Whatever the call ends in (an answer, a notice), the lines it was shown are done; the
+    # steps of those still queued call no model.
+    state.answered = Progress(conversation_id=trigger.conversation_id, seq=covered)
     spent = budget_spent(config, state)
     if spent:
         await post_notice(context, trigger, "budget", f"no answer: {spent}")
         return
+    if config.while_busy != "queue":
+        transcript = unanswered_last(transcript, answered_through(answered, trigger))
     async with activity(context, "thinking"):
-        await infer_and_post(context, trigger, transcript)
+        if not await infer_and_post(context, trigger, transcript, answering, covered):
+            state.answered = answered  # cancelled: the next step answers these lines
 
 
-def draft_of(context: Context, trigger: Message) -> Draft:
+def draft_of(context: Context, trigger: Message, answering: Message | None = None) -> Draft:
     """The draft of the forum line this step's text becomes (egress derives its id)."""
     return Draft(
         context.poster.bus,
         forum_id=context.config.source_conversation_id,
         agent_actor_id=context.config.agent_actor_id,
         message_id=forwarded_line_id(context.effect_id("output")),
-        in_reply_to=carried_meta(context, trigger).in_reply_to,
+        in_reply_to=carried_meta(context, answering or trigger).in_reply_to,
     )
 
 
-async def infer_and_post(context: Context, trigger: Message, transcript: list[Message]) -> None:
-    draft = draft_of(context, trigger)
+async def infer_and_post(
+    context: Context,
+    trigger: Message,
+    transcript: list[Message],
+    answering: Message | None = None,
+    covered: int | None = None,
+) -> bool:
+    """Returns ``False`` when the model call was cancelled (an interrupt, a stop)."""
+    draft = draft_of(context, trigger, answering)
     try:
-        await infer_into(context, trigger, transcript, draft)
+        return await infer_into(context, trigger, transcript, draft, answering, covered)
     finally:
         await draft.end("abandoned")  # unless it ended "posted" already
         await draft.close()
 
 
 async def infer_into(
-    context: Context, trigger: Message, transcript: list[Message], draft: Draft
-) -> None:
+    context: Context,
+    trigger: Message,
+    transcript: list[Message],
+    draft: Draft,
+    answering: Message | None = None,
+    covered: int | None = None,
+) -> bool:
     config, state = context.config, context.state
-    request = InferenceRequest(
-        transcript=transcript,
-        tools=await tool_dispatch().catalog.resolve(config.tools) if config.tools else {},
-        call_id_prefix=context.effect_id("call"),
-        instructions=config.instructions,
-        names=await display_names(context, transcript),
-        on_text=draft.push,
-    )
-    try:
-        model = state.model or config.model
+    model = state.model or config.model
+    streamed = 0
+
+    def on_text(piece: str) -> None:
+        nonlocal streamed
+        streamed += len(piece)
+        draft.push(piece)
+
+    async def ask() -> InferenceResult:
+        request = InferenceRequest(
+            transcript=transcript,
+            tools=await tool_dispatch().catalog.resolve(config.tools) if config.tools else {},
+            call_id_prefix=context.effect_id("call"),
+            instructions=config.instructions,
+            names=await display_names(context, transcript),
+            on_text=on_text,
+        )
         settings = context.settings
         if config.model_give_up_seconds is not None:
             settings = settings.model_copy(
                 update={"provider_give_up_seconds": config.model_give_up_seconds}
             )
-        result = await provider_for(model, config.script, settings).infer(request)
-    except ProviderFailed as error:
-        await draft.end("abandoned")
-        await post_notice(context, trigger, "provider", f"the model failed: {error}")
-        return
+        return await provider_for(model, config.script, settings).infer(request)
+
+    # The call runs as a task of its own, registered while it runs, so that a line arriving
+    # for this conversation can cancel it (IN_FLIGHT); the step itself is never cancelled.
+    call = asyncio.ensure_future(ask())
+    with IN_FLIGHT.track(
+        trigger.conversation_id,
+        call,
+        trigger_seq=trigger.seq,
+        covered_seq=trigger.seq if covered is None else covered,
+        interruptible=config.while_busy == "interrupt",
+    ) as flight:
+        try:
+            result = await call
+        except asyncio.CancelledError:
+            if not cancelled_here(flight):
+                raise
+            await drop_cancelled(context, trigger, transcript, model, streamed, flight, draft)
+            return False
+        except ProviderFailed as error:
+            await draft.end("abandoned")
+            await post_notice(context, trigger, "provider", f"the model failed: {error}")
+            return True
+        flight.settle()  # from here on the answer is posted: a line arriving now waits its turn
     usage = result.usage
     if usage is not None:
         usage.cost_usd = cost_of(usage, context.settings)
         state.tokens_used += usage.input_tokens + usage.output_tokens
         state.cost_usd += usage.cost_usd
-        model = model_label(usage.model, context.settings.prices)
-        LLM_TOKENS.labels(model, "input").inc(usage.input_tokens)
-        LLM_TOKENS.labels(model, "output").inc(usage.output_tokens)
-        LLM_COST.labels(model).inc(usage.cost_usd)
+        label = model_label(usage.model, context.settings.prices)
+        LLM_TOKENS.labels(label, "input").inc(usage.input_tokens)
+        LLM_TOKENS.labels(label, "output").inc(usage.output_tokens)
+        LLM_COST.labels(label).inc(usage.cost_usd)
     if result.empty:
-        return
+        return True
     parts: list[Part] = []
     if result.text:
         parts.append(TextPart(text=result.text))
         await draft.end("posted")  # the line follows at once and replaces the draft
     parts.extend(result.tool_calls)
-    await post_agent_line(context, trigger, parts, usage)
+    await post_agent_line(context, trigger, parts, usage, answering)
+    return True
+
+
+async def drop_cancelled(
+    context: Context,
+    trigger: Message,
+    transcript: list[Message],
+    model: str,
+    streamed: int,
+    flight: ModelCall,
+    draft: Draft,
+) -> None:
+    """A cancelled call's output is never posted: its draft ends abandoned, and what it cost is
+    estimated (no usage report comes for it), counted and kept in an operator's notice."""
+    assert flight.cancelled is not None
+    reason, arrival = flight.cancelled
+    await draft.end("abandoned")
+    state = context.state
+    usage = Usage(
+        model=model,
+        input_tokens=estimate_tokens(transcript),
+        output_tokens=streamed // 4,
+        estimated=True,
+    )
+    usage.cost_usd = cost_of(usage, context.settings)
+    state.tokens_used += usage.input_tokens + usage.output_tokens
+    state.cost_usd += usage.cost_usd
+    LLM_COST_ESTIMATED.labels(model_label(model, context.settings.prices)).inc(usage.cost_usd)
+    MODEL_CALLS_CANCELLED.labels(reason).inc()
+    why = "a stop" if reason == "stop" else "a newer line"
+    log.info(
+        "the model call was cancelled by %s; its answer is dropped",
+        why,
+        extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
+    )
+    await context.post(
+        Message(
+            id=context.effect_id("notice", "cancelled"),
+            conversation_id=trigger.conversation_id,
+            author_actor_id=SYSTEM_ACTOR_ID,
+            role="user",
+            type="notice",
+            parts=[
+                TextPart(
+                    text=f"the model call was cancelled by {why} (line {arrival.line_id}); "
+                    "its answer was dropped and its usage is an estimate"
+                )
+            ],
+            meta=carried_meta(context, trigger),
+            usage=usage,
+        )
+    )
 
 
 # What the forum's people are told when a step ends without an answer, by notice reason (the
@@ -619,6 +993,7 @@ def register(service: Service) -> None:
     dispatch = _dispatch = ToolDispatch(catalog, local, open_calls, service.bus, hosting.host)
     service.background("tool catalog", lambda: host_tools(hosting, dispatch, service.stopping))
     service.background("tool call deadlines", lambda: open_calls.run_reaper(service.stopping))
+    service.on_arrival(notice_arrival)
     # Monologue lines that start a step: user lines, and the agent's tool calls. Its plain text
     # lines go to egress only (the runtime moves the watermark past them as it writes them).
     ActorRuntime(

@@ -84,6 +84,21 @@ LLM_TOKENS = Counter(
     "yoke_llm_tokens", "Tokens used by model and kind (input, output).", ["model", "kind"]
 )
 LLM_COST = Counter("yoke_llm_cost_usd", "Model cost in USD from the price table.", ["model"])
+LLM_COST_ESTIMATED = Counter(
+    "yoke_llm_cost_estimated_usd",
+    "Estimated cost in USD of model calls cancelled before their answer (no usage report comes "
+    "for them: input and output tokens counted from the prompt and the text streamed so far).",
+    ["model"],
+)
+MODEL_CALLS_CANCELLED = Counter(
+    "yoke_model_calls_cancelled",
+    "Model calls cancelled before their answer was posted, by why (interrupt: a person's line "
+    "under whileBusy interrupt; stop: a /stop in the forum).",
+    ["reason"],
+)
+STOPS = Counter(
+    "yoke_stops", "Stops carried out (a person's /stop in a forum, once per agent there)."
+)
 TOOL_CALLS = Counter(
     "yoke_tool_calls",
     "Tool calls by tool, source (builtin, plugin, mcp, worker; none: not in the catalog) and "
@@ -219,6 +234,7 @@ TOOL_OUTCOMES = ("ok", "error")
 PROCESSOR_NOTICES = ("budget", "provider", "doom_loop", "approval")
 APPROVAL_DECISIONS = ("approve", "reject", "expired", "stopped")
 GUARDIAN_NOTICES = ("guardian",)
+CANCEL_REASONS = ("interrupt", "stop")
 MODEL_SERVICES = frozenset({"processor", "guardian"})
 
 
@@ -243,6 +259,8 @@ def initialize(service: str, prices: Iterable[str] = ()) -> None:
             TOOL_CALL_SECONDS.labels(source)
         for reason in PROCESSOR_NOTICES:
             NOTICES.labels(reason)
+        for cancel in CANCEL_REASONS:
+            MODEL_CALLS_CANCELLED.labels(cancel)
     if service in ("processor", "ingestion"):  # the reaper decides expiries, the door the rest
         for decision in APPROVAL_DECISIONS:
             APPROVALS_DECIDED.labels(decision)

@@ -153,6 +153,9 @@ class Usage(WireModel):
     input_tokens: int = 0
     output_tokens: int = 0
     cost_usd: float = 0.0
+    # True when the mesh counted it itself: a model call cancelled before its answer (an
+    # interrupt, a stop) never gets the provider's usage report.
+    estimated: bool | None = None
 
 
 class Message(Document):

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import ValidationError
 
@@ -29,7 +29,7 @@ from yoke.logs import configure_cli_logging
 from yoke.models import Message
 from yoke.redact import redact
 from yoke.reshard import ReshardRefused, reshard
-from yoke.runtime.join_config import JoinConfig
+from yoke.runtime.join_config import JoinConfig, WhileBusy
 from yoke.runtime.joins import create_agent, create_forum, join_conversation, leave_conversation
 from yoke.runtime.posting import Poster
 from yoke.settings import Settings

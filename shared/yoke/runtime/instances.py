@@ -15,8 +15,13 @@ from typing import Any
 from pydantic import Field
 
 from yoke.llm.base import ScriptedOutput
-from yoke.models import WireModel
-from yoke.runtime.join_config import ApprovalConfig, JoinConfig, load_versioned_join_config
+from yoke.models import Message, WireModel
+from yoke.runtime.join_config import (
+    ApprovalConfig,
+    JoinConfig,
+    WhileBusy,
+    load_versioned_join_config,
+)
 from yoke.store import Store
 
 DEFAULT_MODEL = "fixture-echo"
@@ -56,6 +61,8 @@ class ProcessorConfig(WireModel):
     model_give_up_seconds: float | None = Field(default=None, gt=0)
     # The join has a guardian: the agent's lines are routed to it (else it is not bothered).
     guarded: bool = False
+    # What a line arriving while a step is pending does (the agent's default, or the join's).
+    while_busy: WhileBusy = "queue"
     # Tools whose calls wait for a person's decision (the agent's, or the join's).
     approval: ApprovalConfig | None = None
 
@@ -80,6 +87,7 @@ JOIN_TUNABLES = (
     "budget_usd",
     "model_give_up_seconds",
     "script",
+    "while_busy",
     "approval",
 )
 
@@ -115,6 +123,25 @@ async def load_processor_config(store: Store, document: dict[str, Any]) -> Proce
     return config.with_join(join)
 
 
+class Progress(WireModel):
+    """A place in one of the join's monologues (seqs start again in a new one)."""
+
+    conversation_id: str
+    seq: int
+
+    def covers(self, line: Message) -> bool:
+        return line.conversation_id == self.conversation_id and line.seq <= self.seq
+
+
+class StopMark(Progress):
+    """A person's ``/stop``: the rounds it ended are not answered by a model call of their own
+    (only people's lines after it are)."""
+
+    by: str
+    # Call lines whose step had not run yet when the stop's step ran (answered with "stopped").
+    rounds: list[str] = Field(default_factory=list, max_length=100)
+
+
 class ProcessorState(WireModel):
     """What the processor's lane saves after a step (one writer: the lane)."""
 
@@ -127,6 +154,10 @@ class ProcessorState(WireModel):
     model: str | None = None
     # Set by /reset: the model sees only lines from this seq on.
     context_from_seq: int = 0
+    # The newest line a model call was shown (whileBusy coalesce and interrupt answer up to the
+    # newest line: the steps of the lines it covered call no model), and the last stop.
+    answered: Progress | None = None
+    stopped: StopMark | None = None
 
 
 class IngestionConfig(WireModel):

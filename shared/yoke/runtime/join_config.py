@@ -107,6 +107,12 @@ class ApprovalConfig(StrictWireModel):
         return any(matches(pattern, tool) for pattern in self.tools)
 
 
+# What a person's line does while the agent has a step pending (docs/architecture.md, "While
+# the agent is busy"): wait its turn, be answered with the others of its burst, or cancel the
+# model call in flight.
+WhileBusy = Literal["queue", "coalesce", "interrupt"]
+
+
 GuardianPolicy = Annotated[RulePolicy | NoProgressPolicy | LlmPolicy, Field(discriminator="kind")]
 
 
@@ -139,6 +145,7 @@ class JoinConfig(StrictWireModel):
     # How long a step retries a failing or silent model before it gives up (a slow local model
     # wants more than the mesh's YOKE_PROVIDER_GIVE_UP_SECONDS, 30 s by default).
     model_give_up_seconds: float | None = Field(default=None, gt=0, le=3600)
+    while_busy: WhileBusy | None = None
     follow_up: FollowUpConfig | None = None
     guardian: GuardianConfig | None = None
     approval: ApprovalConfig | None = None

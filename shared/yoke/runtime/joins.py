@@ -36,6 +36,7 @@ from yoke.runtime.instances import (
 from yoke.runtime.join_config import (
     ApprovalConfig,
     JoinConfig,
+    WhileBusy,
     load_versioned_join_config,
     save_join_config,
 )
@@ -98,6 +99,7 @@ async def create_agent(
     instructions: str | None = None,
     actor_id: str | None = None,
     approval: ApprovalConfig | None = None,
+    while_busy: WhileBusy | None = None,
 ) -> Actor:
     """A new agent actor; its id is the ``authorActorId`` of its lines."""
     meta: dict[str, JsonValue] = {}
@@ -109,9 +111,17 @@ async def create_agent(
         meta["instructions"] = instructions
     if approval is not None:
         meta["approval"] = approval.to_wire()
+    if while_busy is not None:
+        meta["whileBusy"] = while_busy
     return await store.save_actor(
         Actor(id=actor_id or new_id(), kind="agent", name=name, meta=meta)
     )
+
+
+def agent_while_busy(agent: Actor) -> WhileBusy:
+    """The agent's ``whileBusy`` default (``queue`` unless ``yoke agent create`` set one)."""
+    modes: dict[object, WhileBusy] = {"coalesce": "coalesce", "interrupt": "interrupt"}
+    return modes.get(agent.meta.get("whileBusy"), "queue")
 
 
 async def create_forum(store: Store, title: str, *, forum_id: str | None = None) -> Conversation:
@@ -140,6 +150,7 @@ async def join_conversation(
     budget_usd: float | None = None,
     compaction_threshold_tokens: int | None = None,
     compaction_keep: int | None = None,
+    while_busy: WhileBusy | None = None,
 ) -> Join:
     """Join the agent to the forum (idempotent); join options override the agent's.
 
@@ -156,6 +167,7 @@ async def join_conversation(
         "budget_usd": budget_usd,
         "compaction_threshold_tokens": compaction_threshold_tokens,
         "compaction_keep": compaction_keep,
+        "while_busy": while_busy,
     }
     given = {name: value for name, value in shortcuts.items() if value is not None}
     if given:
@@ -203,6 +215,7 @@ async def join_conversation(
         model=str(agent.meta.get("model") or DEFAULT_MODEL),
         tools=default_tools,
         instructions=str(agent.meta.get("instructions") or ""),
+        while_busy=agent_while_busy(agent),
         approval=(
             ApprovalConfig.model_validate(agent.meta["approval"])
             if isinstance(agent.meta.get("approval"), dict)
