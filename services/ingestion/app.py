@@ -2,6 +2,8 @@
 
 - ``conversation.message.submit`` from ``yoke.commands``: validated, deduplicated by
   idempotency key, written to the forum as a human line (agentHops 0), answered on reply_to.
+- ``tool.result.submit``: a worker's answer to a call waiting in the store.
+- ``tool.approval.submit``: a person's decision on a call waiting for approval.
 - forum ``conversation.message.posted``: copied into each joined agent's active monologue,
   authored by the forum author's external shadow actor, with routing meta.
 """
@@ -27,12 +29,14 @@ from yoke.models import (
     Message,
     MessageMeta,
     RejectCode,
+    SubmitApproval,
     SubmitMessage,
     SubmitReply,
     SubmitToolResult,
     TextPart,
 )
 from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
+from yoke.runtime.approvals import Approvals, amqp_user
 from yoke.runtime.chain import carry_tail, copy_target
 from yoke.runtime.instances import INGESTION, IngestionConfig, IngestionState
 from yoke.runtime.joins import ensure_participant_id
@@ -42,7 +46,7 @@ from yoke.runtime.service import Service
 log = logging.getLogger(__name__)
 
 UNKEYED = "?unkeyed"
-Command = TypeVar("Command", SubmitMessage, SubmitToolResult)
+Command = TypeVar("Command", SubmitMessage, SubmitToolResult, SubmitApproval)
 # Deeper than any good command (its meta nests at most MAX_META_DEPTH levels), and shallow
 # enough that no parser recursion is ever at risk.
 MAX_BODY_DEPTH = 32
@@ -265,6 +269,50 @@ class ToolResultDoor:
         return await self.open_calls.answer(answer.call_id, user, answer.output, answer.is_error)
 
 
+class ApprovalDoor:
+    """Takes a person's decision (``tool.approval.submit``) on a call awaiting approval.
+
+    Who may decide is the RabbitMQ user that published it, as RabbitMQ verified it: the mesh's
+    own (the CLI, the HTTP gateway, each naming its person in ``by``) or a publisher made with
+    ``yoke publisher create --can-approve``. Keyed by ``callId``, so two decisions on one call
+    meet in one lane, and the first insert wins anyway.
+    """
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.approvals = Approvals(
+            OpenCalls(service.store, service.poster), amqp_user(service.settings.amqp_url)
+        )
+        self.max_body_bytes = 16_384
+
+    def key(self, message: AbstractIncomingMessage) -> str:
+        return command_key(message, self.max_body_bytes, "callId")
+
+    async def handle(self, message: AbstractIncomingMessage) -> None:
+        user = (message.headers or {}).get(topology.USER_HEADER)
+        reply = await self.submit(message.body, str(user) if user else None)
+        COMMANDS.labels("duplicate" if reply.duplicate else reply.status).inc()
+        if reply.status == "rejected":
+            log.warning(
+                "rejected approval decision from %s: %s",
+                user or "an unnamed publisher",
+                reply.error,
+                extra={"messageId": message.message_id},
+            )
+        if message.reply_to:
+            await self.service.bus.reply(
+                message.reply_to,
+                message.correlation_id,
+                reply.model_dump_json(exclude_none=True).encode(),
+            )
+
+    async def submit(self, body: bytes, user: str | None) -> SubmitReply:
+        decision = parse_command(body, self.max_body_bytes, SubmitApproval)
+        if isinstance(decision, SubmitReply):
+            return decision
+        return await self.approvals.submit(decision, user)
+
+
 def _rejected(code: RejectCode, error: str) -> SubmitReply:
     return SubmitReply(status="rejected", error=error, code=code)
 
@@ -336,6 +384,10 @@ def register(service: Service) -> None:
     results = ToolResultDoor(service)
     service.on_intake(
         topology.COMMANDS_EXCHANGE, topology.TOOL_RESULT_COMMAND, results.key, results.handle
+    )
+    approvals = ApprovalDoor(service)
+    service.on_intake(
+        topology.COMMANDS_EXCHANGE, topology.APPROVAL_COMMAND, approvals.key, approvals.handle
     )
     # Forum lines only (its own copies go to monologues, the processor's business).
     ActorRuntime(service, [INGESTION_ACTOR], where=[{"kind": "forum", "type": "message"}])

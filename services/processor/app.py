@@ -55,6 +55,7 @@ from yoke.models import (
     MessagePosted,
     Part,
     TextPart,
+    ToolCallApproved,
     ToolCallPart,
     ToolResultPart,
     Usage,
@@ -174,6 +175,7 @@ async def step(context: Context, trigger: Message) -> None:
             "not answering yet: the step after the pending tool results answers this line",
             extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
         )
+        await tell_of_awaited_approvals(context, trigger, transcript)
         return
     upto_trigger = [line for line in transcript if line.seq <= trigger.seq]
     if await compact(context, trigger, upto_trigger):  # then answered in the new monologue
@@ -381,6 +383,36 @@ async def results_on_their_way(context: Context, transcript: list[Message]) -> b
         if await open_calls.exists(open_call_id(context.instance_id, call_line.id, call_id)):
             return True
     return False
+
+
+async def tell_of_awaited_approvals(
+    context: Context, trigger: Message, transcript: list[Message]
+) -> None:
+    """A person's line that waits while the pending round has calls awaiting a decision is
+    told once (the notice's id derives from the line) what the agent waits for."""
+    call_line = open_round(transcript)
+    if call_line is None or trigger.meta.agent_hops > 0:
+        return
+    open_calls = OpenCalls(context.store, context.poster)
+    tools: list[str] = []
+    for call_id in sorted(unanswered(call_ids(call_line), transcript)):
+        call = await open_calls.get(open_call_id(context.instance_id, call_line.id, call_id))
+        if call is not None and call.awaiting_approval and call.tool not in tools:
+            tools.append(call.tool)
+    if tools:
+        names = ", ".join(tools)
+        await post_notice(
+            context,
+            trigger,
+            "approval",
+            f"waiting for a decision on {names} before answering",
+            forum_text=FORUM_NOTICES["approval"].format(tools=names),
+        )
+
+
+async def run_approved_call(event: ToolCallApproved) -> None:
+    """``tool.call.approved``: run the call now (its result line wakes the step after it)."""
+    await tool_dispatch().run_approved(event.call_id)
 
 
 async def answer_slash_command(context: Context, trigger: Message) -> None:
@@ -688,6 +720,7 @@ async def run_tool_round(context: Context, trigger: Message, calls: list[ToolCal
         key_of=lambda call: context.effect_id("tool", call.call_id),
         conversation_id=trigger.conversation_id,
         make_open=make_open,
+        approval=context.config.approval,
     )
     for call in calls:
         if call.call_id in refused:
@@ -922,20 +955,24 @@ FORUM_NOTICES = {
     "another way.",
     "failed": "I could not answer that: something went wrong on my side, and it was set aside "
     "for an operator.",
+    "approval": "I will answer once a person decides whether I may use {tools}.",
 }
 
 
-def forum_notice(config: ProcessorConfig, reason: str) -> ForumNotice:
-    return ForumNotice(agent_actor_id=config.agent_actor_id, text=FORUM_NOTICES[reason])
+def forum_notice(config: ProcessorConfig, reason: str, text: str | None = None) -> ForumNotice:
+    return ForumNotice(agent_actor_id=config.agent_actor_id, text=text or FORUM_NOTICES[reason])
 
 
-async def post_notice(context: Context, trigger: Message, reason: str, text: str) -> None:
+async def post_notice(
+    context: Context, trigger: Message, reason: str, text: str, *, forum_text: str | None = None
+) -> None:
     """A line for operators in the monologue, never a trigger; egress tells the forum's people
-    in plain words (:data:`FORUM_NOTICES`), so nobody waits for an answer in silence."""
+    in plain words (:data:`FORUM_NOTICES`, or ``forum_text``), so nobody waits for an answer in
+    silence."""
     NOTICES.labels(reason).inc()
     log.warning(text, extra={"conversationId": trigger.conversation_id, "messageId": trigger.id})
     meta = carried_meta(context, trigger)
-    meta.forum_notice = forum_notice(context.config, reason)
+    meta.forum_notice = forum_notice(context.config, reason, forum_text)
     await context.post(
         Message(
             id=context.effect_id("notice", reason),
@@ -993,6 +1030,8 @@ def register(service: Service) -> None:
     dispatch = _dispatch = ToolDispatch(catalog, local, open_calls, service.bus, hosting.host)
     service.background("tool catalog", lambda: host_tools(hosting, dispatch, service.stopping))
     service.background("tool call deadlines", lambda: open_calls.run_reaper(service.stopping))
+    # An approved call runs in its conversation's lane, on the replica owning that shard.
+    service.on_event(ToolCallApproved, run_approved_call)
     service.on_arrival(notice_arrival)
     # Monologue lines that start a step: user lines, and the agent's tool calls. Its plain text
     # lines go to egress only (the runtime moves the watermark past them as it writes them).

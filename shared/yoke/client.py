@@ -7,13 +7,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Literal
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractQueue, AbstractRobustConnection
 
 from yoke import amqp_nodes, topology
 from yoke.ids import new_id
-from yoke.models import CommandAuthor, Envelope, Message, MessagePosted, SubmitMessage, SubmitReply
+from yoke.models import (
+    CommandAuthor,
+    Envelope,
+    Message,
+    MessagePosted,
+    SubmitApproval,
+    SubmitMessage,
+    SubmitReply,
+)
 
 # The line a person types in a forum to stop every agent there (see the README);
 # ``yoke stop`` and the gateway's stop route submit exactly this for the person named.
@@ -93,9 +102,11 @@ class Client:
         reply_timeout: float = 30.0,
         *,
         routing_key: str = topology.SUBMIT_COMMAND,
+        user_id: str | None = None,
     ) -> SubmitReply:
         """Publish any body as a command (a line by default; bridges, the gateway's other
-        commands, and tests of bad input) and wait for the door's answer."""
+        commands, and tests of bad input) and wait for the door's answer. ``user_id``: this
+        connection's RabbitMQ user, which the broker verifies (decisions on approvals need it)."""
         assert self._channel is not None and self._replies is not None
         correlation_id = new_id()
         future: asyncio.Future[SubmitReply] = asyncio.get_running_loop().create_future()
@@ -112,12 +123,39 @@ class Client:
                     reply_to=self._replies.name,
                     message_id=correlation_id,
                     delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                    user_id=user_id,
                 ),
                 routing_key=routing_key,
             )
             return await asyncio.wait_for(future, reply_timeout)
         finally:
             self._waiting.pop(correlation_id, None)
+
+    async def decide(
+        self,
+        call_id: str,
+        decision: Literal["approve", "reject"],
+        *,
+        external_id: str,
+        display_name: str,
+        reason: str | None = None,
+        user_id: str,
+        reply_timeout: float = 30.0,
+    ) -> SubmitReply:
+        """Publish ``tool.approval.submit`` as RabbitMQ user ``user_id`` (this connection's) for
+        the person named, and wait for the door's answer (the first decision stands)."""
+        command = SubmitApproval(
+            call_id=call_id,
+            decision=decision,
+            reason=reason,
+            by=CommandAuthor(external_id=external_id, display_name=display_name),
+        )
+        return await self.submit_raw(
+            command.model_dump_json(exclude_none=True).encode(),
+            reply_timeout,
+            routing_key=topology.APPROVAL_COMMAND,
+            user_id=user_id,
+        )
 
     async def watch(self, conversation_id: str) -> AsyncIterator[Message]:
         """Lines posted to a forum from now on, as they are published (from yoke.forum, all a

@@ -15,6 +15,8 @@ from pydantic import ValidationError
 
 from yoke.bus import Bus
 from yoke.cli import supervisor
+from yoke.cli.approvals import add_approval_options, approval_data, approval_of
+from yoke.cli.approvals import register as register_approvals
 from yoke.cli.base import CommandError, UsageError, refusals_as_errors, with_store
 from yoke.cli.publishers import register as register_publishers
 from yoke.cli.status import register as register_status
@@ -42,14 +44,18 @@ def split_tools(value: str | None) -> list[str] | None:
 
 
 async def agent_create(args: argparse.Namespace) -> None:
+    approval = approval_of(args)
+
     async def action(store: Store) -> None:
         await check_tool_names(store, split_tools(args.tools))
+        await check_tool_names(store, approval.tools if approval is not None else None)
         agent = await create_agent(
             store,
             args.name,
             model=args.model,
             tools=split_tools(args.tools),
             instructions=args.instructions,
+            approval=approval,
             while_busy=args.while_busy,
         )
         print(agent.id)
@@ -96,6 +102,8 @@ def join_config_of(args: argparse.Namespace) -> JoinConfig:
         data["tools"] = split_tools(args.tools) or []
     if args.while_busy is not None:
         data["whileBusy"] = args.while_busy
+    if (approval := approval_data(args, data.get("approval"))) is not None:
+        data["approval"] = approval
     if args.follow_up_after is not None:
         follow_up = data.get("followUp")
         data["followUp"] = {
@@ -116,6 +124,7 @@ async def join(args: argparse.Namespace) -> None:
 
     async def action(store: Store) -> None:
         await check_tool_names(store, config.tools)
+        await check_tool_names(store, config.approval.tools if config.approval else None)
         bus = Bus(Settings().amqp_url, name="yoke-cli")
         await bus.connect()
         try:
@@ -336,6 +345,7 @@ def parser() -> argparse.ArgumentParser:
     create.add_argument("--model", help="model id (default fixture-echo)")
     create.add_argument("--tools", help="comma-separated tool names, e.g. clock,calculator")
     create.add_argument("--instructions", help="the agent's system instructions")
+    add_approval_options(create, "the agent's default")
     add_while_busy(create, "a person's line while the agent is busy (default queue)")
 
     forum = commands.add_parser("forum", help="manage forums").add_subparsers(
@@ -350,6 +360,7 @@ def parser() -> argparse.ArgumentParser:
     joining.add_argument("--forum", required=True)
     joining.add_argument("--model", help="overrides the agent's model for this join")
     joining.add_argument("--tools", help="overrides the agent's tools for this join")
+    add_approval_options(joining, "overrides the agent's approval for this join")
     add_while_busy(joining, "overrides the agent's whileBusy for this join")
     joining.add_argument(
         "--config",
@@ -418,6 +429,7 @@ def parser() -> argparse.ArgumentParser:
         "--service", action="append", help="only this service (repeatable; default all)"
     )
     register_publishers(commands)
+    register_approvals(commands)
     register_tokens(commands)
     register_tools(commands)
     register_webhooks(commands)

@@ -17,7 +17,10 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 import httpx
 
 from yoke import topology
+from yoke.cli.base import with_store
+from yoke.runtime.approvals import grant_approver
 from yoke.settings import Settings
+from yoke.store import Store
 
 MANAGEMENT_PORT = 15672
 
@@ -169,17 +172,25 @@ async def publisher_create(args: argparse.Namespace) -> None:
         password = await create_publisher(management, args.name)
     except PublisherRefused as error:
         raise SystemExit(f"yoke: {error}") from error
+    if args.can_approve:
+        # In the mesh's store, which the door reads: RabbitMQ users are per broker, and this
+        # mesh is the one whose approvals it may decide.
+        async def grant(store: Store) -> None:
+            await grant_approver(store, args.name)
+
+        await with_store(grant)
     print(
         f"created RabbitMQ user {args.name!r} in vhost {management.vhost!r}: it may submit to "
-        f"{topology.COMMANDS_EXCHANGE} and bind bridge.* queues to {topology.FORUM_EXCHANGE}; "
-        "its password is the last line",
+        f"{topology.COMMANDS_EXCHANGE} and bind bridge.* queues to {topology.FORUM_EXCHANGE}"
+        + (f" and decide on approvals ({topology.APPROVAL_COMMAND})" if args.can_approve else "")
+        + "; its password is the last line",
         file=sys.stderr,
     )
     print(password)
 
 
 def register(commands: Any) -> None:
-    """``yoke publisher create --name NAME``."""
+    """``yoke publisher create --name NAME [--can-approve]``."""
     publisher = commands.add_parser("publisher", help="bridges' RabbitMQ users").add_subparsers(
         dest="sub", required=True
     )
@@ -190,3 +201,8 @@ def register(commands: Any) -> None:
     create = publisher.add_parser("create", help=help, description=help)
     create.set_defaults(handler=publisher_create)
     create.add_argument("--name", required=True, help="the new user's name")
+    create.add_argument(
+        "--can-approve",
+        action="store_true",
+        help=f"it may also decide on calls waiting for approval ({topology.APPROVAL_COMMAND})",
+    )

@@ -7,6 +7,9 @@
   slow server never holds the step.
 - ``worker`` calls are always open calls: recorded with their deadline, published to the
   tool's queue, and the step ends.
+- a call of a tool the join gates (``approval``) runs nowhere yet: it is an open call awaiting a
+  person's decision, and the step ends. Once approved, :meth:`ToolDispatch.run_approved` runs it
+  as above, in the lane of its conversation, its own timeout starting then.
 
 Whatever goes wrong (a name the agent may not use, a tool gone from the catalog, bad input)
 is an error result the model sees; nothing escapes into the step.
@@ -26,6 +29,7 @@ from yoke.bus import Bus
 from yoke.metrics import TOOL_CALL_SECONDS, TOOL_CALLS, tool_label
 from yoke.models import ToolCallPart, ToolCallRequest, ToolResultPart
 from yoke.runtime.catalog import LocalTools, ToolCatalog
+from yoke.runtime.join_config import ApprovalConfig
 from yoke.runtime.open_calls import OpenCall, OpenCalls
 from yoke.tools.base import ToolContext
 from yoke.tools.catalog import CatalogEntry
@@ -37,6 +41,9 @@ log = logging.getLogger(__name__)
 INLINE_SECONDS = 2.0
 # MCP calls of this process past the inline bound, still running (a bound: memory).
 MAX_BACKGROUND_CALLS = 1000
+# An approved call's deadline in the store is its tool's timeout plus this: the tool's own
+# timeout (or the MCP host's) speaks first.
+APPROVED_GRACE_SECONDS = 1.0
 
 
 class McpCaller(Protocol):
@@ -86,11 +93,16 @@ class ToolDispatch:
         key_of: Callable[[ToolCallPart], str],
         conversation_id: str,
         make_open: OpenCallMaker,
+        approval: ApprovalConfig | None = None,
     ) -> dict[str, ToolResultPart]:
-        """Results of the calls answered now, by call id; the others wait in the store."""
+        """Results of the calls answered now, by call id; the others wait in the store (those
+        of tools ``approval`` gates, for a person's decision)."""
         offered = await self.catalog.resolve(allowed)
         results = await asyncio.gather(
-            *(self._one(call, offered, key_of(call), conversation_id, make_open) for call in calls)
+            *(
+                self._one(call, offered, key_of(call), conversation_id, make_open, approval)
+                for call in calls
+            )
         )
         return {
             call.call_id: result
@@ -105,6 +117,7 @@ class ToolDispatch:
         key: str,
         conversation_id: str,
         make_open: OpenCallMaker,
+        approval: ApprovalConfig | None = None,
     ) -> ToolResultPart | None:
         entry = offered.get(call.name)
         if entry is None:
@@ -115,6 +128,9 @@ class ToolDispatch:
             result = error_result(
                 call, f"could not read the input for {call.name}: {call.input_error}"
             )
+        elif approval is not None and approval.gates(call.name):
+            await self._await_approval(make_open(call, entry), approval)
+            return None
         elif entry.source in ("builtin", "plugin"):
             started = time.monotonic()
             result = await run_tool_call(
@@ -143,6 +159,73 @@ class ToolDispatch:
             why = f"unknown tool {call.name!r} (not in the catalog)"
         return error_result(call, f"{why}; available: {available}")
 
+    # --- approvals --------------------------------------------------------------------------
+
+    async def _await_approval(self, opened: OpenCall, approval: ApprovalConfig) -> None:
+        seconds = approval.timeout_seconds
+        awaiting = opened.model_copy(
+            update={
+                "state": "awaiting_approval",
+                "deadline": deadline_after(seconds),
+                "approval_timeout_seconds": seconds,
+            }
+        )
+        await self.open_calls.request_approval(awaiting)
+
+    async def run_approved(self, call_id: str) -> None:
+        """Run a call a person approved (``tool.call.approved``), in the lane of its
+        conversation: a built-in or plugin tool here and now under its own timeout, an MCP
+        call in the background, a worker's published to its queue.
+
+        Redelivered, it runs an in-process tool again (as a redelivered step would, with the
+        same idempotency key) but never sends an MCP or worker call twice; a call that ended
+        meanwhile (a stop) or was not approved is left alone."""
+        call = await self.open_calls.get(call_id)
+        if call is None or call.state == "running":
+            return
+        local = call.source in ("builtin", "plugin")
+        if call.state == "approved" and not local:
+            return  # handed to what runs it already; its deadline is the bound
+        decision = await self.open_calls.get_decision(call_id)
+        if decision is None or decision.decision != "approve":
+            return
+        entry = (await self.catalog.resolve([call.tool])).get(call.tool)
+        if entry is None:
+            await self.open_calls.end(
+                call,
+                outcome="failed",
+                output=f"{call.tool} is no longer available (approved, but not in the catalog)",
+                is_error=True,
+            )
+            return
+        grace = 0.0 if entry.source == "worker" else APPROVED_GRACE_SECONDS
+        approved = await self.open_calls.mark_approved(
+            call, deadline_after(entry.timeout_seconds + grace)
+        )
+        if entry.source in ("builtin", "plugin"):
+            part = ToolCallPart(call_id=call.model_call_id, name=call.tool, input=call.input)
+            result = await run_tool_call(
+                part, self.local.runnable, ToolContext(call.idempotency_key, call.conversation_id)
+            )
+            await self.open_calls.end(
+                approved, outcome="answered", output=result.output, is_error=result.is_error
+            )
+        elif entry.source == "mcp":
+            if self.mcp is None:
+                await self.open_calls.end(
+                    approved,
+                    outcome="failed",
+                    output=f"{call.tool}: this process does not host MCP servers",
+                    is_error=True,
+                )
+                return
+            running = asyncio.ensure_future(
+                self.mcp.call(call.tool, dict(call.input), entry.timeout_seconds)
+            )
+            self._in_background(approved, running)
+        else:
+            await self._publish_call(approved, entry)
+
     # --- MCP --------------------------------------------------------------------------------
 
     async def _mcp(
@@ -169,10 +252,13 @@ class ToolDispatch:
             return error_result(call, f"{call.name}: too many slow MCP calls in flight here")
         opened = make_open(call, entry)
         await self.open_calls.open(opened)
+        self._in_background(opened, running)
+        return None
+
+    def _in_background(self, opened: OpenCall, running: asyncio.Future[tuple[str, bool]]) -> None:
         task = asyncio.create_task(self._finish_mcp(opened, running))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        return None
 
     async def _finish_mcp(
         self, opened: OpenCall, running: asyncio.Future[tuple[str, bool]]
@@ -203,6 +289,10 @@ class ToolDispatch:
     ) -> None:
         opened = make_open(call, entry)
         await self.open_calls.open(opened)
+        await self._publish_call(opened, entry)
+
+    async def _publish_call(self, opened: OpenCall, entry: CatalogEntry) -> None:
+        """To the worker tool's queue, expiring at the call's deadline."""
         queue = await self.bus.declare_tool_queue(entry.id)
         request = ToolCallRequest(
             call_id=opened.id,

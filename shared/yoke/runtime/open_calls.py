@@ -311,6 +311,11 @@ class OpenCalls:
         assert call.awaiting_approval and call.forum_id and call.agent_actor_id
         if await self.open(call):
             APPROVALS_REQUESTED.labels(tool_label(call.tool)).inc()
+        else:  # asked before: the deadline is the one it was given then, if still waiting
+            stored = await self.get(call.id)
+            if stored is None or not stored.awaiting_approval:
+                return
+            call = stored
         request = ApprovalRequested(
             forum_id=call.forum_id,
             agent_actor_id=call.agent_actor_id,

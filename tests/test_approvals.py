@@ -1,0 +1,516 @@
+"""Approvals (docs/approvals.md) in a mesh of real processes: a call of a gated tool waits in the
+store for a person's decision, which comes through the one door (``tool.approval.submit``)
+whether a bridge's publisher, the CLI or the HTTP gateway sends it.
+
+Agents here call the built-in ``calculator`` (so an approved call runs in the processor that
+owns the conversation, in its lane); the ``fixture-script`` model plays each join's steps, and
+the fake OpenAI server is the model of the test that checks what the model is shown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any, Literal
+from urllib.parse import quote, unquote, urlsplit
+
+import aio_pika
+import httpx
+import pytest
+
+from tests.support.cli import run_yoke
+from tests.support.fake_openai import FakeOpenAI, completion, openai_env
+from tests.support.mesh import Mesh, agent_lines, lines_until, say
+from tests.support.processes import eventually
+from tests.support.worker_process import as_user
+from yoke import topology
+from yoke.cli.publishers import create_publisher, management_of
+from yoke.cli.supervisor import SERVICES
+from yoke.client import Client
+from yoke.llm.base import ScriptedCall, ScriptedOutput
+from yoke.models import Message, SubmitReply, ToolResultPart
+from yoke.runtime.approvals import amqp_user, pending_approvals
+from yoke.runtime.join_config import ApprovalConfig, JoinConfig
+from yoke.runtime.joins import create_agent, create_forum, join_conversation
+from yoke.runtime.open_calls import (
+    TOOL_CALL_DECISIONS_COLLECTION,
+    TOOL_CALL_ENDS_COLLECTION,
+    TOOL_CALLS_COLLECTION,
+    result_line_id,
+)
+from yoke.runtime.posting import Poster
+from yoke.store import Store
+
+pytestmark = pytest.mark.slow
+
+WAIT = 30.0  # the most any step of a test may take on a loaded machine
+DONE = "the sums are done"
+
+
+@pytest.fixture(scope="module")
+def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
+    return openai_env(fake_openai.base_url)
+
+
+@pytest.fixture(scope="module")
+def yoke_env(
+    servers: tuple[str, str, str], amqp_url: str, module_mongodb_url: str
+) -> dict[str, str]:
+    return {
+        "YOKE_AMQP_URL": amqp_url,
+        "YOKE_MONGODB_URL": module_mongodb_url,
+        "YOKE_MANAGEMENT_URL": servers[2],
+    }
+
+
+class Publisher:
+    """A bridge's RabbitMQ user made by ``yoke publisher create``."""
+
+    def __init__(self, name: str, url: str) -> None:
+        self.name = name
+        self.url = url
+
+
+@pytest.fixture(scope="module")
+async def publishers(
+    servers: tuple[str, str, str], amqp_url: str, yoke_env: dict[str, str]
+) -> AsyncIterator[dict[str, Publisher]]:
+    """``approver`` made with ``yoke publisher create --can-approve``, ``bridge`` as that
+    command makes one without it; deleted after the module (users are per broker, so each name
+    is new)."""
+    made: dict[str, Publisher] = {}
+    try:
+        name = f"p{uuid.uuid4().hex[:10]}"
+        code, out, err = await run_yoke(
+            yoke_env, "publisher", "create", "--name", name, "--can-approve"
+        )
+        assert code == 0, err
+        made["approver"] = Publisher(name, as_user(amqp_url, name, out.strip().splitlines()[-1]))
+        name = f"p{uuid.uuid4().hex[:10]}"
+        password = await create_publisher(management_of(amqp_url, servers[2]), name)
+        made["bridge"] = Publisher(name, as_user(amqp_url, name, password))
+        yield made
+    finally:
+        parts = urlsplit(amqp_url)
+        auth = (unquote(parts.username or "guest"), unquote(parts.password or "guest"))
+        async with httpx.AsyncClient(base_url=servers[2], auth=auth, timeout=30) as api:
+            for publisher in made.values():
+                await api.delete(f"/api/users/{quote(publisher.name, safe='')}")
+
+
+@pytest.fixture(scope="module")
+async def operator(amqp_url: str, mesh: Mesh) -> AsyncIterator[Client]:
+    """The mesh's own user, as the CLI and the HTTP gateway speak to the door."""
+    async with Client(amqp_url, queue_prefix="yoke.test.") as client:
+        yield client
+
+
+async def decide_as(
+    operator: Client,
+    call_id: str,
+    decision: Literal["approve", "reject"],
+    name: str,
+    reason: str | None = None,
+) -> SubmitReply:
+    """What ``yoke approve/reject CALL_ID --as NAME`` publishes, from this process."""
+    return await operator.decide(
+        call_id,
+        decision,
+        external_id=f"cli:{name}",
+        display_name=name,
+        reason=reason,
+        user_id=amqp_user(operator.amqp_url),
+    )
+
+
+@pytest.fixture(scope="module")
+async def approver(publishers: dict[str, Publisher]) -> AsyncIterator[Client]:
+    async with Client(publishers["approver"].url) as client:
+        yield client
+
+
+class ForumApprovals:
+    """What a bridge bound to ``tool.approval.*.<forum>`` on yoke.forum receives."""
+
+    def __init__(self, queue: aio_pika.abc.AbstractQueue) -> None:
+        self.queue = queue
+        self.events: list[dict[str, Any]] = []
+
+    async def next(self, event_type: str, timeout: float = WAIT) -> dict[str, Any]:
+        """The next event of ``event_type`` (its envelope), in arrival order."""
+        async with asyncio.timeout(timeout):
+            while True:
+                for index, event in enumerate(self.events):
+                    if event["type"] == event_type:
+                        return self.events.pop(index)
+                message = await self.queue.get(timeout=timeout, fail=False)
+                if message is None:
+                    await asyncio.sleep(0.05)
+                    continue
+                await message.ack()
+                self.events.append(json.loads(message.body))
+
+
+@pytest.fixture
+async def watch(
+    publishers: dict[str, Publisher],
+) -> AsyncIterator[Any]:
+    """watch(forum_id) -> ForumApprovals, as the approving publisher reads them."""
+    connection = await aio_pika.connect_robust(publishers["approver"].url)
+    channel = await connection.channel()
+
+    async def bind(forum_id: str) -> ForumApprovals:
+        queue = await channel.declare_queue(
+            f"{topology.BRIDGE_QUEUE_PREFIX}{uuid.uuid4().hex}", exclusive=True, auto_delete=True
+        )
+        await queue.bind(topology.FORUM_EXCHANGE, routing_key=f"tool.approval.*.{forum_id}")
+        return ForumApprovals(queue)
+
+    try:
+        yield bind
+    finally:
+        await connection.close()
+
+
+def sums(*expressions: str, then: str = DONE) -> list[ScriptedOutput]:
+    """One round calling the calculator once per expression, then ``then``, then an echo."""
+    calls = [ScriptedCall(name="calculator", input={"expression": e}) for e in expressions]
+    return [ScriptedOutput(tool_calls=calls), ScriptedOutput(text=then), ScriptedOutput(text="ok")]
+
+
+async def gated_join(
+    store: Store,
+    poster: Poster,
+    *,
+    model: str = "fixture-script",
+    script: list[ScriptedOutput] | None = None,
+    timeout: float = 3600,
+) -> tuple[str, str, str]:
+    """A forum whose agent's calculator calls wait for approval: (forum, agent, monologue)."""
+    forum = await create_forum(store, "approvals")
+    agent = await create_agent(store, "accountant")
+    config = JoinConfig(
+        model=model,
+        tools=["calculator"],
+        script=script,
+        approval=ApprovalConfig(tools=["calculator"], timeout_seconds=timeout),
+    )
+    join = await join_conversation(store, poster, agent.id, forum.id, config)
+    return forum.id, agent.id, join.monologue_id
+
+
+def results(lines: list[Message]) -> list[ToolResultPart]:
+    return [part for line in lines for part in line.parts if isinstance(part, ToolResultPart)]
+
+
+def texts(lines: list[Message]) -> list[str]:
+    return [line.text for line in agent_lines(lines) if line.type == "message" and line.text]
+
+
+async def ended_once(store: Store, monologue_id: str, call_id: str) -> ToolResultPart:
+    """The call's one result line (the id derived from it), once its end is recorded."""
+    line = await wait_for_message(store, result_line_id(call_id))
+    assert line.conversation_id == monologue_id
+    assert await store.db[TOOL_CALL_ENDS_COLLECTION].count_documents({"_id": call_id}) == 1
+    [result] = results([line])
+    return result
+
+
+async def wait_for_message(store: Store, message_id: str) -> Message:
+    found: Message | None = None
+
+    async def written() -> bool:
+        nonlocal found
+        found = await store.get_message(message_id)
+        return found is not None
+
+    await eventually(written, timeout=WAIT, what=f"message {message_id}")
+    assert found is not None
+    return found
+
+
+async def still_pending(store: Store, call_id: str) -> bool:
+    call = await store.db[TOOL_CALLS_COLLECTION].find_one({"_id": call_id})
+    return call is not None and call["state"] == "awaiting_approval"
+
+
+async def test_a_can_approve_publisher_approves_over_amqp_and_others_are_refused(
+    mesh: Mesh,
+    store: Store,
+    poster: Poster,
+    client: Client,
+    approver: Client,
+    publishers: dict[str, Publisher],
+    watch: Any,
+) -> None:
+    forum_id, agent_id, monologue_id = await gated_join(store, poster, script=sums("6*7"))
+    approvals = await watch(forum_id)
+    await say(client, forum_id, "what is six times seven?")
+    requested = (await approvals.next("tool.approval.requested"))["payload"]
+    call_id = requested["callId"]
+    assert requested["forumId"] == forum_id and requested["agentActorId"] == agent_id
+    assert requested["tool"] == "calculator" and requested["input"] == {"expression": "6*7"}
+    assert datetime.fromisoformat(requested["deadline"]) > datetime.now(UTC)
+    # Waiting: nothing ran, nothing answered.
+    assert await still_pending(store, call_id)
+    assert results(await store.history(monologue_id)) == []
+    [listed] = await pending_approvals(store, forum_id)
+    assert (listed.call_id, listed.tool, listed.input) == (
+        call_id,
+        "calculator",
+        requested["input"],
+    )
+
+    # A bridge made without --can-approve, and a command without user_id, decide nothing.
+    async with Client(publishers["bridge"].url) as bridge:
+        refused = await bridge.decide(
+            call_id,
+            "approve",
+            external_id="bridge:eve",
+            display_name="Eve",
+            user_id=publishers["bridge"].name,
+        )
+    assert (refused.status, refused.code) == ("rejected", "not_allowed"), refused
+    body = json.dumps(
+        {"callId": call_id, "decision": "approve", "by": {"externalId": "x", "displayName": "X"}}
+    ).encode()
+    anonymous = await approver.submit_raw(body, routing_key=topology.APPROVAL_COMMAND)
+    assert (anonymous.status, anonymous.code) == ("rejected", "missing_user_id"), anonymous
+    assert await still_pending(store, call_id)
+    assert await store.db[TOOL_CALL_DECISIONS_COLLECTION].count_documents({}) == 0
+
+    by: dict[str, Any] = {"external_id": "slack:U1", "display_name": "Ada"}
+    reply = await approver.decide(call_id, "approve", **by, user_id=publishers["approver"].name)
+    assert (reply.status, reply.duplicate) == ("accepted", None), reply
+    decided = (await approvals.next("tool.approval.decided"))["payload"]
+    assert decided == {
+        "forumId": forum_id,
+        "callId": call_id,
+        "decision": "approve",
+        "by": {"externalId": "slack:U1", "displayName": "Ada"},
+    }
+    result = await ended_once(store, monologue_id, call_id)
+    assert (result.output, result.is_error) == ("42", False)
+    forum = await lines_until(store, forum_id, lambda lines: DONE in texts(lines), timeout=WAIT)
+    assert texts(forum) == [DONE]
+
+    # The same decision again is a duplicate; another is too late.
+    again = await approver.decide(call_id, "approve", **by, user_id=publishers["approver"].name)
+    assert (again.status, again.duplicate) == ("accepted", True), again
+    late = await approver.decide(
+        call_id, "reject", **by, reason="no", user_id=publishers["approver"].name
+    )
+    assert (late.status, late.code) == ("rejected", "already_decided"), late
+    assert await pending_approvals(store, forum_id) == []
+    assert results(await store.history(monologue_id)) == [result]
+
+
+async def test_yoke_approve_lists_and_approves_as_the_operator(
+    mesh: Mesh, store: Store, poster: Poster, client: Client, yoke_env: dict[str, str], watch: Any
+) -> None:
+    forum_id, _, monologue_id = await gated_join(store, poster, script=sums("2**10"))
+    approvals = await watch(forum_id)
+    await say(client, forum_id, "two to the tenth?")
+    call_id = (await approvals.next("tool.approval.requested"))["payload"]["callId"]
+
+    code, out, err = await run_yoke(yoke_env, "approvals", "--forum", forum_id, "--json")
+    assert code == 0, err
+    [listed] = [json.loads(line) for line in out.splitlines()]
+    assert listed["callId"] == call_id and listed["input"] == {"expression": "2**10"}
+
+    code, out, err = await run_yoke(yoke_env, "approve", call_id, "--as", "Grace")
+    assert code == 0, err
+    decided = (await approvals.next("tool.approval.decided"))["payload"]
+    assert decided["by"] == {"externalId": "cli:Grace", "displayName": "Grace"}
+    result = await ended_once(store, monologue_id, call_id)
+    assert result.output == "1024"
+
+    code, _, err = await run_yoke(yoke_env, "reject", call_id, "--reason", "late", "--as", "Bo")
+    assert code == 1 and "already_decided" in err, err
+    assert await pending_approvals(store, forum_id) == []
+
+
+async def test_a_rejection_is_the_error_result_the_model_is_shown_and_a_waiting_line_is_told(
+    mesh: Mesh,
+    store: Store,
+    poster: Poster,
+    client: Client,
+    yoke_env: dict[str, str],
+    fake_openai: FakeOpenAI,
+    watch: Any,
+) -> None:
+    fake_openai.script(
+        completion(None, [("call-r", "calculator", '{"expression": "1/0"}')]),
+        completion("understood, no sums then"),
+    )
+    forum_id, _, monologue_id = await gated_join(store, poster, model="gpt-test")
+    approvals = await watch(forum_id)
+    await say(client, forum_id, "divide one by zero", who="Ada")
+    call_id = (await approvals.next("tool.approval.requested"))["payload"]["callId"]
+
+    # A line while the call waits: one notice in reply to it, and no model call of its own.
+    waiting = await say(client, forum_id, "are you there?", who="Ada")
+
+    def told(lines: list[Message]) -> bool:
+        return any(line.type == "notice" and line.meta.in_reply_to == waiting for line in lines)
+
+    forum = await lines_until(store, forum_id, told, timeout=WAIT)
+    [notice] = [line for line in forum if line.type == "notice"]
+    assert notice.text == "I will answer once a person decides whether I may use calculator."
+    assert len(fake_openai.requests) == 1
+
+    code, _, err = await run_yoke(
+        yoke_env, "reject", call_id, "--reason", "too risky", "--as", "Bo"
+    )
+    assert code == 0, err
+    decided = (await approvals.next("tool.approval.decided"))["payload"]
+    assert (decided["decision"], decided["reason"]) == ("reject", "too risky")
+    result = await ended_once(store, monologue_id, call_id)
+    assert (result.output, result.is_error) == ("rejected by Bo: too risky", True)
+
+    forum = await lines_until(
+        store, forum_id, lambda lines: "understood, no sums then" in texts(lines), timeout=WAIT
+    )
+    # One model call answered the result and the line that waited (invariant 10).
+    assert texts(forum) == ["understood, no sums then"]
+    assert len(fake_openai.requests) == 2 and not fake_openai.rejected
+    messages = fake_openai.requests[1]["messages"]
+    [tool_message] = [m for m in messages if m["role"] == "tool"]
+    assert "rejected by Bo: too risky" in tool_message["content"]
+    assert any("are you there?" in str(m.get("content")) for m in messages)
+    assert [line.type for line in forum].count("notice") == 1
+
+
+async def test_no_decision_by_the_deadline_ends_the_call_and_a_late_decision_is_refused(
+    mesh: Mesh,
+    store: Store,
+    poster: Poster,
+    client: Client,
+    approver: Client,
+    publishers: dict[str, Publisher],
+    watch: Any,
+) -> None:
+    forum_id, _, monologue_id = await gated_join(store, poster, script=sums("1+1"), timeout=2)
+    approvals = await watch(forum_id)
+    await say(client, forum_id, "one plus one?")
+    call_id = (await approvals.next("tool.approval.requested"))["payload"]["callId"]
+
+    decided = (await approvals.next("tool.approval.decided"))["payload"]
+    assert decided == {"forumId": forum_id, "callId": call_id, "decision": "expired"}
+    result = await ended_once(store, monologue_id, call_id)
+    assert (result.output, result.is_error) == ("no decision within 2 s", True)
+    await lines_until(store, forum_id, lambda lines: texts(lines) == [DONE], timeout=WAIT)
+
+    late = await approver.decide(
+        call_id,
+        "approve",
+        external_id="slack:U1",
+        display_name="Ada",
+        user_id=publishers["approver"].name,
+    )
+    assert (late.status, late.code) == ("rejected", "already_decided"), late
+    assert "expired" in (late.error or "")
+
+
+async def test_two_decisions_racing_one_wins_and_the_other_is_refused(
+    mesh: Mesh,
+    store: Store,
+    poster: Poster,
+    client: Client,
+    operator: Client,
+    amqp_url: str,
+    watch: Any,
+) -> None:
+    forum_id, _, monologue_id = await gated_join(store, poster, script=sums("3*3"))
+    approvals = await watch(forum_id)
+    await say(client, forum_id, "three squared?")
+    call_id = (await approvals.next("tool.approval.requested"))["payload"]["callId"]
+
+    async with Client(amqp_url, queue_prefix="yoke.test.") as other:
+        # Two connections, two people, at once.
+        approve, reject = await asyncio.gather(
+            decide_as(operator, call_id, "approve", "A"),
+            decide_as(other, call_id, "reject", "B", reason="no"),
+        )
+    replies = {"approve": approve, "reject": reject}
+    winners = [name for name, reply in replies.items() if reply.status == "accepted"]
+    assert len(winners) == 1, replies
+    [loser] = [reply for reply in replies.values() if reply.status == "rejected"]
+    assert loser.code == "already_decided", loser
+    decided = (await approvals.next("tool.approval.decided"))["payload"]
+    assert decided["decision"] == winners[0]
+    result = await ended_once(store, monologue_id, call_id)
+    expected = ("9", False) if winners[0] == "approve" else ("rejected by B: no", True)
+    assert (result.output, result.is_error) == expected
+    decision = await store.db[TOOL_CALL_DECISIONS_COLLECTION].find_one({"_id": call_id})
+    assert decision is not None and decision["decision"] == winners[0]
+    with pytest.raises(TimeoutError):
+        await approvals.next("tool.approval.decided", timeout=1)  # one decision, announced once
+
+
+async def test_two_gated_calls_of_one_round_are_decided_each_by_its_own_id(
+    mesh: Mesh, store: Store, poster: Poster, client: Client, operator: Client, watch: Any
+) -> None:
+    forum_id, _, monologue_id = await gated_join(store, poster, script=sums("2+3", "4*5"))
+    approvals = await watch(forum_id)
+    await say(client, forum_id, "two sums please")
+    first = (await approvals.next("tool.approval.requested"))["payload"]
+    second = (await approvals.next("tool.approval.requested"))["payload"]
+    by_input = {event["input"]["expression"]: event["callId"] for event in (first, second)}
+    assert set(by_input) == {"2+3", "4*5"}
+
+    # The second approved first: it runs with its own input; the first still waits.
+    reply = await decide_as(operator, by_input["4*5"], "approve", "Ada")
+    assert reply.status == "accepted", reply
+    later = await ended_once(store, monologue_id, by_input["4*5"])
+    assert later.output == "20"
+    assert await still_pending(store, by_input["2+3"])
+    [still] = await pending_approvals(store, forum_id)
+    assert still.call_id == by_input["2+3"]
+    assert texts(await store.history(forum_id)) == []  # the round is not complete
+
+    reply = await decide_as(operator, by_input["2+3"], "approve", "Ada")
+    assert reply.status == "accepted", reply
+    earlier = await ended_once(store, monologue_id, by_input["2+3"])
+    assert earlier.output == "5"
+    forum = await lines_until(store, forum_id, lambda lines: DONE in texts(lines), timeout=WAIT)
+    assert texts(forum) == [DONE]  # one answer for the round
+    assert sorted(r.output for r in results(await store.history(monologue_id))) == ["20", "5"]
+
+
+async def test_a_pending_approval_survives_every_service_restarting_and_runs_once(
+    mesh: Mesh, store: Store, poster: Poster, client: Client, operator: Client, watch: Any
+) -> None:
+    forum_id, _, monologue_id = await gated_join(store, poster, script=sums("7*6+1"))
+    approvals = await watch(forum_id)
+    await say(client, forum_id, "seven times six plus one?")
+    call_id = (await approvals.next("tool.approval.requested"))["payload"]["callId"]
+
+    processes = list(mesh.processes.values())
+    codes = await asyncio.gather(*(asyncio.to_thread(process.stop) for process in processes))
+    assert codes == [0] * len(processes)
+    assert await still_pending(store, call_id)
+    started = [mesh.start(name) for name in SERVICES]
+    for process in started:
+        await process.wait_healthy(timeout=120)
+    assert [p.call_id for p in await pending_approvals(store, forum_id)] == [call_id]
+
+    reply = await decide_as(operator, call_id, "approve", "Ada")
+    assert reply.status == "accepted", reply
+    result = await ended_once(store, monologue_id, call_id)
+    assert result.output == "43"
+    await lines_until(store, forum_id, lambda lines: texts(lines) == [DONE], timeout=WAIT)
+    await say(client, forum_id, "thanks")
+    await lines_until(store, forum_id, lambda lines: len(texts(lines)) == 2, timeout=WAIT)
+    # Ran once: by the restarted processor, whose counters began at its start.
+    metrics = await mesh.processes["processor"].metrics()
+    ran = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("yoke_tool_calls_total{") and 'tool="calculator"' in line
+    ]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in ran) == 1.0, ran
+    assert results(await store.history(monologue_id)) == [result]
