@@ -27,6 +27,8 @@ from tests.support.mesh import Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
 from tests.support.worker_process import as_user
 from yoke import topology
+from yoke.cli.base import UsageError
+from yoke.cli.main import join_config_of, parser
 from yoke.cli.publishers import create_publisher, management_of
 from yoke.cli.supervisor import SERVICES
 from yoke.client import Client
@@ -514,3 +516,31 @@ async def test_a_pending_approval_survives_every_service_restarting_and_runs_onc
     ]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in ran) == 1.0, ran
     assert results(await store.history(monologue_id)) == [result]
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (["--approve", "not a name"], "not a tool name: not a name"),
+        (["--approval-timeout", "60"], "--approval-timeout needs --approve"),
+        (["--approve", "refund", "--approval-timeout", "0"], "timeoutSeconds"),
+    ],
+)
+def test_approval_options_are_checked_like_tools(argv: list[str], problem: str) -> None:
+    args = parser().parse_args(["join", "--agent", "a", "--forum", "f", *argv])
+    with pytest.raises(UsageError, match=problem):
+        join_config_of(args)
+
+
+def test_approval_options_go_over_the_configuration_file(tmp_path: Any) -> None:
+    path = tmp_path / "join.json"
+    path.write_text(json.dumps({"approval": {"tools": ["refund"], "timeoutSeconds": 60}}))
+    args = parser().parse_args(
+        ["join", "--agent", "a", "--forum", "f", "--config", str(path), "--approve", "files__*"]
+    )
+    approval = join_config_of(args).approval
+    assert approval is not None
+    assert (approval.tools, approval.timeout_seconds) == (["files__*"], 60)
+    assert approval.gates("files__read") and not approval.gates("refund")
+    assert JoinConfig().approval is None
+    assert ApprovalConfig(tools=["refund"]).timeout_seconds == 86400
