@@ -568,7 +568,9 @@ async def carry_out_stop(context: Context, trigger: Message) -> None:
     ends are unique inserts, the notice's id derives from the stop."""
     state, conversation = context.state, trigger.conversation_id
     by = await name_of(context, trigger.meta.source_actor_id or trigger.author_actor_id)
-    head = await context.store.last_seq(conversation)
+    head = min(
+        await context.store.last_seq(conversation), trigger.seq + context.settings.context_lines
+    )
     later = (
         await context.store.history(conversation, after_seq=trigger.seq, up_to_seq=head)
         if head > trigger.seq
