@@ -47,7 +47,6 @@ from services.gateway.deps import (
 )
 from services.gateway.stream import ForumStream, Hub
 from services.gateway.webhooks import WebhookWorker
-from yoke import topology
 from yoke.client import STOP_LINE, Client
 from yoke.errors import EXIT_MISCONFIGURED, describe_validation_error, is_transient
 from yoke.ids import new_id
@@ -58,7 +57,6 @@ from yoke.models import (
     CommandAuthor,
     Conversation,
     Message,
-    SubmitApproval,
     SubmitMessage,
     SubmitReply,
     WireModel,
@@ -66,7 +64,7 @@ from yoke.models import (
     unstorable,
 )
 from yoke.redact import redact
-from yoke.runtime.approvals import PendingApproval, pending_approvals
+from yoke.runtime.approvals import PendingApproval, amqp_user, pending_approvals
 from yoke.runtime.open_calls import TOOL_CALL_DECISIONS_COLLECTION, TOOL_CALLS_COLLECTION
 from yoke.settings import Settings
 from yoke.store import Store
@@ -203,11 +201,12 @@ def check_idempotency_key(idempotency_key: str | None) -> None:
         )
 
 
-async def submit_command(state: Gateway, body: bytes, routing_key: str) -> SubmitReply:
-    """Publish a command on ``yoke.commands`` and wait for the door's answer (503 without one)."""
+async def mesh_answer(state: Gateway, submitted: Awaitable[SubmitReply]) -> SubmitReply:
+    """The door's answer to a command being submitted (through ``state.client``, bounded by
+    ``gateway_submit_timeout_seconds``), or a 503 without one."""
     timeout = state.settings.gateway_submit_timeout_seconds
     try:
-        return await state.client.submit_raw(body, reply_timeout=timeout, routing_key=routing_key)
+        return await submitted
     except TimeoutError as error:
         raise unavailable(f"the mesh did not answer within {timeout:g} s; try again") from error
     except Exception as error:
@@ -236,7 +235,8 @@ async def submit_line(
         idempotency_key=token.namespaced(idempotency_key or new_id()),
     )
     body = command.model_dump_json(exclude_none=True).encode()
-    reply = await submit_command(state, body, topology.SUBMIT_COMMAND)
+    timeout = state.settings.gateway_submit_timeout_seconds
+    reply = await mesh_answer(state, state.client.submit_raw(body, reply_timeout=timeout))
     if reply.status == "rejected":
         code = reply.code or "invalid_command"
         raise ApiError(STATUS_OF_CODE.get(code, 400), code, reply.error or "rejected")
@@ -393,16 +393,17 @@ async def decide_approval(
     if await forum_of_call(state.store, call_id) != forum.id:
         raise ApiError(404, "unknown_call", f"no call {call_id!r} waits for a decision here")
     by = decision.by or PostAuthor(external_id=token.id, display_name=token.id)
-    command = SubmitApproval(
-        call_id=call_id,
-        decision=decision.decision,
+    deciding = state.client.decide(
+        call_id,
+        decision.decision,
+        external_id=token.namespaced(by.external_id),
+        display_name=by.display_name,
         reason=decision.reason,
-        by=CommandAuthor(
-            external_id=token.namespaced(by.external_id), display_name=by.display_name
-        ),
+        # The mesh's own user (the door takes decisions from it), which RabbitMQ verifies.
+        user_id=amqp_user(state.settings.amqp_url),
+        reply_timeout=state.settings.gateway_submit_timeout_seconds,
     )
-    body = command.model_dump_json(exclude_none=True).encode()
-    reply = await submit_command(state, body, topology.APPROVAL_COMMAND)
+    reply = await mesh_answer(state, deciding)
     if reply.status == "rejected":
         code = reply.code or "invalid_command"
         status = STATUS_OF_DECISION_CODE.get(code, 400)
@@ -459,7 +460,10 @@ async def list_messages(
             "description": "Server-Sent Events: `message` (the line, `id:` its seq) in seq "
             "order, `activity` ({agentActorId, state}) while an agent's step runs, and `delta` "
             "(a piece of the text an agent is writing: {forumId, agentActorId, messageId, "
-            "inReplyTo, index, text, end?}; no `id:`, not replayed after a reconnect).",
+            "inReplyTo, index, text, end?}; no `id:`, not replayed after a reconnect), and "
+            "`approval` (a tool call waiting for a decision, then its decision: `type` "
+            "tool.approval.requested or tool.approval.decided; the request's `input` only for a "
+            "token made with --can-approve; no `id:`).",
             "content": {"text/event-stream": {}},
         },
     },
