@@ -25,7 +25,7 @@ from tests.support.cli import run_yoke
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env
 from tests.support.mesh import Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
-from tests.support.worker_process import as_user
+from tests.support.worker_process import WorkerProcess, as_user
 from yoke import topology
 from yoke.cli.base import UsageError
 from yoke.cli.main import join_config_of, parser
@@ -49,12 +49,43 @@ from yoke.store import Store
 pytestmark = pytest.mark.slow
 
 WAIT = 30.0  # the most any step of a test may take on a loaded machine
+WORKER_TIMEOUT = 120.0  # the worker tool's own timeout
 DONE = "the sums are done"
 
 
 @pytest.fixture(scope="module")
-def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
+def mesh_env(fake_openai: FakeOpenAI, worker_tool: Publisher) -> dict[str, str]:
+    """The fake OpenAI server; the worker tool is registered before the mesh starts (a
+    processor trusts its copy of the catalog for a few seconds)."""
     return openai_env(fake_openai.base_url)
+
+
+@pytest.fixture(scope="module")
+async def worker_tool(
+    servers: tuple[str, str, str],
+    amqp_url: str,
+    yoke_env: dict[str, str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[Publisher]:
+    """A worker tool registered with ``yoke tools add-worker``: its name, and the URL its
+    workers connect with (its user deleted after the module)."""
+    schema = tmp_path_factory.mktemp("tool") / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"q": {"type": "string"}}}))
+    name = f"w{uuid.uuid4().hex[:10]}"
+    code, out, err = await run_yoke(
+        yoke_env,
+        *("tools", "add-worker", name, "--schema", str(schema)),
+        *("--description", "refunds", "--timeout", f"{WORKER_TIMEOUT:g}"),
+    )
+    assert code == 0, err
+    user = topology.tool_user(name)
+    try:
+        yield Publisher(name, as_user(amqp_url, user, out.strip().splitlines()[-1]))
+    finally:
+        parts = urlsplit(amqp_url)
+        auth = (unquote(parts.username or "guest"), unquote(parts.password or "guest"))
+        async with httpx.AsyncClient(base_url=servers[2], auth=auth, timeout=30) as api:
+            await api.delete(f"/api/users/{quote(user, safe='')}")
 
 
 @pytest.fixture(scope="module")
@@ -190,15 +221,16 @@ async def gated_join(
     model: str = "fixture-script",
     script: list[ScriptedOutput] | None = None,
     timeout: float = 3600,
+    tool: str = "calculator",
 ) -> tuple[str, str, str]:
-    """A forum whose agent's calculator calls wait for approval: (forum, agent, monologue)."""
+    """A forum whose agent's calls of ``tool`` wait for approval: (forum, agent, monologue)."""
     forum = await create_forum(store, "approvals")
     agent = await create_agent(store, "accountant")
     config = JoinConfig(
         model=model,
-        tools=["calculator"],
+        tools=[tool],
         script=script,
-        approval=ApprovalConfig(tools=["calculator"], timeout_seconds=timeout),
+        approval=ApprovalConfig(tools=[tool], timeout_seconds=timeout),
     )
     join = await join_conversation(store, poster, agent.id, forum.id, config)
     return forum.id, agent.id, join.monologue_id
@@ -481,6 +513,51 @@ async def test_two_gated_calls_of_one_round_are_decided_each_by_its_own_id(
     forum = await lines_until(store, forum_id, lambda lines: DONE in texts(lines), timeout=WAIT)
     assert texts(forum) == [DONE]  # one answer for the round
     assert sorted(r.output for r in results(await store.history(monologue_id))) == ["20", "5"]
+
+
+async def test_an_approved_worker_call_goes_to_its_worker_then_with_its_own_timeout(
+    mesh: Mesh,
+    store: Store,
+    poster: Poster,
+    client: Client,
+    operator: Client,
+    worker_tool: Publisher,
+    watch: Any,
+) -> None:
+    script = [
+        ScriptedOutput(tool_calls=[ScriptedCall(name=worker_tool.name, input={"q": "A1001"})]),
+        ScriptedOutput(text=DONE),
+    ]
+    forum_id, _, monologue_id = await gated_join(
+        store, poster, script=script, tool=worker_tool.name
+    )
+    approvals = await watch(forum_id)
+    worker = await WorkerProcess.start(worker_tool.url, worker_tool.name, "answer")
+    try:
+        await worker.line("ready", timeout=WAIT)
+        await say(client, forum_id, "refund order A1001")
+        call_id = (await approvals.next("tool.approval.requested"))["payload"]["callId"]
+        document = await store.db[TOOL_CALLS_COLLECTION].find_one({"_id": call_id})
+        assert document is not None
+        requested_at: datetime = document["openedAt"].replace(tzinfo=UTC)
+        # Time passes before anyone decides: the tool's timeout must start at the approval.
+        await asyncio.sleep(1.5)
+        assert [line for line in worker.lines if line["event"] == "call"] == []
+        approved_at = datetime.now(UTC)
+        reply = await decide_as(operator, call_id, "approve", "Ada")
+        assert reply.status == "accepted", reply
+
+        call = await worker.line("call", timeout=WAIT, callId=call_id)
+        deadline = datetime.fromisoformat(call["call"]["deadline"])
+        assert (deadline - approved_at).total_seconds() >= WORKER_TIMEOUT - 0.5
+        assert (deadline - requested_at).total_seconds() >= WORKER_TIMEOUT + 1
+        assert call["call"]["input"] == {"q": "A1001"}
+        result = await ended_once(store, monologue_id, call_id)
+        assert json.loads(result.output)["input"] == {"q": "A1001"}
+        await lines_until(store, forum_id, lambda lines: texts(lines) == [DONE], timeout=WAIT)
+        assert len([line for line in worker.lines if line["event"] == "call"]) == 1
+    finally:
+        await worker.stop()
 
 
 async def test_a_pending_approval_survives_every_service_restarting_and_runs_once(
