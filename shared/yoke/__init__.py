@@ -31,6 +31,9 @@ _EXPORTS = {
     "SubmitReply": "yoke.models",
     "ToolCallRequest": "yoke.models",
     "SubmitToolResult": "yoke.models",
+    "ApprovalRequested": "yoke.models",
+    "ApprovalDecided": "yoke.models",
+    "SubmitApproval": "yoke.models",
     "Part": "yoke.models",
     "TextPart": "yoke.models",
     "ToolCallPart": "yoke.models",
@@ -42,11 +45,14 @@ _EXPORTS = {
 __all__ = [
     "PUBLISHER_PERMISSIONS",
     "AgentActivity",
+    "ApprovalDecided",
+    "ApprovalRequested",
     "Client",
     "Envelope",
     "Message",
     "MessagePosted",
     "Part",
+    "SubmitApproval",
     "SubmitMessage",
     "SubmitReply",
     "SubmitToolResult",
@@ -67,10 +73,13 @@ __all__ = [
 if TYPE_CHECKING:
     from yoke.client import Client as Client
     from yoke.models import AgentActivity as AgentActivity
+    from yoke.models import ApprovalDecided as ApprovalDecided
+    from yoke.models import ApprovalRequested as ApprovalRequested
     from yoke.models import Envelope as Envelope
     from yoke.models import Message as Message
     from yoke.models import MessagePosted as MessagePosted
     from yoke.models import Part as Part
+    from yoke.models import SubmitApproval as SubmitApproval
     from yoke.models import SubmitMessage as SubmitMessage
     from yoke.models import SubmitReply as SubmitReply
     from yoke.models import SubmitToolResult as SubmitToolResult
