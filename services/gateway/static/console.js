@@ -303,6 +303,9 @@ async function decide(base, callId, decision, reason, buttons) {
   }
 }
 
+// Decisions stay on the page for a while, then the oldest go (a long-open page stays small).
+const DECISIONS_SHOWN = 20;
+
 function approvalEvent(base, event) {
   const entry = approvals.get(event.callId) || {};
   if (event.type === "tool.approval.requested") entry.request = entry.request || event;
@@ -310,6 +313,11 @@ function approvalEvent(base, event) {
   else return;
   approvals.set(event.callId, entry);
   showApproval(base, event.callId);
+  const decided = [...approvals].filter(([, e]) => e.decided).map(([id]) => id);
+  for (const callId of decided.slice(0, Math.max(0, decided.length - DECISIONS_SHOWN))) {
+    approvals.delete(callId);
+    $("approvals").querySelector('li.approval[data-call-id="' + CSS.escape(callId) + '"]')?.remove();
+  }
 }
 
 // What waits now (on opening the page and on each reconnect: events missed meanwhile are not
