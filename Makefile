@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser env services services-stop run test lint bench chaos cluster clean monitoring monitoring-stop
+.PHONY: install browser env services services-stop run test lint bench chaos cluster clean monitoring monitoring-stop compose-check
 
 install: $(STAMP)
 
@@ -67,6 +67,14 @@ cluster: services
 # Kills services and restarts the RabbitMQ and FerretDB that `make services` started: run alone.
 chaos: services
 	@$(PY) -m tests.chaos $(CHAOS_ARGS)
+
+# docker-compose.yml run for real (Debian, root): installs docker.io and docker-compose, starts a
+# dockerd of its own unless one answers, builds stand-ins for the images that cannot be pulled
+# (tests/compose/images), checks the mesh end to end and prints a table. Images and the Debian
+# base are cached in /var/cache/yoke-compose: a second run takes minutes.
+compose-check: install
+	@deploy/local/services.sh ferretdb-build
+	@$(PY) -m tests.compose.check
 
 clean:
 	rm -rf $(VENV) .local .mypy_cache .ruff_cache .pytest_cache

@@ -2,7 +2,9 @@
 
 Servers come from ``make services`` (or ``YOKE_AMQP_URL`` / ``YOKE_MONGODB_URL``). When neither
 answers and a Docker engine does, ``rabbitmq:3.13-management`` and ``mongo:7`` are started with
-testcontainers instead (a path for laptops with Docker; CI machines have none).
+testcontainers instead (a path for laptops with Docker). ``YOKE_TEST_RABBITMQ_IMAGE`` /
+``YOKE_TEST_MONGODB_IMAGE`` name other images, and naming one takes that path even where local
+servers answer (``make compose-check`` runs it so, on its stand-in images).
 """
 
 from __future__ import annotations
@@ -58,7 +60,11 @@ def servers() -> Iterator[tuple[str, str, str]]:
     amqp = os.environ.get("YOKE_AMQP_URL")
     mongo = os.environ.get("YOKE_MONGODB_URL")
     management = os.environ.get("YOKE_RABBITMQ_MANAGEMENT_URL")
-    if amqp or mongo or (_answers("127.0.0.1", 5672) and _answers("127.0.0.1", 27017)):
+    rabbitmq_image = os.environ.get("YOKE_TEST_RABBITMQ_IMAGE")
+    mongodb_image = os.environ.get("YOKE_TEST_MONGODB_IMAGE")
+    containers_asked = bool(rabbitmq_image or mongodb_image)
+    local = _answers("127.0.0.1", 5672) and _answers("127.0.0.1", 27017)
+    if amqp or mongo or (local and not containers_asked):
         amqp = amqp or DEFAULT_AMQP_URL
         host = urlsplit(amqp).hostname or "127.0.0.1"
         yield amqp, mongo or DEFAULT_MONGODB_URL, management or f"http://{host}:15672"
@@ -73,15 +79,19 @@ def servers() -> Iterator[tuple[str, str, str]]:
     from testcontainers.rabbitmq import RabbitMqContainer
 
     with (
-        RabbitMqContainer("rabbitmq:3.13-management") as rabbit,
-        MongoDbContainer("mongo:7") as mongodb,
+        RabbitMqContainer(rabbitmq_image or "rabbitmq:3.13-management").with_exposed_ports(
+            15672
+        ) as rabbit,
+        MongoDbContainer(mongodb_image or "mongo:7") as mongodb,
     ):
         rabbit.exec(["rabbitmq-plugins", "enable", "rabbitmq_consistent_hash_exchange"])
         host = rabbit.get_container_host_ip()
         port = rabbit.get_exposed_port(5672)
         yield (
             f"amqp://guest:guest@{host}:{port}/",
-            mongodb.get_connection_url(),
+            # The root user lives in admin: each test's database in the path must not become
+            # the authentication database.
+            mongodb.get_connection_url() + "/?authSource=admin",
             f"http://{host}:{rabbit.get_exposed_port(15672)}",
         )
 

@@ -8,6 +8,9 @@
 #   services.sh ferretdb-stop|ferretdb-start|rabbitmq-stop-app|rabbitmq-start-app
 #                       (for `make chaos`) take a server away and bring it back, again only
 #                       one that `start` started; FerretDB comes back exactly as `start` runs it.
+#   services.sh ferretdb-build
+#                       only the FerretDB binary `start` runs (.local/bin/ferretdb), if missing
+#                       (make compose-check copies it into its mongo stand-in image).
 #
 # Everything it starts logs into .local/ (gitignored), with pid files and start markers.
 set -euo pipefail
@@ -270,7 +273,10 @@ case "${1:-start}" in
     stop) stop ;;
     ferretdb-stop) ferretdb_stop ;;
     ferretdb-start) ferretdb_start ;;
+    ferretdb-build)
+        command -v go >/dev/null || die "Go is needed to build FerretDB"
+        [ -x "$local_dir/bin/ferretdb" ] || build_ferretdb "$local_dir/bin/ferretdb" ;;
     rabbitmq-stop-app) rabbitmq_app stop_app ;;
     rabbitmq-start-app) rabbitmq_app start_app ;;
-    *) die "usage: $0 start|stop|ferretdb-stop|ferretdb-start|rabbitmq-stop-app|rabbitmq-start-app" ;;
+    *) die "usage: $0 start|stop|ferretdb-stop|ferretdb-start|ferretdb-build|rabbitmq-stop-app|rabbitmq-start-app" ;;
 esac

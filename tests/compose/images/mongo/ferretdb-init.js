@@ -1,0 +1,5 @@
+// Loaded before each /docker-entrypoint-initdb.d script: FerretDB 1.x refuses createUser with
+// roles (it enforces no roles at all), so the user is made with none and the roles are dropped.
+Object.getPrototypeOf(db).createUser = function createUser(user) {
+  return this.runCommand({ createUser: user.user, pwd: user.pwd, roles: [] });
+};
