@@ -595,7 +595,7 @@ def make_forum(run: Run) -> str:
     forum = run.compose(*exec_yoke, "forum", "create", "--title", "compose-check").split()[-1]
     run.compose(*exec_yoke, "join", "--agent", agent, "--forum", forum)
     run.values.update(agent=agent, forum=forum)
-    return f"agent {agent} joined to forum {forum} (docker-compose exec processor yoke)"
+    return f"echo agent joined to forum {forum[:8]}… (exec processor yoke)"
 
 
 def agent_answered(run: Run, text: str) -> bool | None:
@@ -645,7 +645,7 @@ def check_cli_refusal(run: Run) -> str:
         raise CheckFailed(
             f"exec processor yoke post: exit {done.returncode}, {len(lines)} lines on stderr"
         )
-    return f"exec processor yoke post: exit {done.returncode}, one line: {lines[0][:70]}..."
+    return f"exec processor yoke post: exit {done.returncode}, one line: {lines[0][:48]}…"
 
 
 def amqp_turn(run: Run) -> str:
@@ -766,16 +766,53 @@ def rabbitmq_recreated(run: Run) -> str:
         60,
         2,
     )
+    [old] = [c["Id"] for c in run.containers() if service_of(c) == "rabbitmq"]
+    since = engine_time(run)
+    started = time.monotonic()
     run.compose("up", "-d", "--force-recreate", "--no-deps", "rabbitmq")
+    # How the old node went: SIGTERM only is a clean stop; a SIGKILL means the stop timeout
+    # ran out (and the new node recovers its queues from an unclean shutdown).
+    signals = run.docker(
+        "events",
+        "--since",
+        since,
+        "--until",
+        engine_time(run),
+        "--filter",
+        f"container={old}",
+        "--filter",
+        "event=kill",
+        "--format",
+        "{{.Actor.Attributes.signal}}",
+    ).split()
+    stopped = "killed" if "9" in signals else "stopped cleanly"
+    wait_all_healthy_of(run, "rabbitmq", 300)
+    booted = time.monotonic() - started
     run.compose("start", "processor")
     poll("the waiting line answered after the recreate", lambda: agent_answered(run, text), 180)
     wait_all_healthy(run, 180)
-    return f"{depth} waiting in yoke.processor.*; rabbitmq recreated; the line answered"
+    return (
+        f"{depth} waiting in yoke.processor.*; old node {stopped}, new one healthy in "
+        f"{booted:.0f} s; the line answered"
+    )
+
+
+def engine_time(run: Run) -> str:
+    return run.docker("info", "--format", "{{json .SystemTime}}").strip().strip('"')
+
+
+def wait_all_healthy_of(run: Run, service: str, deadline: float) -> None:
+    def healthy() -> bool | None:
+        states = [c["State"] for c in run.containers() if service_of(c) == service]
+        good = [s for s in states if (s.get("Health") or {}).get("Status") == "healthy"]
+        return True if states and len(good) == len(states) else None
+
+    poll(f"{service} healthy", healthy, deadline, 2)
 
 
 def testcontainers_module(run: Run) -> str:
     """The suite's fixtures start RabbitMQ and MongoDB themselves from the named images."""
-    since = run.docker("info", "--format", "{{json .SystemTime}}").strip().strip('"')
+    since = engine_time(run)
     env = {
         key: value
         for key, value in os.environ.items()
@@ -799,7 +836,7 @@ def testcontainers_module(run: Run) -> str:
     summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
     if done.returncode != 0:
         raise CheckFailed(f"{module}: {summary} {done.stdout[-600:]} {done.stderr[-300:]}")
-    now = run.docker("info", "--format", "{{json .SystemTime}}").strip().strip('"')
+    now = engine_time(run)
     started = run.docker(
         "events",
         "--since",
