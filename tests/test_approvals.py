@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -21,7 +23,7 @@ import aio_pika
 import httpx
 import pytest
 
-from tests.support.cli import run_yoke
+from tests.support.cli import run_yoke, run_yoke_commands
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env
 from tests.support.mesh import Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
@@ -35,6 +37,7 @@ from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, SubmitReply, ToolResultPart
 from yoke.runtime.approvals import amqp_user, pending_approvals
+from yoke.runtime.catalog import ToolCatalog
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.open_calls import (
@@ -54,38 +57,10 @@ DONE = "the sums are done"
 
 
 @pytest.fixture(scope="module")
-def mesh_env(fake_openai: FakeOpenAI, worker_tool: Publisher) -> dict[str, str]:
-    """The fake OpenAI server; the worker tool is registered before the mesh starts (a
-    processor trusts its copy of the catalog for a few seconds)."""
+def mesh_env(fake_openai: FakeOpenAI, registered: Registered) -> dict[str, str]:
+    """The fake OpenAI server; the tools are registered before the mesh starts (a processor
+    trusts its copy of the catalog for a few seconds, and starts the MCP server at once)."""
     return openai_env(fake_openai.base_url)
-
-
-@pytest.fixture(scope="module")
-async def worker_tool(
-    servers: tuple[str, str, str],
-    amqp_url: str,
-    yoke_env: dict[str, str],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> AsyncIterator[Publisher]:
-    """A worker tool registered with ``yoke tools add-worker``: its name, and the URL its
-    workers connect with (its user deleted after the module)."""
-    schema = tmp_path_factory.mktemp("tool") / "schema.json"
-    schema.write_text(json.dumps({"type": "object", "properties": {"q": {"type": "string"}}}))
-    name = f"w{uuid.uuid4().hex[:10]}"
-    code, out, err = await run_yoke(
-        yoke_env,
-        *("tools", "add-worker", name, "--schema", str(schema)),
-        *("--description", "refunds", "--timeout", f"{WORKER_TIMEOUT:g}"),
-    )
-    assert code == 0, err
-    user = topology.tool_user(name)
-    try:
-        yield Publisher(name, as_user(amqp_url, user, out.strip().splitlines()[-1]))
-    finally:
-        parts = urlsplit(amqp_url)
-        auth = (unquote(parts.username or "guest"), unquote(parts.password or "guest"))
-        async with httpx.AsyncClient(base_url=servers[2], auth=auth, timeout=30) as api:
-            await api.delete(f"/api/users/{quote(user, safe='')}")
 
 
 @pytest.fixture(scope="module")
@@ -100,38 +75,88 @@ def yoke_env(
 
 
 class Publisher:
-    """A bridge's RabbitMQ user made by ``yoke publisher create``."""
+    """A RabbitMQ user of the module's: a bridge's, or a worker tool's (its name the tool's)."""
 
     def __init__(self, name: str, url: str) -> None:
         self.name = name
         self.url = url
 
 
+class Registered:
+    """What an operator registered before the mesh started."""
+
+    def __init__(self, approver: Publisher, worker: Publisher, mcp_server: str) -> None:
+        self.approver = approver
+        self.worker = worker
+        self.mcp_server = mcp_server
+
+
+@pytest.fixture(scope="module")
+async def registered(
+    servers: tuple[str, str, str],
+    amqp_url: str,
+    yoke_env: dict[str, str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[Registered]:
+    """In one ``yoke`` process: a publisher made with ``yoke publisher create --can-approve``,
+    a worker tool (``yoke tools add-worker``) and the test MCP server over stdio (``yoke tools
+    add-mcp``). RabbitMQ users are per broker: each name is new, deleted after the module."""
+    schema = tmp_path_factory.mktemp("tool") / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"q": {"type": "string"}}}))
+    approver, worker, server = (f"{kind}{uuid.uuid4().hex[:10]}" for kind in "pwm")
+    mcp = shlex.join([sys.executable, "-m", "tests.support.mcp_server", "--transport", "stdio"])
+    users = [approver, topology.tool_user(worker)]
+    try:
+        code, outputs, err = await run_yoke_commands(
+            yoke_env,
+            [
+                ["publisher", "create", "--name", approver, "--can-approve"],
+                [
+                    *("tools", "add-worker", worker, "--schema", str(schema)),
+                    *("--description", "refunds", "--timeout", f"{WORKER_TIMEOUT:g}"),
+                ],
+                ["tools", "add-mcp", server, "--command", mcp],
+            ],
+        )
+        assert code == 0 and len(outputs) == 3, err
+        passwords = [output.strip().splitlines()[-1] for output in outputs[:2]]
+        yield Registered(
+            Publisher(approver, as_user(amqp_url, approver, passwords[0])),
+            Publisher(worker, as_user(amqp_url, topology.tool_user(worker), passwords[1])),
+            server,
+        )
+    finally:
+        await delete_users(servers[2], amqp_url, users)
+
+
+async def delete_users(management: str, amqp_url: str, users: list[str]) -> None:
+    parts = urlsplit(amqp_url)
+    auth = (unquote(parts.username or "guest"), unquote(parts.password or "guest"))
+    async with httpx.AsyncClient(base_url=management, auth=auth, timeout=30) as api:
+        for user in users:
+            await api.delete(f"/api/users/{quote(user, safe='')}")
+
+
 @pytest.fixture(scope="module")
 async def publishers(
-    servers: tuple[str, str, str], amqp_url: str, yoke_env: dict[str, str]
+    servers: tuple[str, str, str], amqp_url: str, registered: Registered
 ) -> AsyncIterator[dict[str, Publisher]]:
-    """``approver`` made with ``yoke publisher create --can-approve``, ``bridge`` as that
-    command makes one without it; deleted after the module (users are per broker, so each name
-    is new)."""
-    made: dict[str, Publisher] = {}
+    """``approver`` (made with --can-approve), and ``bridge``, made as ``yoke publisher
+    create`` makes one without it."""
+    name = f"p{uuid.uuid4().hex[:10]}"
+    password = await create_publisher(management_of(amqp_url, servers[2]), name)
     try:
-        name = f"p{uuid.uuid4().hex[:10]}"
-        code, out, err = await run_yoke(
-            yoke_env, "publisher", "create", "--name", name, "--can-approve"
-        )
-        assert code == 0, err
-        made["approver"] = Publisher(name, as_user(amqp_url, name, out.strip().splitlines()[-1]))
-        name = f"p{uuid.uuid4().hex[:10]}"
-        password = await create_publisher(management_of(amqp_url, servers[2]), name)
-        made["bridge"] = Publisher(name, as_user(amqp_url, name, password))
-        yield made
+        yield {
+            "approver": registered.approver,
+            "bridge": Publisher(name, as_user(amqp_url, name, password)),
+        }
     finally:
-        parts = urlsplit(amqp_url)
-        auth = (unquote(parts.username or "guest"), unquote(parts.password or "guest"))
-        async with httpx.AsyncClient(base_url=servers[2], auth=auth, timeout=30) as api:
-            for publisher in made.values():
-                await api.delete(f"/api/users/{quote(publisher.name, safe='')}")
+        await delete_users(servers[2], amqp_url, [name])
+
+
+@pytest.fixture(scope="module")
+def worker_tool(registered: Registered) -> Publisher:
+    return registered.worker
 
 
 @pytest.fixture(scope="module")
@@ -558,6 +583,48 @@ async def test_an_approved_worker_call_goes_to_its_worker_then_with_its_own_time
         assert len([line for line in worker.lines if line["event"] == "call"]) == 1
     finally:
         await worker.stop()
+
+
+async def test_an_approved_mcp_call_runs_through_its_server_gated_by_server_star(
+    mesh: Mesh,
+    registered: Registered,
+    store: Store,
+    poster: Poster,
+    client: Client,
+    operator: Client,
+    watch: Any,
+) -> None:
+    """``SERVER__*`` gates every tool of an MCP server; approved, the call goes to the server
+    (the test server over stdio, which the processor starts) and its answer is the result."""
+    server = registered.mcp_server
+
+    async def listed() -> bool:
+        entry = (await ToolCatalog(store).entries(fresh=True)).get(f"{server}__echo")
+        return entry is not None and entry.ready
+
+    await eventually(listed, timeout=60, what=f"{server}__echo in the catalog", interval=0.3)
+    forum = await create_forum(store, "approvals")
+    agent = await create_agent(store, "echoer")
+    script = [
+        ScriptedOutput(tool_calls=[ScriptedCall(name=f"{server}__echo", input={"text": "hi"})]),
+        ScriptedOutput(text=DONE),
+    ]
+    config = JoinConfig(
+        model="fixture-script",
+        tools=[f"{server}__*"],
+        script=script,
+        approval=ApprovalConfig(tools=[f"{server}__*"]),
+    )
+    join = await join_conversation(store, poster, agent.id, forum.id, config)
+    approvals = await watch(forum.id)
+    await say(client, forum.id, "echo hi")
+    requested = (await approvals.next("tool.approval.requested"))["payload"]
+    assert requested["tool"] == f"{server}__echo"
+    reply = await decide_as(operator, requested["callId"], "approve", "Ada")
+    assert reply.status == "accepted", reply
+    result = await ended_once(store, join.monologue_id, requested["callId"])
+    assert (result.output, result.is_error) == ("hi", False)
+    await lines_until(store, forum.id, lambda lines: texts(lines) == [DONE], timeout=WAIT)
 
 
 async def test_a_pending_approval_survives_every_service_restarting_and_runs_once(

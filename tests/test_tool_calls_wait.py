@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -34,6 +32,7 @@ import httpx
 import pytest
 
 from tests.support.broker import Management
+from tests.support.cli import run_yoke_commands
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
 from tests.support.worker_process import WorkerProcess, as_user
@@ -82,37 +81,6 @@ class Tool:
 @pytest.fixture(scope="module")
 def management(servers: tuple[str, str, str], amqp_url: str) -> Management:
     return Management(servers[2], amqp_url)
-
-
-# ``yoke`` commands one after the other in one process, each through the CLI's entry point, its
-# output followed by END: what ``yoke ARGS`` would do and print, without a start-up per command.
-END = "--- end of command ---"
-RUN_COMMANDS = f"""
-import json, sys
-from yoke.cli.main import main
-for argv in json.loads(sys.argv[1]):
-    main(argv)
-    print({END!r}, flush=True)
-"""
-
-
-async def run_yoke_commands(
-    env: dict[str, str], commands: list[list[str]]
-) -> tuple[int, list[str], str]:
-    """Exit code, each command's standard output, and the standard error of them all."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        RUN_COMMANDS,
-        json.dumps(commands),
-        env={**os.environ, **env},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), 180)
-    assert process.returncode is not None
-    outputs = out.decode(errors="replace").split(END + "\n")
-    return process.returncode, outputs[: len(commands)], err.decode(errors="replace")
 
 
 @pytest.fixture(scope="module")
