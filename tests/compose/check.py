@@ -565,7 +565,8 @@ def build_services(run: Run) -> str:
     a plain ``build``); all but the first are the same layers, from the build cache."""
     started = time.monotonic()
     run.compose("build", timeout=1800)
-    run.compose("build", "cli", timeout=1800)
+    if "cli" in compose_config(run)["services"]:
+        run.compose("build", "cli", timeout=1800)
     images = run.docker(
         "images", "--format", "{{.Repository}} {{.ID}}", "--filter", f"reference={PROJECT}_*"
     ).splitlines()
