@@ -128,7 +128,7 @@ class Run:
         return {**os.environ, "DOCKER_HOST": self.engine.host, "COMPOSE_DOCKER_CLI_BUILD": "0"}
 
     def docker(self, *args: str, check: bool = True, timeout: float = 600) -> str:
-        return run_command(["docker", *args], self.docker_env(), check=check, timeout=timeout)
+        return run_command([docker_cli(), *args], self.docker_env(), check=check, timeout=timeout)
 
     def compose(self, *args: str, check: bool = True, timeout: float = 900) -> str:
         files = [
@@ -228,10 +228,15 @@ def poll(what: str, probe: Callable[[], T | None], deadline: float, every: float
 # --- the engine ----------------------------------------------------------------------------
 
 
+def docker_cli() -> str:
+    """Debian's docker client, of the same release as its dockerd, before any other on PATH."""
+    return "/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker"
+
+
 def engine_answers(host: str) -> bool:
     env = {**os.environ, "DOCKER_HOST": host}
     try:
-        run_command(["docker", "version", "--format", "{{.Server.Version}}"], env, timeout=20)
+        run_command([docker_cli(), "version", "--format", "{{.Server.Version}}"], env, timeout=20)
         return True
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, FileNotFoundError):
         return False
@@ -335,7 +340,7 @@ def ensure_base(run: Run) -> str:
         made = "debootstrap --variant=minbase bookworm"
     with tarball.open("rb") as data:
         subprocess.run(
-            ["docker", "import", "-", BASE_IMAGE],
+            [docker_cli(), "import", "-", BASE_IMAGE],
             stdin=data,
             env=run.docker_env(),
             check=True,
@@ -468,7 +473,7 @@ def check_build_context(run: Run) -> str:
     try:
         dockerfile = f"FROM {BASE_IMAGE}\nCOPY . /context\nRUN du -sk /context && ls -A /context\n"
         done = subprocess.run(
-            ["docker", "build", "--no-cache", "-f", "-", str(run.root)],
+            [docker_cli(), "build", "--no-cache", "-f", "-", str(run.root)],
             input=dockerfile,
             env=run.docker_env(),
             capture_output=True,
