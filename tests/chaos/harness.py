@@ -209,6 +209,12 @@ class Run:
         await self._final_checks()
         self._unexpected_exits()
         forums = {forum_id: await self.store.history(forum_id) for forum_id in forum_ids}
+        for record in self.records:
+            if record.recovered is None and (late := self._recovered_at(record, load, answers)):
+                self.notes.append(
+                    f"after '{record.what}' a line typed since was first answered "
+                    f"{late - record.ended:.1f} s after it ended"
+                )
         if load.errors:
             self.notes.append(f"submit attempts that failed (retried): {load.errors}")
         if answers.poll_errors:
@@ -281,9 +287,12 @@ class Run:
                 return record.recovered is not None
 
             if not await self._wait(flowing, self.plan.recovery_timeout):
+                since = [line for line in load.lines if line.first_try >= record.ended]
+                accepted = sum(line.accepted_at is not None for line in since)
                 self.problems.append(
                     f"after '{what}': no line typed since was answered within "
-                    f"{self.plan.recovery_timeout:.0f} s; injected no further faults"
+                    f"{self.plan.recovery_timeout:.0f} s ({len(since)} typed, {accepted} "
+                    "accepted by the door); injected no further faults"
                 )
                 self._unhealthy(f"after '{what}'", await self.mesh.health(), quiet_ok=True)
                 await self._report_consumers(0, f"after '{what}'")
