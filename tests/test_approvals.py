@@ -2,9 +2,11 @@
 store for a person's decision, which comes through the one door (``tool.approval.submit``)
 whether a bridge's publisher, the CLI or the HTTP gateway sends it.
 
-Agents here call the built-in ``calculator`` (so an approved call runs in the processor that
-owns the conversation, in its lane); the ``fixture-script`` model plays each join's steps, and
-the fake OpenAI server is the model of the test that checks what the model is shown.
+Agents here mostly call the built-in ``calculator`` (so an approved call runs in the processor
+that owns the conversation, in its lane); one calls a worker tool served by the pika worker and
+one the test MCP server, each gated. The ``fixture-script`` model plays each join's steps, and
+the fake OpenAI server is the model of the test that checks what the model is shown. A pending
+approval across a restart of every service and of RabbitMQ: tests/test_approvals_restart.py.
 """
 
 from __future__ import annotations
@@ -16,44 +18,50 @@ import sys
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
 import aio_pika
 import httpx
 import pytest
 
+from tests.support.approvals import (
+    DONE,
+    WAIT,
+    decide_as,
+    ended_once,
+    gated_join,
+    results,
+    still_pending,
+    sums,
+    texts,
+)
 from tests.support.cli import run_yoke, run_yoke_commands
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env
-from tests.support.mesh import Mesh, agent_lines, lines_until, say
+from tests.support.mesh import Mesh, lines_until, say
 from tests.support.processes import eventually
 from tests.support.worker_process import WorkerProcess, as_user
 from yoke import topology
 from yoke.cli.base import UsageError
 from yoke.cli.main import join_config_of, parser
 from yoke.cli.publishers import create_publisher, management_of
-from yoke.cli.supervisor import SERVICES
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import Message, SubmitReply, ToolResultPart
-from yoke.runtime.approvals import amqp_user, pending_approvals
+from yoke.models import Message
+from yoke.runtime.approvals import pending_approvals
 from yoke.runtime.catalog import ToolCatalog
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.open_calls import (
     TOOL_CALL_DECISIONS_COLLECTION,
-    TOOL_CALL_ENDS_COLLECTION,
     TOOL_CALLS_COLLECTION,
-    result_line_id,
 )
 from yoke.runtime.posting import Poster
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow
 
-WAIT = 30.0  # the most any step of a test may take on a loaded machine
 WORKER_TIMEOUT = 120.0  # the worker tool's own timeout
-DONE = "the sums are done"
 
 
 @pytest.fixture(scope="module")
@@ -166,24 +174,6 @@ async def operator(amqp_url: str, mesh: Mesh) -> AsyncIterator[Client]:
         yield client
 
 
-async def decide_as(
-    operator: Client,
-    call_id: str,
-    decision: Literal["approve", "reject"],
-    name: str,
-    reason: str | None = None,
-) -> SubmitReply:
-    """What ``yoke approve/reject CALL_ID --as NAME`` publishes, from this process."""
-    return await operator.decide(
-        call_id,
-        decision,
-        external_id=f"cli:{name}",
-        display_name=name,
-        reason=reason,
-        user_id=amqp_user(operator.amqp_url),
-    )
-
-
 @pytest.fixture(scope="module")
 async def approver(publishers: dict[str, Publisher]) -> AsyncIterator[Client]:
     async with Client(publishers["approver"].url) as client:
@@ -231,69 +221,6 @@ async def watch(
         yield bind
     finally:
         await connection.close()
-
-
-def sums(*expressions: str, then: str = DONE) -> list[ScriptedOutput]:
-    """One round calling the calculator once per expression, then ``then``, then an echo."""
-    calls = [ScriptedCall(name="calculator", input={"expression": e}) for e in expressions]
-    return [ScriptedOutput(tool_calls=calls), ScriptedOutput(text=then), ScriptedOutput(text="ok")]
-
-
-async def gated_join(
-    store: Store,
-    poster: Poster,
-    *,
-    model: str = "fixture-script",
-    script: list[ScriptedOutput] | None = None,
-    timeout: float = 3600,
-    tool: str = "calculator",
-) -> tuple[str, str, str]:
-    """A forum whose agent's calls of ``tool`` wait for approval: (forum, agent, monologue)."""
-    forum = await create_forum(store, "approvals")
-    agent = await create_agent(store, "accountant")
-    config = JoinConfig(
-        model=model,
-        tools=[tool],
-        script=script,
-        approval=ApprovalConfig(tools=[tool], timeout_seconds=timeout),
-    )
-    join = await join_conversation(store, poster, agent.id, forum.id, config)
-    return forum.id, agent.id, join.monologue_id
-
-
-def results(lines: list[Message]) -> list[ToolResultPart]:
-    return [part for line in lines for part in line.parts if isinstance(part, ToolResultPart)]
-
-
-def texts(lines: list[Message]) -> list[str]:
-    return [line.text for line in agent_lines(lines) if line.type == "message" and line.text]
-
-
-async def ended_once(store: Store, monologue_id: str, call_id: str) -> ToolResultPart:
-    """The call's one result line (the id derived from it), once its end is recorded."""
-    line = await wait_for_message(store, result_line_id(call_id))
-    assert line.conversation_id == monologue_id
-    assert await store.db[TOOL_CALL_ENDS_COLLECTION].count_documents({"_id": call_id}) == 1
-    [result] = results([line])
-    return result
-
-
-async def wait_for_message(store: Store, message_id: str) -> Message:
-    found: Message | None = None
-
-    async def written() -> bool:
-        nonlocal found
-        found = await store.get_message(message_id)
-        return found is not None
-
-    await eventually(written, timeout=WAIT, what=f"message {message_id}")
-    assert found is not None
-    return found
-
-
-async def still_pending(store: Store, call_id: str) -> bool:
-    call = await store.db[TOOL_CALLS_COLLECTION].find_one({"_id": call_id})
-    return call is not None and call["state"] == "awaiting_approval"
 
 
 async def test_a_can_approve_publisher_approves_over_amqp_and_others_are_refused(
@@ -625,41 +552,6 @@ async def test_an_approved_mcp_call_runs_through_its_server_gated_by_server_star
     result = await ended_once(store, join.monologue_id, requested["callId"])
     assert (result.output, result.is_error) == ("hi", False)
     await lines_until(store, forum.id, lambda lines: texts(lines) == [DONE], timeout=WAIT)
-
-
-async def test_a_pending_approval_survives_every_service_restarting_and_runs_once(
-    mesh: Mesh, store: Store, poster: Poster, client: Client, operator: Client, watch: Any
-) -> None:
-    forum_id, _, monologue_id = await gated_join(store, poster, script=sums("7*6+1"))
-    approvals = await watch(forum_id)
-    await say(client, forum_id, "seven times six plus one?")
-    call_id = (await approvals.next("tool.approval.requested"))["payload"]["callId"]
-
-    processes = list(mesh.processes.values())
-    codes = await asyncio.gather(*(asyncio.to_thread(process.stop) for process in processes))
-    assert codes == [0] * len(processes)
-    assert await still_pending(store, call_id)
-    started = [mesh.start(name) for name in SERVICES]
-    for process in started:
-        await process.wait_healthy(timeout=120)
-    assert [p.call_id for p in await pending_approvals(store, forum_id)] == [call_id]
-
-    reply = await decide_as(operator, call_id, "approve", "Ada")
-    assert reply.status == "accepted", reply
-    result = await ended_once(store, monologue_id, call_id)
-    assert result.output == "43"
-    await lines_until(store, forum_id, lambda lines: texts(lines) == [DONE], timeout=WAIT)
-    await say(client, forum_id, "thanks")
-    await lines_until(store, forum_id, lambda lines: len(texts(lines)) == 2, timeout=WAIT)
-    # Ran once: by the restarted processor, whose counters began at its start.
-    metrics = await mesh.processes["processor"].metrics()
-    ran = [
-        line
-        for line in metrics.splitlines()
-        if line.startswith("yoke_tool_calls_total{") and 'tool="calculator"' in line
-    ]
-    assert sum(float(line.rsplit(" ", 1)[1]) for line in ran) == 1.0, ran
-    assert results(await store.history(monologue_id)) == [result]
 
 
 @pytest.mark.parametrize(
