@@ -361,8 +361,7 @@ def asyncapi_document() -> dict[str, Any]:
             "submitApproval": {
                 "action": "receive",
                 "channel": {"$ref": "#/channels/approvals"},
-                "summary": "A person approves or rejects a gated call; the first decision "
-                "stands.",
+                "summary": "A person approves or rejects a gated call; the first decision stands.",
                 "reply": {"channel": {"$ref": "#/channels/replies"}},
             },
             "publishForum": {"action": "send", "channel": {"$ref": "#/channels/forum"}},
