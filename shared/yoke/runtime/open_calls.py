@@ -309,6 +309,8 @@ class OpenCalls:
         The request is published again on a redelivered step (the store is the truth; the
         event's id is derived, so readers take it once)."""
         assert call.awaiting_approval and call.forum_id and call.agent_actor_id
+        if await self.get_end(call.id) is not None:
+            return  # a redelivered step of a call decided and ended since: not asked again
         if await self.open(call):
             APPROVALS_REQUESTED.labels(tool_label(call.tool)).inc()
         else:  # asked before: the deadline is the one it was given then, if still waiting
