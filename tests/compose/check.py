@@ -252,9 +252,19 @@ def install_engine() -> str:
     if missing:
         if os.geteuid() != 0 or shutil.which("apt-get") is None:
             raise CheckFailed(f"needs {', '.join(missing)}: run as root on Debian")
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        run_command(["apt-get", "install", "-y", "-q", *missing], env, timeout=900)
+        apt_install(missing)
     return ", ".join(missing)
+
+
+def apt_install(packages: list[str]) -> None:
+    """Debian's packages; the package lists are fetched first only if the install needs them."""
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", *packages]
+    try:
+        run_command(install, env, timeout=900)
+    except subprocess.CalledProcessError:
+        run_command(["apt-get", "update", "-q"], env, timeout=900)
+        run_command(install, env, timeout=900)
 
 
 def start_dockerd() -> None:
@@ -325,8 +335,7 @@ def ensure_base(run: Run) -> str:
     made = "from the cached tarball"
     if not tarball.exists():
         if shutil.which("debootstrap") is None:
-            install = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-            run_command(["apt-get", "install", "-y", "-q", "debootstrap"], install, timeout=600)
+            apt_install(["debootstrap"])
         rootfs = CACHE / "rootfs.tmp"
         shutil.rmtree(rootfs, ignore_errors=True)
         run_command(
