@@ -120,6 +120,32 @@ async def test_the_step_itself_cancelled_is_not_taken_for_an_interrupt() -> None
     assert seen == [False]
 
 
+async def test_a_line_arriving_before_the_call_is_registered_still_interrupts_it() -> None:
+    """The step reads its window, then starts the call: a line in between is not lost."""
+    registry = InFlight()
+    registry.interrupt(line(7))  # the lane is busy, no call yet
+    covering = asyncio.ensure_future(forever())
+    # A step whose prompt holds it (its own, say) is not cancelled by it.
+    with registry.track(CONVERSATION, covering, trigger_seq=6, covered_seq=7, interruptible=True):
+        await asyncio.sleep(0)
+        assert not covering.done()
+    covering.cancel()
+    registry.interrupt(line(9))
+    task = asyncio.ensure_future(forever())
+    with registry.track(
+        CONVERSATION, task, trigger_seq=8, covered_seq=8, interruptible=True
+    ) as call:
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert call.cancelled == ("interrupt", line(9))
+    registry.interrupt(line(11))
+    queued = asyncio.ensure_future(forever())
+    with registry.track(CONVERSATION, queued, trigger_seq=10, covered_seq=10, interruptible=False):
+        await asyncio.sleep(0)
+        assert not queued.done()  # under queue and coalesce nothing interrupts
+    queued.cancel()
+
+
 def test_stops_are_bounded() -> None:
     registry = InFlight(max_stops=2)
     for conversation in ("a", "b", "c"):

@@ -32,7 +32,8 @@ from yoke.lru import LRUCache
 log = logging.getLogger(__name__)
 
 CancelReason = Literal["interrupt", "stop"]
-# Stops remembered, one per conversation: a stop matters only until its own step has run.
+# Stops remembered, one per conversation: a stop matters only until its own step has run. As
+# many people's lines that came while no call was registered yet (the step reading its window).
 MAX_STOPS = 10_000
 
 
@@ -95,6 +96,7 @@ class InFlight:
     def __init__(self, max_stops: int = MAX_STOPS) -> None:
         self._calls: dict[str, ModelCall] = {}
         self._stops: LRUCache[str, Arrival] = LRUCache(max_stops)
+        self._early: LRUCache[str, Arrival] = LRUCache(max_stops)
 
     @contextlib.contextmanager
     def track(
@@ -108,13 +110,18 @@ class InFlight:
     ) -> Iterator[ModelCall]:
         """Register ``task`` (the model call) as the conversation's call in flight while inside.
 
-        A stop that arrived for a later line before the call even started cancels it at once.
+        A stop for a later line, or a person's line the prompt does not hold, that arrived
+        while the step was getting ready (its lane busy, no call registered yet) cancels it at
+        once. A line remembered so is never stale: the step that answers it reads past it.
         """
         call = ModelCall(conversation_id, trigger_seq, covered_seq, interruptible, task)
         self._calls[conversation_id] = call
         stop = self.stop_after(conversation_id, trigger_seq)
+        early = self._early.pop(conversation_id, None)
         if stop is not None:
             call._cancel("stop", stop)
+        elif interruptible and early is not None and early.seq > covered_seq:
+            call._cancel("interrupt", early)
         try:
             yield call
         finally:
@@ -127,7 +134,12 @@ class InFlight:
     def interrupt(self, arrival: Arrival) -> bool:
         """A person's line arrived: cancel the interruptible call that has not seen it."""
         call = self._calls.get(arrival.conversation_id)
-        if call is None or not call.interruptible or arrival.seq <= call.covered_seq:
+        if call is None:
+            known = self._early.get(arrival.conversation_id)
+            if known is None or known.seq < arrival.seq:
+                self._early[arrival.conversation_id] = arrival
+            return False
+        if not call.interruptible or arrival.seq <= call.covered_seq:
             return False
         cancelled = call._cancel("interrupt", arrival)
         if cancelled:
