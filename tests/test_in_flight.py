@@ -1,4 +1,5 @@
-"""The registry of model calls in flight (yoke.runtime.in_flight): who may cancel what.
+"""The registry of model calls in flight (yoke.runtime.in_flight): who may cancel what, and
+which lines the processor tells it of.
 
 Pure logic over asyncio tasks; the mesh-level behaviour is in tests/test_while_busy.py.
 """
@@ -9,6 +10,8 @@ import asyncio
 
 import pytest
 
+from services.processor.app import is_person_line, is_stop_line
+from yoke.models import Message, MessageMeta, TextPart, ToolResultPart
 from yoke.runtime.in_flight import Arrival, InFlight, cancelled_here
 
 CONVERSATION = "m1"
@@ -152,3 +155,41 @@ def test_stops_are_bounded() -> None:
         registry.stop(Arrival(conversation, 5, "stop", "bob"))
     assert registry.stop_after("a", 1) is None
     assert registry.stop_after("c", 1) is not None
+
+
+def copied(text: str, **meta: object) -> Message:
+    """A monologue line as ingestion copies it from the forum (a person's, by default)."""
+    fields: dict[str, object] = {
+        "source_conversation_id": "forum",
+        "source_message_id": "forum-line",
+        "agent_hops": 0,
+        **meta,
+    }
+    return Message(
+        id="line",
+        conversation_id=CONVERSATION,
+        seq=4,
+        author_actor_id="shadow",
+        role="user",
+        parts=[TextPart(text=text)],
+        meta=MessageMeta.model_validate(fields),
+    )
+
+
+def test_only_a_persons_line_may_interrupt_and_only_a_persons_stop_stops() -> None:
+    assert is_person_line(copied("hello")) and not is_stop_line(copied("hello"))
+    assert is_stop_line(copied("/stop")) and is_stop_line(copied("  /stop now "))
+    assert not is_stop_line(copied("/stopwatch"))
+    # Another agent's line in the forum, a nudge or steering, context a compaction carried,
+    # a line the mesh wrote itself: none of them is a person's.
+    for line in (
+        copied("/stop", agent_hops=1),
+        copied("/stop", instruction="follow-up"),
+        copied("/stop", carried_from="old-monologue"),
+        copied("/stop", source_message_id=None),
+    ):
+        assert not is_person_line(line) and not is_stop_line(line)
+    results = copied("done").model_copy(
+        update={"parts": [ToolResultPart(call_id="c", name="clock", output="now")]}
+    )
+    assert not is_person_line(results)
