@@ -370,6 +370,30 @@ async def test_a_rejection_is_the_error_result_the_model_is_shown_and_a_waiting_
     assert [line.type for line in forum].count("notice") == 1
 
 
+async def test_a_stop_in_the_forum_ends_a_pending_approval_and_says_so(
+    mesh: Mesh,
+    store: Store,
+    poster: Poster,
+    client: Client,
+    operator: Client,
+    watch: Any,
+) -> None:
+    forum_id, _, monologue_id = await gated_join(store, poster, script=sums("8*8"))
+    approvals = await watch(forum_id)
+    await say(client, forum_id, "eight squared?", who="Ada")
+    call_id = (await approvals.next("tool.approval.requested"))["payload"]["callId"]
+
+    await say(client, forum_id, "/stop", who="Ada")
+    decided = (await approvals.next("tool.approval.decided"))["payload"]
+    assert (decided["callId"], decided["decision"]) == (call_id, "stopped")
+    assert decided["by"]["displayName"] == "Ada"
+    result = await ended_once(store, monologue_id, call_id)
+    assert (result.output, result.is_error) == ("stopped by Ada", True)
+    assert await pending_approvals(store, forum_id) == []
+    late = await decide_as(operator, call_id, "approve", "Bo")
+    assert (late.status, late.code) == ("rejected", "already_decided"), late
+
+
 async def test_no_decision_by_the_deadline_ends_the_call_and_a_late_decision_is_refused(
     mesh: Mesh,
     store: Store,
