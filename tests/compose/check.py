@@ -359,12 +359,16 @@ def ensure_base(run: Run) -> str:
 
 
 def debian_mirror() -> str:
-    """The mirror this host's apt uses (so the base installs from where the host does)."""
-    for path in [Path("/etc/apt/sources.list"), *Path("/etc/apt/sources.list.d").glob("*")]:
+    """The Debian archive this host's apt uses (so the base comes from where the host's
+    packages do): a ``URIs:`` or ``deb`` line's address ending in /debian, comments skipped."""
+    for path in [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]:
         with contextlib.suppress(OSError):
-            found = re.search(r"(https?://\S+/debian)\b(?!-)", path.read_text())
-            if found:
-                return found.group(1)
+            for line in path.read_text().splitlines():
+                found = re.match(
+                    r"\s*(?:URIs:|deb(?:\s+\[[^]]*\])?)\s+(\S+/debian)/?\s*(?:\s|$)", line
+                )
+                if found:
+                    return found.group(1)
     return "http://deb.debian.org/debian"
 
 
