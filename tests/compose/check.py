@@ -256,6 +256,10 @@ def install_engine() -> str:
     return ", ".join(missing)
 
 
+# The dockerd this process started, if any: it is reaped when it stops.
+started_dockerd: subprocess.Popen[bytes] | None = None
+
+
 def apt_install(packages: list[str]) -> None:
     """Debian's packages; the package lists are fetched first only if the install needs them."""
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
@@ -271,7 +275,8 @@ def start_dockerd() -> None:
     RUN_DIR.mkdir(parents=True, exist_ok=True)
     (CACHE / "docker").mkdir(parents=True, exist_ok=True)
     log = (CACHE / "dockerd.log").open("ab")
-    subprocess.Popen(
+    global started_dockerd
+    started_dockerd = subprocess.Popen(
         [
             "dockerd",
             f"--data-root={CACHE / 'docker'}",
@@ -296,6 +301,9 @@ def stop_dockerd() -> None:
         os.kill(pid, signal.SIGTERM)
 
     def gone() -> bool | None:
+        if started_dockerd is not None and started_dockerd.pid == pid:
+            # Our own child: reaped here (a zombie would still answer kill(pid, 0)).
+            return True if started_dockerd.poll() is not None else None
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
