@@ -113,7 +113,9 @@ class Run:
             ok: bool | None = True
         except Skipped as skipped:
             note, ok = str(skipped), None
-        except (CheckFailed, subprocess.CalledProcessError, httpx.HTTPError) as error:
+        except Aborted:
+            raise
+        except Exception as error:  # any failure is this step's, with what it said
             note, ok = describe(error), False
         row = Row(name, ok, time.monotonic() - start, note)
         self.rows.append(row)
@@ -186,7 +188,9 @@ def describe(error: BaseException) -> str:
     if isinstance(error, subprocess.CalledProcessError):
         said = (error.stderr or error.stdout or "").strip().splitlines()
         return f"exit {error.returncode}: {' | '.join(said[-3:])[:300]}"
-    return str(error)[:400]
+    if isinstance(error, CheckFailed):
+        return str(error)[:400]
+    return f"{type(error).__name__}: {error}"[:400]
 
 
 def verdict(row: Row) -> str:
@@ -311,6 +315,11 @@ def stop_dockerd() -> None:
         return None
 
     poll("dockerd stops", gone, 120, 0.5)
+
+
+def stop_own_dockerd() -> str:
+    stop_dockerd()
+    return "stopped (its data stays in the cache)"
 
 
 def find_engine() -> Engine:
@@ -972,8 +981,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if not run.step("down -v: nothing left", lambda: down(run)):
                 failed = True
-            if engine.started_now:
-                stop_dockerd()
+            if engine.started_now:  # as it found the machine: no engine of its own left running
+                run.step("stop its dockerd", stop_own_dockerd)
     failed = failed or any(row.ok is False for row in rows)
     print(table(rows, time.monotonic() - started))
     print("compose-check: " + ("FAILED" if failed else "all checks passed"))
