@@ -92,6 +92,7 @@ class Engine:
     host: str  # a DOCKER_HOST value
     ours: bool  # started by this check (so it may restart it)
     started_now: bool = False
+    installed: str = ""  # the Debian packages this run installed for it
 
 
 @dataclass
@@ -331,9 +332,9 @@ def find_engine() -> Engine:
         return Engine(ours, ours=True)
     if not given and engine_answers("unix:///var/run/docker.sock"):
         return Engine("unix:///var/run/docker.sock", ours=False)
-    install_engine()
+    installed = install_engine()
     start_dockerd()
-    return Engine(ours, ours=True, started_now=True)
+    return Engine(ours, ours=True, started_now=True, installed=installed)
 
 
 # --- images --------------------------------------------------------------------------------
@@ -948,6 +949,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[compose-check] no Docker engine: {error}", file=sys.stderr)
         return 1
     how = "started (its data under the cache)" if engine.started_now else "already answering"
+    if engine.installed:
+        how = f"{engine.installed} installed, {how}"
     rows.append(Row("engine", True, time.monotonic() - engine_row_start, f"{engine.host}: {how}"))
     failed = False
     with env_file() as path:
