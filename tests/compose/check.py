@@ -775,7 +775,14 @@ def daemon_restart(run: Run) -> str:
     stop_dockerd()
     start_dockerd()
     # No compose command from here on: only the restart policies bring the mesh back.
-    note = wait_all_healthy(run, 300)
+    try:
+        note = wait_all_healthy(run, 300)
+    except CheckFailed:
+        # The failure is this step's; `up -d` (the manual repair) lets the later steps check
+        # what they are for.
+        run.compose("up", "-d", check=False)
+        wait_all_healthy(run, 300)
+        raise
     gateway_turn(run)
     return f"dockerd stopped and started; by themselves: {note}; a gateway turn after"
 
