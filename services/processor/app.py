@@ -163,7 +163,7 @@ async def step(context: Context, trigger: Message) -> None:
             extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
         )
         return
-    if answered_already(context.state, trigger):
+    if answered_already(context.config, context.state, trigger):
         log.info(
             "not answering: an earlier step answered this line with the lines before it",
             extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
@@ -185,7 +185,7 @@ async def step(context: Context, trigger: Message) -> None:
 
 async def answer_tool_results(context: Context, trigger: Message) -> None:
     """Infer once on the results, answering too any line that arrived while the tools ran."""
-    if answered_already(context.state, trigger):
+    if answered_already(context.config, context.state, trigger):
         log.info(
             "not answering: an earlier step answered these results with the lines around them",
             extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
@@ -290,9 +290,16 @@ async def step_window(context: Context, trigger: Message) -> list[Message]:
     )
 
 
-def answered_already(state: ProcessorState, line: Message) -> bool:
-    """Whether a model call was shown ``line`` already, as one of a burst it answered."""
-    return state.answered is not None and state.answered.covers(line)
+def answered_already(config: ProcessorConfig, state: ProcessorState, line: Message) -> bool:
+    """Whether ``line`` is not to be answered: a person's ``/stop`` came after it, or (under
+    ``coalesce`` and ``interrupt``) a model call was shown it as one of a burst it answered.
+    Under ``queue`` every line is answered on its own, so a line set aside and replayed after
+    later lines were answered is still answered."""
+    if state.stopped is not None and state.stopped.covers(line):
+        return True
+    return (
+        config.while_busy != "queue" and state.answered is not None and state.answered.covers(line)
+    )
 
 
 def answered_through(answered: Progress | None, line: Message) -> int:
