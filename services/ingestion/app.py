@@ -222,18 +222,19 @@ class Door:
         return SubmitReply(status="accepted", message_id=stored.id, duplicate=not created)
 
 
-class ToolResultDoor:
-    """Takes a worker's answer (``tool.result.submit``) to a call that waits in the store.
+class CallDoor:
+    """A command about one call that waits in the store, keyed by its ``callId`` (two commands
+    on one call meet in one lane) and answered on its ``reply_to``.
 
-    Who answers is the RabbitMQ user that published it, which the broker verified (``user_id``)
-    and the command router passed on: the answer must come from the user of the call's tool.
+    Who sent it is the RabbitMQ user that published it, which the broker verified (``user_id``)
+    and the command router passed on; :meth:`submit` decides what that user may do.
     """
+
+    what = "command"
+    max_body_bytes = 16_384
 
     def __init__(self, service: Service) -> None:
         self.service = service
-        self.open_calls = OpenCalls(service.store, service.poster)
-        self.max_text_bytes = service.settings.max_text_bytes
-        self.max_body_bytes = self.max_text_bytes * 2 + 4096
 
     def key(self, message: AbstractIncomingMessage) -> str:
         return command_key(message, self.max_body_bytes, "callId")
@@ -244,7 +245,8 @@ class ToolResultDoor:
         COMMANDS.labels("duplicate" if reply.duplicate else reply.status).inc()
         if reply.status == "rejected":
             log.warning(
-                "rejected tool result from %s: %s",
+                "rejected %s from %s: %s",
+                self.what,
                 user or "an unnamed publisher",
                 reply.error,
                 extra={"messageId": message.message_id},
@@ -255,6 +257,22 @@ class ToolResultDoor:
                 message.correlation_id,
                 reply.model_dump_json(exclude_none=True).encode(),
             )
+
+    async def submit(self, body: bytes, user: str | None) -> SubmitReply:
+        raise NotImplementedError
+
+
+class ToolResultDoor(CallDoor):
+    """Takes a worker's answer (``tool.result.submit``): it must come from the user of the
+    call's tool."""
+
+    what = "tool result"
+
+    def __init__(self, service: Service) -> None:
+        super().__init__(service)
+        self.open_calls = OpenCalls(service.store, service.poster)
+        self.max_text_bytes = service.settings.max_text_bytes
+        self.max_body_bytes = self.max_text_bytes * 2 + 4096
 
     async def submit(self, body: bytes, user: str | None) -> SubmitReply:
         answer = parse_command(body, self.max_body_bytes, SubmitToolResult)
@@ -269,42 +287,18 @@ class ToolResultDoor:
         return await self.open_calls.answer(answer.call_id, user, answer.output, answer.is_error)
 
 
-class ApprovalDoor:
-    """Takes a person's decision (``tool.approval.submit``) on a call awaiting approval.
+class ApprovalDoor(CallDoor):
+    """Takes a person's decision (``tool.approval.submit``) on a call awaiting approval: from
+    the mesh's own user (the CLI, the HTTP gateway, each naming its person in ``by``) or a
+    publisher made with ``yoke publisher create --can-approve``; the first decision wins."""
 
-    Who may decide is the RabbitMQ user that published it, as RabbitMQ verified it: the mesh's
-    own (the CLI, the HTTP gateway, each naming its person in ``by``) or a publisher made with
-    ``yoke publisher create --can-approve``. Keyed by ``callId``, so two decisions on one call
-    meet in one lane, and the first insert wins anyway.
-    """
+    what = "approval decision"
 
     def __init__(self, service: Service) -> None:
-        self.service = service
+        super().__init__(service)
         self.approvals = Approvals(
             OpenCalls(service.store, service.poster), amqp_user(service.settings.amqp_url)
         )
-        self.max_body_bytes = 16_384
-
-    def key(self, message: AbstractIncomingMessage) -> str:
-        return command_key(message, self.max_body_bytes, "callId")
-
-    async def handle(self, message: AbstractIncomingMessage) -> None:
-        user = (message.headers or {}).get(topology.USER_HEADER)
-        reply = await self.submit(message.body, str(user) if user else None)
-        COMMANDS.labels("duplicate" if reply.duplicate else reply.status).inc()
-        if reply.status == "rejected":
-            log.warning(
-                "rejected approval decision from %s: %s",
-                user or "an unnamed publisher",
-                reply.error,
-                extra={"messageId": message.message_id},
-            )
-        if message.reply_to:
-            await self.service.bus.reply(
-                message.reply_to,
-                message.correlation_id,
-                reply.model_dump_json(exclude_none=True).encode(),
-            )
 
     async def submit(self, body: bytes, user: str | None) -> SubmitReply:
         decision = parse_command(body, self.max_body_bytes, SubmitApproval)
