@@ -76,6 +76,16 @@ def _component_schemas() -> dict[str, Any]:
     return schemas
 
 
+def _topic_binding(exchange: str) -> dict[str, Any]:
+    """The AMQP binding of a channel on one of the mesh's durable topic exchanges."""
+    return {
+        "amqp": {
+            "is": "routingKey",
+            "exchange": {"name": exchange, "type": "topic", "durable": True},
+        }
+    }
+
+
 def _message(name: str, schema: str, summary: str) -> dict[str, Any]:
     return {
         "name": name,
@@ -174,16 +184,7 @@ def asyncapi_document() -> dict[str, Any]:
                 "address": topology.SUBMIT_COMMAND,
                 "description": f"Topic exchange {topology.COMMANDS_EXCHANGE}.",
                 "messages": {"submitMessage": {"$ref": "#/components/messages/submitMessage"}},
-                "bindings": {
-                    "amqp": {
-                        "is": "routingKey",
-                        "exchange": {
-                            "name": topology.COMMANDS_EXCHANGE,
-                            "type": "topic",
-                            "durable": True,
-                        },
-                    }
-                },
+                "bindings": _topic_binding(topology.COMMANDS_EXCHANGE),
             },
             "replies": {
                 "address": None,
@@ -203,16 +204,7 @@ def asyncapi_document() -> dict[str, Any]:
                     _key(event): {"$ref": f"#/components/messages/{_key(event)}"}
                     for event in FORUM_EVENTS
                 },
-                "bindings": {
-                    "amqp": {
-                        "is": "routingKey",
-                        "exchange": {
-                            "name": topology.FORUM_EXCHANGE,
-                            "type": "topic",
-                            "durable": True,
-                        },
-                    }
-                },
+                "bindings": _topic_binding(topology.FORUM_EXCHANGE),
             },
             "forumDeltas": {
                 "address": topology.routing_key(AgentDelta.TYPE, "{forumId}"),
@@ -224,16 +216,7 @@ def asyncapi_document() -> dict[str, Any]:
                 "messages": {
                     _key(AgentDelta): {"$ref": f"#/components/messages/{_key(AgentDelta)}"}
                 },
-                "bindings": {
-                    "amqp": {
-                        "is": "routingKey",
-                        "exchange": {
-                            "name": topology.FORUM_EXCHANGE,
-                            "type": "topic",
-                            "durable": True,
-                        },
-                    }
-                },
+                "bindings": _topic_binding(topology.FORUM_EXCHANGE),
             },
             "toolCalls": {
                 "address": topology.tool_queue("{tool}"),
@@ -265,16 +248,7 @@ def asyncapi_document() -> dict[str, Any]:
                 "messages": {
                     "submitToolResult": {"$ref": "#/components/messages/submitToolResult"}
                 },
-                "bindings": {
-                    "amqp": {
-                        "is": "routingKey",
-                        "exchange": {
-                            "name": topology.COMMANDS_EXCHANGE,
-                            "type": "topic",
-                            "durable": True,
-                        },
-                    }
-                },
+                "bindings": _topic_binding(topology.COMMANDS_EXCHANGE),
             },
             "forumApprovals": {
                 "address": "{eventType}.{forumId}",
@@ -286,32 +260,14 @@ def asyncapi_document() -> dict[str, Any]:
                     _key(event): {"$ref": f"#/components/messages/{_key(event)}"}
                     for event in APPROVAL_EVENTS
                 },
-                "bindings": {
-                    "amqp": {
-                        "is": "routingKey",
-                        "exchange": {
-                            "name": topology.FORUM_EXCHANGE,
-                            "type": "topic",
-                            "durable": True,
-                        },
-                    }
-                },
+                "bindings": _topic_binding(topology.FORUM_EXCHANGE),
             },
             "approvals": {
                 "address": topology.APPROVAL_COMMAND,
                 "description": f"Topic exchange {topology.COMMANDS_EXCHANGE}; keyed by callId. "
                 "Set reply_to for the door's answer.",
                 "messages": {"submitApproval": {"$ref": "#/components/messages/submitApproval"}},
-                "bindings": {
-                    "amqp": {
-                        "is": "routingKey",
-                        "exchange": {
-                            "name": topology.COMMANDS_EXCHANGE,
-                            "type": "topic",
-                            "durable": True,
-                        },
-                    }
-                },
+                "bindings": _topic_binding(topology.COMMANDS_EXCHANGE),
             },
             "toolResultReplies": {
                 "address": DIRECT_REPLY_TO,
@@ -327,16 +283,7 @@ def asyncapi_document() -> dict[str, Any]:
                 f"read it ({topology.FORUM_EXCHANGE} carries what it may).",
                 "parameters": {"eventType": {}, "id": {}},
                 "messages": event_refs,
-                "bindings": {
-                    "amqp": {
-                        "is": "routingKey",
-                        "exchange": {
-                            "name": topology.EVENTS_EXCHANGE,
-                            "type": "topic",
-                            "durable": True,
-                        },
-                    }
-                },
+                "bindings": _topic_binding(topology.EVENTS_EXCHANGE),
             },
         },
         "operations": {
