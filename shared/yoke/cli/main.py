@@ -157,36 +157,28 @@ async def leave(args: argparse.Namespace) -> None:
 
 
 async def post(args: argparse.Namespace) -> None:
-    async with Client(Settings().amqp_url) as client:
-        try:
-            reply = await client.submit(
-                args.forum,
-                args.text,
-                external_id=f"cli:{args.author}",
-                display_name=args.author,
-                reply_timeout=args.timeout,
-            )
-        except TimeoutError as error:
-            # Nobody consumes the commands (ingestion down) or it is too busy to answer.
-            raise CommandError(f"no answer within {args.timeout:g} s") from error
-    if reply.status != "accepted":
-        raise CommandError(reply.error or "rejected")
-    print(reply.message_id)
+    await submit_as(args.forum, args.author, args.text, reply_timeout=args.timeout)
 
 
 async def stop(args: argparse.Namespace) -> None:
     """The line ``/stop`` as ``cli:NAME``: what the person would type in the forum."""
+    await submit_as(args.forum, args.as_, STOP_LINE, reply_timeout=args.timeout)
+
+
+async def submit_as(forum_id: str, name: str, text: str, *, reply_timeout: float) -> None:
+    """Submit ``text`` to a forum as the CLI's person ``cli:NAME``; print the line's id."""
     async with Client(Settings().amqp_url) as client:
         try:
             reply = await client.submit(
-                args.forum,
-                STOP_LINE,
-                external_id=f"cli:{args.as_}",
-                display_name=args.as_,
-                reply_timeout=args.timeout,
+                forum_id,
+                text,
+                external_id=f"cli:{name}",
+                display_name=name,
+                reply_timeout=reply_timeout,
             )
         except TimeoutError as error:
-            raise CommandError(f"no answer within {args.timeout:g} s") from error
+            # Nobody consumes the commands (ingestion down) or it is too busy to answer.
+            raise CommandError(f"no answer within {reply_timeout:g} s") from error
     if reply.status != "accepted":
         raise CommandError(reply.error or "rejected")
     print(reply.message_id)
