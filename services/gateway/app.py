@@ -121,6 +121,17 @@ api = APIRouter(prefix="/v1")
 BodyModel = TypeVar("BodyModel", bound=WireModel)
 
 
+def json_body(model: type[WireModel]) -> dict[str, Any]:
+    """A route's required JSON body in the OpenAPI document (routes parse it themselves, with
+    :func:`parse_body`, to answer bad input as the AMQP door does)."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": model.model_json_schema(by_alias=True)}},
+        }
+    }
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused (413) past ``limit`` bytes before it is all read."""
     declared = request.headers.get("content-length")
@@ -157,14 +168,7 @@ def parse_body(body: bytes, model: type[BodyModel]) -> BodyModel:
         413: {"model": ErrorBody, "description": "text or body too large"},
         503: {"model": ErrorBody, "description": "the mesh did not answer in time"},
     },
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {"schema": PostMessage.model_json_schema(by_alias=True)}
-            },
-        }
-    },
+    openapi_extra=json_body(PostMessage),
     summary="Post a line to a forum as one of your token's people",
 )
 async def post_message(
@@ -257,12 +261,7 @@ class PostStop(WireModel):
         **ERRORS,
         503: {"model": ErrorBody, "description": "the mesh did not answer in time"},
     },
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": PostStop.model_json_schema(by_alias=True)}},
-        }
-    },
+    openapi_extra=json_body(PostStop),
     summary="Stop every agent in a forum, as one of your token's people",
     description="Submits the line `/stop` for `author`, exactly as if they had typed it: the "
     "answer is that line's id.",
@@ -363,14 +362,7 @@ async def forum_of_call(store: Store, call_id: str) -> str | None:
         },
         503: {"model": ErrorBody, "description": "the mesh did not answer in time"},
     },
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {"schema": PostDecision.model_json_schema(by_alias=True)}
-            },
-        }
-    },
+    openapi_extra=json_body(PostDecision),
     summary="Approve or reject a tool call that waits for a person's decision",
     description="The first decision stands: the same decision again by the same person is "
     "answered with duplicate true, any other with 409.",
