@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from abc import ABC, abstractmethod
 from typing import TypeVar
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -222,7 +223,7 @@ class Door:
         return SubmitReply(status="accepted", message_id=stored.id, duplicate=not created)
 
 
-class CallDoor:
+class CallDoor(ABC):
     """A command about one call that waits in the store, keyed by its ``callId`` (two commands
     on one call meet in one lane) and answered on its ``reply_to``.
 
@@ -258,8 +259,9 @@ class CallDoor:
                 reply.model_dump_json(exclude_none=True).encode(),
             )
 
+    @abstractmethod
     async def submit(self, body: bytes, user: str | None) -> SubmitReply:
-        raise NotImplementedError
+        """What ``user`` may do with this command, done: the reply to send back."""
 
 
 class ToolResultDoor(CallDoor):
