@@ -458,20 +458,38 @@ class OpenCalls:
         overdue: list[OpenCall] = []
         expired: list[OpenCall] = []
         undone: list[tuple[OpenCall, CallDecision]] = []
-        seen: set[str] = set()
+        calls: list[OpenCall] = []
         async for document in self.calls.find({}):
             try:
-                call = OpenCall.from_document(document)
+                calls.append(OpenCall.from_document(document))
             except ValueError as error:
                 log.error("dropping an unreadable open tool call %s: %s", document["_id"], error)
                 await self.calls.delete_one({"_id": document["_id"]})
-                continue
-            seen.add(call.id)
-            end = await self.get_end(call.id)
+        seen = {call.id for call in calls}
+        # One read each for the calls' ends and decisions, not two reads a call every round.
+        waiting = sorted(call.id for call in calls if call.awaiting_approval)
+        ends = (
+            {
+                document["_id"]: CallEnd.from_document(document)
+                async for document in self.ends.find({"_id": {"$in": sorted(seen)}})
+            }
+            if seen
+            else {}
+        )
+        decisions = (
+            {
+                document["_id"]: CallDecision.from_document(document)
+                async for document in self.decisions.find({"_id": {"$in": waiting}})
+            }
+            if waiting
+            else {}
+        )
+        for call in calls:
+            end = ends.get(call.id)
             if end is not None:
                 await self.finish(call, end)
                 continue
-            decision = await self.get_decision(call.id) if call.awaiting_approval else None
+            decision = decisions.get(call.id)
             if decision is not None:
                 if self._due_again(call.id, decision, now):
                     undone.append((call, decision))
