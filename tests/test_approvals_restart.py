@@ -9,7 +9,7 @@ processor.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
@@ -67,15 +67,42 @@ async def pending_call(store: Store, forum_id: str) -> str:
 async def test_a_pending_approval_survives_every_service_and_rabbitmq_restarting(
     mesh: Mesh, rabbit: RabbitNode, amqp_url: str, store: Store, poster: Poster
 ) -> None:
+    async def stop_everything() -> None:
+        processes = list(mesh.processes.values())
+        codes = await asyncio.gather(*(asyncio.to_thread(process.stop) for process in processes))
+        assert codes == [0] * len(processes)
+        await asyncio.to_thread(rabbit.stop)
+
+    await approved_after(stop_everything, mesh, rabbit, amqp_url, store, poster)
+
+
+async def test_a_pending_approval_survives_kill_9_of_every_service_and_rabbitmq(
+    mesh: Mesh, rabbit: RabbitNode, amqp_url: str, store: Store, poster: Poster
+) -> None:
+    async def kill_everything() -> None:
+        for process in mesh.processes.values():
+            await asyncio.to_thread(process.kill)
+        await asyncio.to_thread(rabbit.kill)
+
+    await approved_after(kill_everything, mesh, rabbit, amqp_url, store, poster)
+
+
+async def approved_after(
+    fault: Callable[[], Awaitable[None]],
+    mesh: Mesh,
+    rabbit: RabbitNode,
+    amqp_url: str,
+    store: Store,
+    poster: Poster,
+) -> None:
+    """A call waits for approval, ``fault`` takes every service and RabbitMQ away, they start
+    again, the call is approved: it runs once and the agent answers."""
     forum_id, _, monologue_id = await gated_join(store, poster, script=sums("7*6+1"))
     async with Client(amqp_url) as client:
         await say(client, forum_id, "seven times six plus one?")
         call_id = await pending_call(store, forum_id)
 
-    processes = list(mesh.processes.values())
-    codes = await asyncio.gather(*(asyncio.to_thread(process.stop) for process in processes))
-    assert codes == [0] * len(processes)
-    await asyncio.to_thread(rabbit.stop)
+    await fault()
     await asyncio.to_thread(rabbit.start)
     started = [mesh.start(name) for name in SERVICES]
     for process in started:
