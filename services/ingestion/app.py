@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from abc import ABC, abstractmethod
 from typing import TypeVar
 
@@ -23,6 +22,7 @@ from yoke import topology
 from yoke.consumer import Malformed
 from yoke.errors import describe_validation_error
 from yoke.ids import derive_id
+from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
 from yoke.metrics import COMMANDS
 from yoke.models import (
     MAX_ID_CHARS,
@@ -48,40 +48,15 @@ log = logging.getLogger(__name__)
 
 UNKEYED = "?unkeyed"
 Command = TypeVar("Command", SubmitMessage, SubmitToolResult, SubmitApproval)
-# Deeper than any good command (its meta nests at most MAX_META_DEPTH levels), and shallow
-# enough that no parser recursion is ever at risk.
-MAX_BODY_DEPTH = 32
 # A body past this is never parsed just to find its key (the door rejects it for its size).
 MAX_KEYED_BODY_BYTES = 1 << 20
 
-# A JSON string; an unterminated one runs to the end, so a match never fails and the scan
-# stays linear (a pattern that can fail after a long run is quadratic on '"\\"\\"...').
-_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"?', re.DOTALL)
-_NOT_BRACKETS = bytes(byte for byte in range(256) if byte not in b"[]{}")
 _MESH_META_KEYS = frozenset(
     name
     for field_name, field in MessageMeta.model_fields.items()
     for name in (field_name, field.alias)
     if name
 )
-
-
-def nesting_depth(body: bytes, limit: int = MAX_BODY_DEPTH) -> int:
-    """How deep a JSON body nests (at most ``limit + 1``: it stops there).
-
-    Counted on the raw bytes, brackets inside strings left out, so that no parser recursion is
-    risked: ``json.loads`` raises ``RecursionError`` about 1,000 levels down.
-    """
-    depth = deepest = 0
-    for byte in _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS):
-        if byte in b"[{":
-            depth += 1
-            if depth > limit:
-                return depth
-            deepest = max(deepest, depth)
-        else:
-            depth -= 1
-    return deepest
 
 
 def command_key(
