@@ -73,6 +73,8 @@ class Settings(BaseSettings):
     # The HTTP gateway (services/gateway): its API, console, /healthz and /metrics.
     gateway_port: int = Field(default=8080, ge=0, le=65535)
     gateway_host: str = "127.0.0.1"  # compose says 0.0.0.0 (its port is published on loopback)
+    # The gateway's own RabbitMQ user (compose's; make run's gateway runs as the services').
+    gateway_amqp_user: str = "yoke-gateway"
     # How long a POST waits for the door's answer before it says 503 (Retry-After).
     gateway_submit_timeout_seconds: float = Field(default=10.0, gt=0)
     # Outgoing webhooks: one POST's timeout; a failing receiver is retried with backoff from
