@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from urllib.parse import urlsplit
 
 import aio_pika
+from aio_pika.abc import AbstractIncomingMessage
 
 from yoke import amqp_nodes, topology
+
+# A letter's AMQP user_id when it is not the lister's own (a re-publish cannot carry it).
+ORIGINAL_USER_HEADER = "x-yoke-dead-user-id"
 
 _OUR_HEADERS = {
     topology.DEAD_SERVICE_HEADER,
@@ -71,22 +76,67 @@ def describe(headers: Mapping[str, object]) -> dict[str, object]:
     }
 
 
+def _copy_of(message: AbstractIncomingMessage, own_user: str | None) -> aio_pika.Message:
+    """The letter as it was delivered: body, headers (``x-delivery-count`` and ``x-death``
+    included: its history stays readable) and properties.
+
+    A ``user_id`` not this connection's cannot be published again (RabbitMQ refuses it): it
+    is kept in :data:`ORIGINAL_USER_HEADER` instead.
+    """
+    headers = dict(message.headers or {})
+    user_id = message.user_id
+    if user_id and user_id != own_user:
+        headers[ORIGINAL_USER_HEADER] = user_id
+        user_id = None
+    return aio_pika.Message(
+        message.body,
+        headers=headers,
+        content_type=message.content_type,
+        content_encoding=message.content_encoding,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        priority=message.priority,
+        correlation_id=message.correlation_id,
+        reply_to=message.reply_to,
+        expiration=message.expiration,
+        message_id=message.message_id,
+        timestamp=message.timestamp,
+        type=message.type,
+        user_id=user_id,
+        app_id=message.app_id,
+    )
+
+
 async def list_dead_letters(amqp_url: str, limit: int = 10_000) -> list[dict[str, object]]:
-    """Every dead letter, left in the queue (they are read unacked, then returned)."""
+    """The first ``limit`` dead letters, left in the queue as they were, in their order.
+
+    A letter handed back to its queue (a nack, or a channel closed with it unacked) counts as
+    a delivery: ``x-delivery-count`` rises at each look, and RabbitMQ 4.0-4.2 drop it at the
+    default delivery limit (20). So each letter present when the listing starts is read once,
+    published again at the back of the queue (a fresh message: no delivery counted) and only
+    then acked; after one pass the queue holds the same letters in the same order. A crash
+    between the two leaves a duplicate of one letter, never a loss (its id is the same).
+    """
     connection = await amqp_nodes.connect(amqp_url)
+    own_user = urlsplit(amqp_nodes.node_urls(amqp_url)[0]).username or None
     letters: list[dict[str, object]] = []
     try:
-        channel = await connection.channel()
+        channel = await connection.channel(publisher_confirms=True)
         queue = await channel.declare_queue(
             topology.DEAD_LETTER_QUEUE, durable=True, arguments={"x-queue-type": "quorum"}
         )
-        while len(letters) < limit:
+        # Only what is there now (every one of them, so the order comes round whole); letters
+        # that arrive meanwhile stay behind them, unread.
+        waiting = queue.declaration_result.message_count or 0
+        for _ in range(waiting):
             message = await queue.get(no_ack=False, fail=False)
             if message is None:
                 break
-            letters.append({"messageId": message.message_id, **describe(message.headers or {})})
-        # Closing the channel with the deliveries unacked puts them all back.
-        await channel.close()
+            if len(letters) < limit:
+                letters.append({"messageId": message.message_id, **describe(message.headers or {})})
+            await channel.default_exchange.publish(
+                _copy_of(message, own_user), routing_key=topology.DEAD_LETTER_QUEUE
+            )
+            await message.ack()
     finally:
         await connection.close()
     return letters
