@@ -6,6 +6,7 @@ This is all a bridge needs (docs/publishing.md); the CLI's ``post`` and ``chat``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Literal
 
@@ -27,6 +28,19 @@ from yoke.models import (
 # The line a person types in a forum to stop every agent there (see the README);
 # ``yoke stop`` and the gateway's stop route submit exactly this for the person named.
 STOP_LINE = "/stop"
+
+
+@contextlib.asynccontextmanager
+async def _bounded(seconds: float | None, what: str) -> AsyncIterator[None]:
+    """No bound when ``seconds`` is None; else a TimeoutError that says ``what`` did not happen."""
+    if seconds is None:
+        yield
+        return
+    try:
+        async with asyncio.timeout(seconds):
+            yield
+    except TimeoutError as error:
+        raise TimeoutError(f"{what} within {seconds:g} s") from error
 
 
 class Client:
@@ -103,10 +117,13 @@ class Client:
         *,
         routing_key: str = topology.SUBMIT_COMMAND,
         user_id: str | None = None,
+        publish_timeout: float | None = None,
     ) -> SubmitReply:
         """Publish any body as a command (a line by default; bridges, the gateway's other
         commands, and tests of bad input) and wait for the door's answer. ``user_id``: this
-        connection's RabbitMQ user, which the broker verifies (decisions on approvals need it)."""
+        connection's RabbitMQ user, which the broker verifies (decisions on approvals need it).
+        ``publish_timeout`` bounds the publish itself: a broker under a memory or disk alarm
+        stops reading publishes, and its confirm never comes (TimeoutError saying so)."""
         assert self._channel is not None and self._replies is not None
         correlation_id = new_id()
         future: asyncio.Future[SubmitReply] = asyncio.get_running_loop().create_future()
@@ -115,18 +132,19 @@ class Client:
         # here, so a broker away must not leave one waiting future per request behind).
         try:
             exchange = await self._channel.get_exchange(topology.COMMANDS_EXCHANGE)
-            await exchange.publish(
-                aio_pika.Message(
-                    body,
-                    content_type="application/json",
-                    correlation_id=correlation_id,
-                    reply_to=self._replies.name,
-                    message_id=correlation_id,
-                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                    user_id=user_id,
-                ),
-                routing_key=routing_key,
-            )
+            async with _bounded(publish_timeout, "the broker did not take the command"):
+                await exchange.publish(
+                    aio_pika.Message(
+                        body,
+                        content_type="application/json",
+                        correlation_id=correlation_id,
+                        reply_to=self._replies.name,
+                        message_id=correlation_id,
+                        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                        user_id=user_id,
+                    ),
+                    routing_key=routing_key,
+                )
             return await asyncio.wait_for(future, reply_timeout)
         finally:
             self._waiting.pop(correlation_id, None)
@@ -141,6 +159,7 @@ class Client:
         reason: str | None = None,
         user_id: str,
         reply_timeout: float = 30.0,
+        publish_timeout: float | None = None,
     ) -> SubmitReply:
         """Publish ``tool.approval.submit`` as RabbitMQ user ``user_id`` (this connection's) for
         the person named, and wait for the door's answer (the first decision stands)."""
@@ -155,6 +174,7 @@ class Client:
             reply_timeout,
             routing_key=topology.APPROVAL_COMMAND,
             user_id=user_id,
+            publish_timeout=publish_timeout,
         )
 
     async def watch(self, conversation_id: str) -> AsyncIterator[Message]:
