@@ -37,6 +37,7 @@ from yoke.store import Store
 from yoke.webhooks import (
     DEAD_LETTERS,
     LEASES,
+    WebhookError,
     WebhookSubscription,
     add_webhook,
     collection,
@@ -163,11 +164,14 @@ async def test_a_delivery_is_signed_and_names_its_line(
     await received(receiver, "/signed", 1)
 
     request = receiver.delivered("/signed")[0]
-    expected = "sha256=" + hmac.new(secret.encode(), request.body, hashlib.sha256).hexdigest()
+    # What the README tells a receiver to compute: "<X-Yoke-Timestamp>." + the raw body.
+    stamp = request.headers["x-yoke-timestamp"]
+    signed = stamp.encode() + b"." + request.body
+    expected = "sha256=" + hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
     assert request.headers["x-yoke-signature"] == expected
     assert request.headers["content-type"] == "application/json"
     tampered = request.body.replace(b"signed", b"forged")
-    assert not signature_matches(secret, tampered, request.headers["x-yoke-signature"])
+    assert not signature_matches(secret, tampered, request.headers["x-yoke-signature"], stamp)
     body = request.json
     assert body["deliveryId"] == request.headers["x-yoke-delivery"]
     assert body["subscriptionId"] == subscription_id
@@ -537,14 +541,16 @@ async def test_a_dead_letter_shows_no_url_password(
     """A webhook dead letter names its receiver by origin only: no password, path or query.
 
     Letters are shown to every token whose scope holds their forum (the console) and printed by
-    ``yoke webhook list``; a receiver's basic-auth password, or a secret kept in its path or
-    query (Slack-style hooks), must not reach them (the subscription keeps the whole URL, to
-    deliver; its id names it).
+    ``yoke webhook list``; a secret kept in a receiver's path or query (Slack-style hooks) must
+    not reach them (the subscription keeps the whole URL, to deliver; its id names it). A
+    basic-auth password in the URL is refused when the subscription is added.
     """
     forum = await create_forum(worker_store, "letters")
     # Nobody listens there, and the retry window is zero: the first failure is a dead letter.
     port = free_port()
-    url = f"http://hook-user:hunter2-secret@127.0.0.1:{port}/hook/T0/pathsecret42?k=querysecret42"
+    with pytest.raises(WebhookError, match="credentials"):
+        await add_webhook(worker_store, forum.id, f"http://hook-user:hunter2@127.0.0.1:{port}/")
+    url = f"http://127.0.0.1:{port}/hook/T0/pathsecret42?k=querysecret42"
     subscription = await add_webhook(worker_store, forum.id, url)
     settings = Settings(amqp_url=amqp_url, mongodb_url=mongodb_url, webhook_retry_window_seconds=0)
     worker = WebhookWorker(settings, worker_store)
@@ -572,7 +578,7 @@ async def test_a_dead_letter_shows_no_url_password(
     [letter] = await dead_letters(worker_store, [forum.id])
     assert letter.subscription_id == subscription.id
     shown = letter.model_dump_json()
-    for secret in ("hunter2-secret", "pathsecret42", "querysecret42"):
+    for secret in ("pathsecret42", "querysecret42"):
         assert secret not in shown, shown
     assert letter.url == f"http://127.0.0.1:{port}/…"
 
@@ -614,7 +620,8 @@ async def test_a_receiver_accepts_a_real_delivery_by_its_signature_and_no_forger
     amqp_url: str, mongodb_url: str, worker_store: Store, receiver: Receiver
 ) -> None:
     """``signature_matches`` as a receiver uses it, on what the worker really sent: the
-    delivery's body and header pass; another body, another secret or a bare digest do not."""
+    delivery's body, signature and timestamp pass; another body, another secret or a bare
+    digest do not (stale and replayed deliveries: tests/test_webhooks_hardening.py)."""
     forum = await create_forum(worker_store, "signed in process")
     subscription = await add_webhook(worker_store, forum.id, receiver.url("/in-process"))
     worker = WebhookWorker(Settings(amqp_url=amqp_url, mongodb_url=mongodb_url), worker_store)
@@ -637,10 +644,12 @@ async def test_a_receiver_accepts_a_real_delivery_by_its_signature_and_no_forger
         await bus.close()
     [delivery] = receiver.delivered("/in-process")
     header = delivery.headers["x-yoke-signature"]
+    stamp = delivery.headers["x-yoke-timestamp"]
     assert delivery.text == "signed, sealed"
-    assert signature_matches(subscription.secret, delivery.body, header)
+    assert signature_matches(subscription.secret, delivery.body, header, stamp)
     tampered = delivery.body.replace(b"signed, sealed", b"signed, forged")
     assert tampered != delivery.body
-    assert not signature_matches(subscription.secret, tampered, header)
-    assert not signature_matches("another secret", delivery.body, header)
-    assert not signature_matches(subscription.secret, delivery.body, header.removeprefix("sha256="))
+    assert not signature_matches(subscription.secret, tampered, header, stamp)
+    assert not signature_matches("another secret", delivery.body, header, stamp)
+    bare = header.removeprefix("sha256=")
+    assert not signature_matches(subscription.secret, delivery.body, bare, stamp)

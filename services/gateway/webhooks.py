@@ -54,6 +54,7 @@ from yoke.webhooks import (
     DELIVERY_HEADER,
     LEASES,
     SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
     Cursor,
     DeadLetter,
     Delivery,
@@ -66,6 +67,8 @@ from yoke.webhooks import (
     load_cursor,
     shown_url,
     sign,
+    trim_dead_letters,
+    url_problem,
 )
 
 log = logging.getLogger(__name__)
@@ -109,6 +112,8 @@ ROUTE_EXCHANGE = "yoke.webhooks.route"
 ERROR_CHARS = 300
 # Longest a stopping process spends handing its subscriptions over (the store may be away).
 RELEASE_SECONDS = 5.0
+# Longest wait of a runner whose steps keep failing (the store away, say): from REFRESH_SECONDS.
+STEP_BACKOFF_CAP_SECONDS = 60.0
 
 
 class Leases:
@@ -203,21 +208,32 @@ class SubscriptionRunner:
         self.worker = worker
         self.subscription = subscription
         self.woken = asyncio.Event()
+        # Subscriptions never change: a URL nothing can be delivered to is found once.
+        self.url_problem = url_problem(subscription.url)
+        self._url_reported = False
 
     def wake(self) -> None:
         self.woken.set()
 
     async def run(self) -> None:
+        failures = 0
         while not self.worker.stopping.is_set():
             try:
                 await self._step()
+                failures = 0
             except asyncio.CancelledError:
                 raise
-            except Exception as error:  # the store away, say: try again shortly
+            except Exception as error:  # the store away, say: try again, less and less often
+                failures += 1
+                wait = min(REFRESH_SECONDS * 2 ** (failures - 1), STEP_BACKOFF_CAP_SECONDS)
                 log.warning(
-                    "webhook %s: %r; trying again", self.subscription.id, error, exc_info=True
+                    "webhook %s: %s; trying again in %.0f s",
+                    self.subscription.id,
+                    one_line(f"{type(error).__name__}: {error}"),
+                    wait,
                 )
-                await self._pause(REFRESH_SECONDS)
+                log.debug("webhook %s: step failed", self.subscription.id, exc_info=True)
+                await self._pause(wait)
 
     async def _step(self) -> None:
         worker = self.worker
@@ -230,6 +246,10 @@ class SubscriptionRunner:
         cursor = await load_cursor(worker.store, subscription.id)
         if cursor is None:  # removed: the worker stops this runner at its next refresh
             await self._pause(REFRESH_SECONDS)
+            return
+        if self.url_problem is not None:
+            await self._report_bad_url(cursor, self.url_problem)
+            await self._pause(POLL_SECONDS)
             return
         if cursor.retry_at is not None:
             wait = (cursor.retry_at - utcnow()).total_seconds()
@@ -263,6 +283,20 @@ class SubscriptionRunner:
         if passed_over:
             await self._save(cursor)
 
+    async def _report_bad_url(self, cursor: Cursor, problem: str) -> None:
+        """Once per holder: a warning, and the reason on the cursor (``yoke webhook list``).
+
+        Nothing is sent or dead-lettered: the cursor stays, so once the operator replaces the
+        subscription nothing was lost in between (its lines are still in the forum)."""
+        if self._url_reported:
+            return
+        error = f"invalid webhook URL: {problem}; nothing is sent (remove it and add a valid one)"
+        log.warning("webhook %s: %s", self.subscription.id, error)
+        cursor.failing_since = cursor.failing_since or utcnow()
+        cursor.last_error, cursor.retry_at = error, None
+        await self._save(cursor)
+        self._url_reported = True
+
     async def _pause(self, seconds: float, *, wakeable: bool = False) -> None:
         waits = [asyncio.ensure_future(self.worker.stopping.wait())]
         if wakeable:
@@ -289,10 +323,13 @@ class SubscriptionRunner:
             .model_dump_json(exclude_none=True)
             .encode()
         )
+        # Signed with the body: a receiver refuses a copy captured and sent again later.
+        timestamp = str(int(time.time()))
         headers = {
             "Content-Type": "application/json",
             "User-Agent": "yoke-webhooks/1",
-            SIGNATURE_HEADER: sign(subscription.secret, body),
+            TIMESTAMP_HEADER: timestamp,
+            SIGNATURE_HEADER: sign(subscription.secret, body, timestamp),
             DELIVERY_HEADER: delivery,
         }
         started = time.perf_counter()
@@ -311,7 +348,7 @@ class SubscriptionRunner:
         except (TimeoutError, httpx.TimeoutException):
             error = f"no answer within {timeout:g} s"
         except httpx.HTTPError as failure:
-            error = f"{type(failure).__name__}: {failure}"[:ERROR_CHARS]
+            error = one_line(f"{type(failure).__name__}: {failure}")[:ERROR_CHARS]
         elapsed = time.perf_counter() - started
         now = utcnow()
         if status is not None and 200 <= status < 300:
@@ -353,7 +390,7 @@ class SubscriptionRunner:
         cursor.failing_since, cursor.attempts, cursor.retry_at = failing_since, attempts, retry_at
         cursor.last_error = error
         await self._save(cursor)
-        log.info(
+        log.warning(
             "webhook %s: %s for line %s (attempt %d); again in %.1f s",
             subscription.id,
             error,
@@ -392,7 +429,12 @@ class SubscriptionRunner:
         await self.worker.store.insert_if_absent(
             collection(self.worker.store, DEAD_LETTERS), letter.to_document()
         )
-        log.warning("webhook %s: line %s dead-lettered: %s", subscription.id, line.id, reason)
+        await trim_dead_letters(
+            self.worker.store, subscription.id, self.worker.settings.webhook_dead_letters_kept
+        )
+        log.warning(
+            "webhook %s: line %s dead-lettered: %s", subscription.id, line.id, one_line(reason)
+        )
 
     async def _save(self, cursor: Cursor) -> None:
         """The cursor, written by its one writer (this lease's holder) as a whole.
@@ -501,6 +543,11 @@ class WebhookWorker:
                 self.runners[subscription.id][0].wake()
         self._by_forum = by_forum(runner for runner, _ in self.runners.values())
         SUBSCRIPTIONS_HELD.set(self.leases.held())
+
+
+def one_line(text: str) -> str:
+    """An error as one log line (a receiver's or a library's text may hold line breaks)."""
+    return " ".join(text.split())
 
 
 def by_forum(runners: Iterable[SubscriptionRunner]) -> dict[str, list[SubscriptionRunner]]:

@@ -83,6 +83,8 @@ class Settings(BaseSettings):
     webhook_backoff_seconds: float = Field(default=1.0, gt=0)
     webhook_backoff_cap_seconds: float = Field(default=300.0, gt=0)
     webhook_retry_window_seconds: float = Field(default=3600.0, ge=0)
+    # The dead letters kept per subscription (its newest; older ones are deleted as more come).
+    webhook_dead_letters_kept: int = Field(default=1000, ge=1)
     # A gateway replica holds a subscription in leases of this long (one delivers it at a time).
     webhook_lease_seconds: float = Field(default=10.0, gt=0)
 

@@ -5,16 +5,22 @@ been delivered is a cursor per subscription (the forum seq handled last), not a 
 delivery: a receiver may fail for an hour, far past RabbitMQ's consumer timeout. The gateway's
 delivery worker (``services/gateway/webhooks.py``) is the cursor's one writer, under a lease.
 
-Each POST body is signed: ``X-Yoke-Signature: sha256=<hex HMAC-SHA256 of the body, keyed by the
-subscription's secret>``, and carries ``X-Yoke-Delivery``, an id derived from the subscription
-and the line, the same for every retry of it (receivers deduplicate on it).
+Each POST is signed: ``X-Yoke-Timestamp`` is when it was sent (Unix seconds) and
+``X-Yoke-Signature: sha256=<hex HMAC-SHA256 of "<timestamp>." + body, keyed by the subscription's
+secret>``, so a captured delivery cannot be sent again later (a receiver refuses a timestamp
+outside its tolerance); ``X-Yoke-Delivery`` is an id derived from the subscription and the line,
+the same for every retry of it (receivers deduplicate on it, which also refuses a copy sent
+again within the tolerance: :class:`ReplayGuard`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
+import time
+from collections import OrderedDict
 from datetime import datetime
 from urllib.parse import urlsplit
 
@@ -34,6 +40,9 @@ COLLECTIONS = (SUBSCRIPTIONS, CURSORS, LEASES, DEAD_LETTERS)
 
 SIGNATURE_HEADER = "X-Yoke-Signature"
 DELIVERY_HEADER = "X-Yoke-Delivery"
+TIMESTAMP_HEADER = "X-Yoke-Timestamp"
+# How far a receiver lets a delivery's timestamp be from its own clock (signature_matches).
+TOLERANCE_SECONDS = 300.0
 SECRET_PREFIX = "whsec_"
 MAX_URL_CHARS = 2000
 
@@ -97,14 +106,56 @@ def delivery_id(subscription_id: str, message_id: str) -> str:
     return derive_id("webhook-delivery", subscription_id, message_id)
 
 
-def sign(secret: str, body: bytes) -> str:
-    """The ``X-Yoke-Signature`` value of ``body``."""
-    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+def sign(secret: str, body: bytes, timestamp: str) -> str:
+    """The ``X-Yoke-Signature`` value of ``body`` sent at ``timestamp`` (both are signed)."""
+    signed = timestamp.encode() + b"." + body
+    return "sha256=" + hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
 
 
-def signature_matches(secret: str, body: bytes, header: str) -> bool:
-    """What a receiver checks (in constant time) before it trusts a delivery."""
-    return hmac.compare_digest(sign(secret, body), header)
+def signature_matches(
+    secret: str,
+    body: bytes,
+    signature: str,
+    timestamp: str,
+    *,
+    tolerance_seconds: float = TOLERANCE_SECONDS,
+    now: float | None = None,
+) -> bool:
+    """What a receiver checks before it trusts a delivery: the signature (in constant time)
+    over the timestamp and the body, and a timestamp within ``tolerance_seconds`` of ``now``
+    (a delivery captured and sent again later is stale)."""
+    if not re.fullmatch(r"[0-9]{1,12}", timestamp):
+        return False
+    if abs((time.time() if now is None else now) - int(timestamp)) > tolerance_seconds:
+        return False
+    return hmac.compare_digest(sign(secret, body, timestamp), signature)
+
+
+class ReplayGuard:
+    """A receiver's memory of the deliveries it took within the tolerance window.
+
+    A copy of a delivery sent again within the window passes :func:`signature_matches`; its
+    ``deliveryId`` (in the signed body) tells it apart. Older entries are forgotten (a copy
+    that old is stale anyway), and at most ``limit`` are kept: memory stays bounded.
+    """
+
+    def __init__(self, tolerance_seconds: float = TOLERANCE_SECONDS, limit: int = 100_000) -> None:
+        self.tolerance_seconds = tolerance_seconds
+        self.limit = limit
+        self._seen: OrderedDict[str, float] = OrderedDict()
+
+    def first_time(self, delivery_id: str, timestamp: str, now: float | None = None) -> bool:
+        """True the first time a delivery is seen (act on it); False for a copy (do not)."""
+        now = time.time() if now is None else now
+        while self._seen and (
+            len(self._seen) >= self.limit
+            or next(iter(self._seen.values())) < now - 2 * self.tolerance_seconds
+        ):
+            self._seen.popitem(last=False)
+        if delivery_id in self._seen:
+            return False
+        self._seen[delivery_id] = now
+        return True
 
 
 def deliverable(line: Message) -> bool:
@@ -142,12 +193,46 @@ def shown_url(url: str) -> str:
     return f"{parts.scheme}://{host}{port}{rest}"
 
 
-def check_url(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise WebhookError(f"invalid webhook URL {url!r}: use http:// or https:// and a host")
+class InvalidWebhookUrl(WebhookError):
+    """A URL nothing could ever be delivered to (``yoke webhook add`` exits 2)."""
+
+
+# A host name's characters (IDNA names are given in their xn-- form); IP literals pass too.
+_HOST = re.compile(r"[A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]+\]")
+
+
+def url_problem(url: str) -> str | None:
+    """Why nothing could ever be delivered to ``url`` (None: it is usable).
+
+    Checked when a subscription is added and again before delivering (one stored before this
+    check, or by hand): a URL that can never work is reported, never retried."""
     if len(url) > MAX_URL_CHARS:
-        raise WebhookError(f"webhook URL is {len(url)} characters; the limit is {MAX_URL_CHARS}")
+        return f"it is {len(url)} characters; the limit is {MAX_URL_CHARS}"
+    if any(ord(char) <= 0x20 or ord(char) == 0x7F for char in url):
+        return "it holds a space or a control character"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as error:
+        if "port" in str(error).lower():
+            return "its port is not a number from 1 to 65535"
+        return str(error)
+    if parts.scheme not in ("http", "https"):
+        return "use http:// or https://"
+    if parts.username is not None or parts.password is not None:
+        return "it holds credentials (user:password@); put a secret in the path or query instead"
+    if not parts.hostname:
+        return "it needs a host"
+    if not _HOST.fullmatch(parts.netloc.rsplit(":", 1)[0] if port is not None else parts.netloc):
+        return f"its host {parts.hostname!r} is not a valid host name"
+    if port == 0:
+        return "its port is not a number from 1 to 65535"
+    return None
+
+
+def check_url(url: str) -> str:
+    if (problem := url_problem(url)) is not None:
+        raise InvalidWebhookUrl(f"invalid webhook URL: {problem}")
     return url
 
 
@@ -192,6 +277,22 @@ async def dead_letters(
     found = await collection(store, DEAD_LETTERS).find(query).limit(10_000).to_list()
     letters = [DeadLetter.from_document(document) for document in found]
     return sorted(letters, key=lambda letter: letter.created_at, reverse=True)[:limit]
+
+
+async def trim_dead_letters(store: Store, subscription_id: str, kept: int) -> None:
+    """Keep a subscription's newest ``kept`` letters (by forum seq), not one per line it ever
+    gave up on (invariant 14; retention also drops them by age).
+
+    Trimmed once a tenth more have piled up (at once for small bounds), so a receiver that
+    refuses every line costs a read of its letters every ``kept // 10`` lines, not each one."""
+    letters = collection(store, DEAD_LETTERS)
+    query: Doc = {"subscriptionId": subscription_id}
+    if await letters.count_documents(query) <= kept + kept // 10:
+        return
+    found = await letters.find(query, {"_id": 1, "seq": 1}).to_list()
+    found.sort(key=lambda letter: (letter.get("seq", 0), str(letter["_id"])), reverse=True)
+    for letter in found[kept:]:
+        await letters.delete_one({"_id": letter["_id"]})
 
 
 async def remove_webhook(store: Store, subscription_id: str) -> bool:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from yoke.cli.base import CommandError, UsageError, refusals_as_errors, with_store
+from yoke.cli.text import printable
 from yoke.client import Client
 from yoke.errors import describe_validation_error
 from yoke.runtime.approvals import amqp_user, pending_approvals
@@ -119,8 +120,11 @@ async def approvals(args: argparse.Namespace) -> None:
             arguments = json.dumps(pending.input, ensure_ascii=False, separators=(",", ":"))
             deadline = pending.deadline.isoformat(timespec="seconds")
             print(
-                f"{pending.call_id}\t{pending.tool}\t{arguments}\t"
-                f"forum {pending.forum_id}\tuntil {deadline}"
+                printable(
+                    f"{pending.call_id}\t{pending.tool}\t{arguments}\t"
+                    f"forum {pending.forum_id}\tuntil {deadline}",
+                    multiline=True,  # its tabs are the columns; the input is JSON: no newline
+                )
             )
 
     await with_store(action)

@@ -20,6 +20,7 @@ from yoke.cli.approvals import register as register_approvals
 from yoke.cli.base import CommandError, UsageError, refusals_as_errors, with_store
 from yoke.cli.publishers import register as register_publishers
 from yoke.cli.status import register as register_status
+from yoke.cli.text import printable
 from yoke.cli.tokens import register as register_tokens
 from yoke.cli.tools import check_tool_names
 from yoke.cli.tools import register as register_tools
@@ -185,13 +186,16 @@ async def submit_as(forum_id: str, name: str, text: str, *, reply_timeout: float
 
 
 def render(message: Message, names: dict[str, str]) -> str:
-    """One line for people: injected instructions and notices say what they are."""
-    who = names.get(message.author_actor_id, message.author_actor_id)
+    """One line for people: injected instructions and notices say what they are; outside
+    text shows its control characters escaped (yoke.cli.text)."""
+    who = printable(names.get(message.author_actor_id, message.author_actor_id))
+    text = printable(message.text, multiline=True)
     if message.meta.instruction:
-        return f"[{message.seq}] {who} ({message.meta.instruction} instruction): {message.text}"
+        instruction = printable(message.meta.instruction)
+        return f"[{message.seq}] {who} ({instruction} instruction): {text}"
     if message.type == "notice":
-        return f"[{message.seq}] {who} (notice): {message.text}"
-    return f"[{message.seq}] {who}: {message.text}"
+        return f"[{message.seq}] {who} (notice): {text}"
+    return f"[{message.seq}] {who}: {text}"
 
 
 async def history(args: argparse.Namespace) -> None:
@@ -218,7 +222,8 @@ async def print_lines(client: Client, store: Store, forum_id: str, *, agents_onl
         if message.author_actor_id not in names:
             actor = await store.get_actor(message.author_actor_id)
             names[message.author_actor_id] = actor.name if actor else "?"
-        line = f"{names[message.author_actor_id]}: {message.text}"
+        who = printable(names[message.author_actor_id])
+        line = f"{who}: {printable(message.text, multiline=True)}"
         print(line if agents_only else f"[{message.seq}] {line}", flush=True)
 
 
@@ -239,7 +244,11 @@ async def in_forum(forum_id: str) -> AsyncIterator[tuple[Store, Client]]:
 async def chat(args: argparse.Namespace) -> None:
     async with in_forum(args.forum) as (store, client):
         watcher = asyncio.create_task(print_lines(client, store, args.forum, agents_only=True))
-        print(f"talking in {args.forum} as {args.as_}; an empty line or Ctrl-D ends", flush=True)
+        print(
+            f"talking in {printable(args.forum)} as {printable(args.as_)}; an empty line or "
+            "Ctrl-D ends",
+            flush=True,
+        )
         loop = asyncio.get_running_loop()
         while True:
             line = await loop.run_in_executor(None, sys.stdin.readline)
@@ -253,7 +262,7 @@ async def chat(args: argparse.Namespace) -> None:
                 print("no answer within 30 s: is the mesh running?", file=sys.stderr, flush=True)
                 continue
             if reply.status != "accepted":
-                print(f"rejected: {reply.error}", file=sys.stderr, flush=True)
+                print(f"rejected: {printable(str(reply.error))}", file=sys.stderr, flush=True)
         await asyncio.sleep(0.5)  # let a reply that is on its way arrive
         watcher.cancel()
 

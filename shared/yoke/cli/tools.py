@@ -17,6 +17,7 @@ import aio_pika
 
 from yoke import topology
 from yoke.cli.base import CommandError, UsageError, with_store
+from yoke.cli.text import printable
 from yoke.cli.tool_users import ToolUserRefused, create_tool_user, delete_tool_user
 from yoke.runtime.catalog import LocalTools, ToolCatalog, listed_name, registered_servers
 from yoke.settings import Settings
@@ -98,7 +99,9 @@ async def tools_list(args: argparse.Namespace) -> None:
                 print(json.dumps(row.to_wire(), separators=(",", ":")))
             else:
                 state = row.status if row.reason is None else f"{row.status}: {row.reason}"
-                print(f"{row.name}\t{row.source}\t{state}\t{row.description}")
+                # A plugin's or MCP server's text: its controls escaped (yoke.cli.text).
+                fields = (row.name, row.source, state, row.description)
+                print("\t".join(printable(field) for field in fields))
 
     await with_store(action)
 

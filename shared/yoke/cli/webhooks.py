@@ -12,8 +12,10 @@ from yoke.settings import Settings
 from yoke.store import Store
 from yoke.webhooks import (
     DEAD_LETTERS,
+    InvalidWebhookUrl,
     WebhookError,
     add_webhook,
+    check_url,
     collection,
     ensure_webhook_indexes,
     list_webhooks,
@@ -27,6 +29,9 @@ async def _with_store(action: Callable[[Store], Awaitable[None]]) -> None:
     try:
         await ensure_webhook_indexes(store)
         await action(store)
+    except InvalidWebhookUrl as error:
+        print(f"yoke: {error}", file=sys.stderr)
+        raise SystemExit(2) from error
     except WebhookError as error:
         raise SystemExit(f"yoke: {error}") from error
     finally:
@@ -34,12 +39,19 @@ async def _with_store(action: Callable[[Store], Awaitable[None]]) -> None:
 
 
 async def webhook_add(args: argparse.Namespace) -> None:
+    try:
+        check_url(args.url)  # before the store: a usage error, as argparse's are
+    except InvalidWebhookUrl as error:
+        print(f"yoke: {error}", file=sys.stderr)
+        raise SystemExit(2) from error
+
     async def action(store: Store) -> None:
         subscription = await add_webhook(store, args.forum, args.url)
         print(subscription.id)
         print(
-            "each agent line is POSTed signed: X-Yoke-Signature: sha256=<HMAC-SHA256 of the "
-            "body with this secret>; the secret is the last line (it is not shown again)",
+            "each agent line is POSTed signed: X-Yoke-Signature: sha256=<HMAC-SHA256 of "
+            "X-Yoke-Timestamp + '.' + the body, with this secret>; the secret is the last line "
+            "(it is not shown again)",
             file=sys.stderr,
         )
         print(subscription.secret)
