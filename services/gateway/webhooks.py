@@ -286,8 +286,8 @@ class SubscriptionRunner:
     async def _report_bad_url(self, cursor: Cursor, problem: str) -> None:
         """Once per holder: a warning, and the reason on the cursor (``yoke webhook list``).
 
-        Nothing is sent or dead-lettered: the cursor stays, so once the operator replaces the
-        subscription nothing was lost in between (its lines are still in the forum)."""
+        Nothing is sent, and no line is dead-lettered: a letter per line would only repeat this
+        one reason (the operator replaces the subscription; its lines stay in the forum)."""
         if self._url_reported:
             return
         error = f"invalid webhook URL: {problem}; nothing is sent (remove it and add a valid one)"
