@@ -131,8 +131,8 @@ class Client:
         # Forgotten however this ends: a publish that raises too (the gateway's every POST comes
         # here, so a broker away must not leave one waiting future per request behind).
         try:
-            exchange = await self._channel.get_exchange(topology.COMMANDS_EXCHANGE)
             async with _bounded(publish_timeout, "the broker did not take the command"):
+                exchange = await self._channel.get_exchange(topology.COMMANDS_EXCHANGE)
                 await exchange.publish(
                     aio_pika.Message(
                         body,
