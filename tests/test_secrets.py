@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,15 +23,19 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import aio_pika
 import httpx
 import pytest
+from aio_pika.abc import AbstractChannel
 from aiormq.exceptions import ChannelAccessRefused
 
+from services.gateway.stream import Hub
+from services.gateway.webhooks import WebhookWorker
 from tests.support.cli import run_yoke
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import ServiceProcess, eventually, free_port
 from yoke import topology
 from yoke.client import Client
+from yoke.ids import new_id
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import ToolResultPart
+from yoke.models import Conversation, Message, MessagePosted, TextPart, ToolResultPart
 from yoke.provisioning import (
     ProvisioningError,
     import_definitions,
@@ -41,6 +45,8 @@ from yoke.provisioning import (
 from yoke.redact import redact
 from yoke.runtime.health import HealthServer
 from yoke.runtime.joins import create_forum
+from yoke.runtime.posting import Poster
+from yoke.settings import Settings
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow
@@ -48,9 +54,13 @@ ROOT = Path(__file__).resolve().parents[1]
 TAG = uuid.uuid4().hex[:10]
 SERVICES_PASSWORD = f"svc{TAG}MustNeverBeShown"
 PUBLISHER_PASSWORD = f"pub{TAG}MustNeverBeShown"
+GATEWAY_PASSWORD = f"gw{TAG}MustNeverBeShown"
 MONGODB_PASSWORD = f"mongo{TAG}MustNeverBeShown"
 OPENAI_KEY = f"sk-{TAG}-must-never-be-shown"
-SECRETS = (SERVICES_PASSWORD, PUBLISHER_PASSWORD, MONGODB_PASSWORD, OPENAI_KEY)
+SECRETS = (SERVICES_PASSWORD, PUBLISHER_PASSWORD, GATEWAY_PASSWORD, MONGODB_PASSWORD, OPENAI_KEY)
+
+
+ChannelAction = Callable[[AbstractChannel], Awaitable[object]]
 
 
 def assert_no_secret(text: str, where: str) -> None:
@@ -60,7 +70,7 @@ def assert_no_secret(text: str, where: str) -> None:
 
 @dataclass
 class Users:
-    """The module's vhost and the two users the definitions file declares, renamed into it."""
+    """The module's vhost and the users the definitions file declares, renamed into it."""
 
     vhost: str
     services: str
@@ -69,6 +79,7 @@ class Users:
     publisher_url: str
     management: str  # the management API's base URL
     admin: tuple[str, str]
+    gateway_url: str  # the HTTP gateway's own user (compose's yoke-gateway)
 
 
 def into_vhost(definitions: dict[str, Any], names: dict[str, str], vhost: str) -> dict[str, Any]:
@@ -103,12 +114,20 @@ async def users(servers: tuple[str, str, str]) -> AsyncIterator[Users]:
     parts = urlsplit(base)
     admin = (parts.username or "guest", parts.password or "guest")
     vhost = f"yoke-test-{TAG}"
-    names = {"yoke": f"yoke-test-services-{TAG}", "publisher": f"yoke-test-publisher-{TAG}"}
+    names = {
+        "yoke": f"yoke-test-services-{TAG}",
+        "publisher": f"yoke-test-publisher-{TAG}",
+        "yoke-gateway": f"yoke-test-gateway-{TAG}",
+    }
     definitions = json.loads((ROOT / "deploy/rabbitmq/definitions.json").read_text())
     assert {user["name"] for user in definitions["users"]} == set(names)
     filled = with_passwords(
         into_vhost(definitions, names, vhost),
-        {names["yoke"]: SERVICES_PASSWORD, names["publisher"]: PUBLISHER_PASSWORD},
+        {
+            names["yoke"]: SERVICES_PASSWORD,
+            names["publisher"]: PUBLISHER_PASSWORD,
+            names["yoke-gateway"]: GATEWAY_PASSWORD,
+        },
     )
     mparts = urlsplit(management)
     with_admin = urlunsplit(mparts._replace(netloc=f"{admin[0]}:{admin[1]}@{mparts.netloc}"))
@@ -122,6 +141,7 @@ async def users(servers: tuple[str, str, str]) -> AsyncIterator[Users]:
             url_for(base, names["publisher"], PUBLISHER_PASSWORD, vhost),
             management,
             admin,
+            url_for(base, names["yoke-gateway"], GATEWAY_PASSWORD, vhost),
         )
     finally:
         async with httpx.AsyncClient(base_url=management, auth=admin, timeout=30) as api:
@@ -181,6 +201,90 @@ async def test_the_services_user_has_no_tag_and_reaches_only_yoke_resources(user
                 await declare(channel)
     finally:
         await connection.close()
+
+
+async def refused(connection: aio_pika.abc.AbstractConnection, action: ChannelAction) -> None:
+    """``action`` on a channel of its own is refused by RabbitMQ (403 closes the channel)."""
+    channel = await connection.channel(publisher_confirms=True)
+    with pytest.raises(ChannelAccessRefused):
+        await action(channel)
+
+
+async def test_the_gateway_user_does_what_the_gateway_does_and_nothing_else(
+    users: Users, store: Store, poster: Poster
+) -> None:
+    """compose's gateway runs as its own RabbitMQ user (invariant 13): its reply queue, its
+    commands, its stream hub and its webhook worker work, bound to yoke.forum, so a monologue's
+    line never reaches it; yoke.events, the dead letters and the services' queues are refused."""
+    forum = await create_forum(store, "gateway user")
+    monologue = await store.save_conversation(
+        Conversation(id=new_id(), kind="monologue", title="gateway user's monologue")
+    )
+    hub = Hub(users.gateway_url)
+    await hub.start()
+    worker = WebhookWorker(Settings(amqp_url=users.gateway_url), store)
+    try:
+        await worker.start()
+        assert worker.problems() == []
+        async with (
+            Client(users.gateway_url, queue_prefix="yoke.gateway.replies.") as client,
+            hub.subscribe(forum.id) as forum_stream,
+            hub.subscribe(monologue.id) as monologue_stream,
+        ):
+            assert client.connected
+            # One publisher channel, so the monologue's event would reach the hub's queue first.
+            for conversation in (monologue, forum):
+                await poster.post(
+                    Message(
+                        id=new_id(),
+                        conversation_id=conversation.id,
+                        author_actor_id="someone",
+                        parts=[TextPart(text=f"a line in {conversation.kind}")],
+                    )
+                )
+            streamed = await asyncio.wait_for(forum_stream.take(), 20)
+            assert isinstance(streamed, MessagePosted)
+            assert streamed.message.text == "a line in forum"
+            assert monologue_stream.inbox.empty()
+
+        connection = await aio_pika.connect(users.gateway_url, timeout=10)
+        try:
+            channel = await connection.channel(publisher_confirms=True)
+            commands = await channel.get_exchange(topology.COMMANDS_EXCHANGE)
+            await commands.publish(aio_pika.Message(b"{}"), routing_key=topology.SUBMIT_COMMAND)
+
+            async def publish_event(channel: AbstractChannel) -> None:
+                events = await channel.get_exchange(topology.EVENTS_EXCHANGE)
+                await events.publish(aio_pika.Message(b"{}"), routing_key="agent.activity.x")
+
+            async def bind_to_events(channel: AbstractChannel) -> None:
+                queue = await channel.declare_queue("yoke.gateway.sneaky", exclusive=True)
+                await queue.bind(topology.EVENTS_EXCHANGE, routing_key="#")
+
+            async def read_dead_letters(channel: AbstractChannel) -> None:
+                queue = await channel.get_queue(topology.DEAD_LETTER_QUEUE)
+                await queue.get(fail=False)
+
+            async def into_a_queue_directly(channel: AbstractChannel) -> None:
+                await channel.default_exchange.publish(
+                    aio_pika.Message(b"{}"), routing_key=topology.DEAD_LETTER_QUEUE
+                )
+
+            for action in (
+                publish_event,
+                bind_to_events,
+                read_dead_letters,
+                into_a_queue_directly,
+                lambda channel: channel.declare_exchange(topology.EVENTS_EXCHANGE, "topic"),
+                lambda channel: channel.declare_queue(topology.shard_queue("processor", 0)),
+                lambda channel: channel.declare_queue("bridge.someone.replies", exclusive=True),
+            ):
+                await refused(connection, action)
+        finally:
+            await connection.close()
+    finally:
+        await worker.stop()
+        await hub.close()
 
 
 async def test_a_turn_with_a_tool_call_runs_through_the_mesh_as_that_user(

@@ -6,7 +6,8 @@ sends lines strictly in seq order, reading from the store whatever it has not se
 gap before an event, everything after ``Last-Event-ID`` on a reconnect, and the head now and then
 while the forum is quiet. Every read is a bounded range by seq (invariant 11).
 
-Only forum events reach the queue: it is bound by routing key to the forum ids being watched
+Only forum events reach the queue: it is bound on ``yoke.forum`` (what bridges read) by routing
+key to the forum ids being watched
 (``conversation.message.posted.<forum>``, ``agent.activity.<forum>``, ``agent.delta.<forum>``,
 ``tool.approval.requested.<forum>``, ``tool.approval.decided.<forum>``), so a monologue's lines
 can never appear on a forum's stream.
@@ -42,6 +43,7 @@ from prometheus_client import Counter
 from pydantic import ValidationError
 
 from yoke import amqp_nodes, topology
+from yoke.bus import ensure_forum_exchange
 from yoke.ids import new_id
 from yoke.models import (
     AgentActivity,
@@ -145,9 +147,10 @@ class Hub:
         channel = await self._connection.channel()
         assert isinstance(channel, aio_pika.RobustChannel)
         self._channel = channel
-        events = await channel.declare_exchange(
-            topology.EVENTS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True
-        )
+        # yoke.forum, not yoke.events: the gateway's own RabbitMQ user may read nothing that
+        # carries a monologue (invariant 13), and may not declare it (ensure_forum_exchange).
+        await ensure_forum_exchange(self.amqp_url)
+        events = topology.FORUM_EXCHANGE
         # Exclusive: it lives and dies with this process (and is declared again, with its
         # bindings, by the robust connection after a reconnect).
         self._queue = await channel.declare_queue(self.queue_name, exclusive=True, auto_delete=True)

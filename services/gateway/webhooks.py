@@ -41,7 +41,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
 from yoke import topology
-from yoke.bus import Bus
+from yoke.bus import Bus, ensure_forum_exchange
 from yoke.ids import derive_id, new_id
 from yoke.metrics import LATENCY_BUCKETS
 from yoke.models import Envelope, Message, MessagePosted, utcnow
@@ -107,8 +107,9 @@ REFRESH_SECONDS = 2.0
 POLL_SECONDS = 15.0
 # Lines read from the store at once.
 CHUNK_LINES = 100
-# The route exchange that picks agent lines in forums out of yoke.events for the worker.
-ROUTE_EXCHANGE = "yoke.webhooks.route"
+# The route exchange that picks agent lines out of yoke.forum for the worker (named in the
+# gateway's own yoke.gateway.*, all its RabbitMQ user may configure; it never reads yoke.events).
+ROUTE_EXCHANGE = "yoke.gateway.webhooks.route"
 ERROR_CHARS = 300
 # Longest a stopping process spends handing its subscriptions over (the store may be away).
 RELEASE_SECONDS = 5.0
@@ -470,12 +471,13 @@ class WebhookWorker:
 
     async def start(self) -> None:
         await ensure_webhook_indexes(self.store)
-        await self.bus.connect()
+        await self.bus.connect(declare=False)
         channel = await self.bus.connection.channel()
         route = await channel.declare_exchange(
             ROUTE_EXCHANGE, aio_pika.ExchangeType.HEADERS, durable=True
         )
-        await route.bind(topology.EVENTS_EXCHANGE, routing_key="#")
+        await ensure_forum_exchange(self.settings.amqp_url)
+        await route.bind(topology.FORUM_EXCHANGE, routing_key="#")
         # One queue per process: every replica hears every wake-up; holders act on them.
         queue = await channel.declare_queue(
             f"yoke.gateway.webhooks.{self.holder}", exclusive=True, auto_delete=True

@@ -21,7 +21,7 @@ from aio_pika.abc import (
     AbstractQueue,
     AbstractRobustConnection,
 )
-from aiormq.exceptions import AMQPError, DeliveryError
+from aiormq.exceptions import AMQPError, ChannelNotFoundEntity, DeliveryError
 
 from yoke import amqp_nodes, topology
 from yoke.errors import Transient
@@ -65,6 +65,49 @@ class Subscription:
         return None
 
 
+async def declare_forum_route(channel: AbstractChannel, events: AbstractExchange) -> None:
+    """yoke.events -> yoke.forum.route -> yoke.forum (see :meth:`Bus.declare_forum`)."""
+    route = await channel.declare_exchange(
+        topology.FORUM_ROUTE_EXCHANGE,
+        aio_pika.ExchangeType.HEADERS,
+        durable=True,
+        internal=True,
+    )
+    await route.bind(events, routing_key="#")
+    forum = await channel.declare_exchange(
+        topology.FORUM_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True, internal=True
+    )
+    await forum.bind(
+        route,
+        routing_key="",
+        arguments={"x-match": "all", topology.KIND_HEADER: topology.PUBLIC_KIND},
+    )
+
+
+async def ensure_forum_exchange(url: str) -> None:
+    """yoke.forum exists before a reader binds to it (the gateway's stream and webhooks).
+
+    Looked up first: the gateway's own RabbitMQ user may not declare it (compose's provisioning
+    does). Where it is missing and the user may (the services' user: make run, the tests), it
+    is declared with its route, as every Bus does. A throwaway connection: a lookup that fails
+    closes its channel, and a robust one would reopen it.
+    """
+    connection = await amqp_nodes.connect(url)
+    try:
+        try:
+            await (await connection.channel()).get_exchange(topology.FORUM_EXCHANGE)
+            return
+        except ChannelNotFoundEntity:
+            pass
+        channel = await connection.channel()
+        events = await channel.declare_exchange(
+            topology.EVENTS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True
+        )
+        await declare_forum_route(channel, events)
+    finally:
+        await connection.close()
+
+
 class Bus:
     """One robust AMQP connection: a confirming publisher channel plus consumer channels."""
 
@@ -82,13 +125,15 @@ class Bus:
         self._tool_queues: set[str] = set()
         self.subscriptions: list[Subscription] = []
 
-    async def connect(self) -> None:
+    async def connect(self, *, declare: bool = True) -> None:
+        """``declare=False``: a user that may not configure the core exchanges (the gateway's)."""
         # ``url`` may list a cluster's nodes: each (re)connect tries them in turn (amqp_nodes).
         self._connection = await amqp_nodes.connect_robust(
             self.url, name=self.name, reconnect_interval=RECONNECT_INTERVAL_SECONDS
         )
         self._publisher = await self._connection.channel(publisher_confirms=True)
-        await self.declare_core()
+        if declare:
+            await self.declare_core()
 
     @property
     def connection(self) -> AbstractRobustConnection:
@@ -154,22 +199,7 @@ class Bus:
         forum (rewritten for each new one) could tell them apart, and a bridge could no longer
         bind ``conversation.message.posted.#``.
         """
-        channel = self._channel()
-        route = await channel.declare_exchange(
-            topology.FORUM_ROUTE_EXCHANGE,
-            aio_pika.ExchangeType.HEADERS,
-            durable=True,
-            internal=True,
-        )
-        await route.bind(self._exchanges[topology.EVENTS_EXCHANGE], routing_key="#")
-        forum = await channel.declare_exchange(
-            topology.FORUM_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True, internal=True
-        )
-        await forum.bind(
-            route,
-            routing_key="",
-            arguments={"x-match": "all", topology.KIND_HEADER: topology.PUBLIC_KIND},
-        )
+        await declare_forum_route(self._channel(), self._exchanges[topology.EVENTS_EXCHANGE])
 
     async def declare_shards(
         self, service: str, interests: list[topology.Interest], shards: int
