@@ -22,8 +22,16 @@ VARIABLES: dict[str, tuple[str, str | None]] = {
     ),
     "YOKE_RABBITMQ_SERVICES_PASSWORD": ("RabbitMQ's yoke user: the services (only yoke.*)", None),
     "YOKE_RABBITMQ_PUBLISHER_PASSWORD": ("RabbitMQ's publisher user: bridges", None),
+    "YOKE_RABBITMQ_GATEWAY_PASSWORD": (
+        "RabbitMQ's yoke-gateway user: the HTTP gateway (yoke.commands, yoke.forum)",
+        None,
+    ),
     "YOKE_MONGODB_ROOT_PASSWORD": ("MongoDB's root user", None),
     "YOKE_MONGODB_PASSWORD": ("MongoDB's yoke user: readWrite on the yoke database", None),
+    "YOKE_MONGODB_GATEWAY_PASSWORD": (
+        "MongoDB's yoke-gateway user: reads, and writes only webhook bookkeeping",
+        None,
+    ),
     "YOKE_GRAFANA_ADMIN_PASSWORD": ("Grafana's admin user", None),
     "YOKE_BIND_ADDRESS": (
         "where compose publishes every port; 0.0.0.0 opens them to the network",

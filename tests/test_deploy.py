@@ -84,6 +84,7 @@ def known_environment() -> set[str]:
     return {f"YOKE_{name.upper()}" for name in Settings.model_fields} | {
         "OPENAI_API_KEY",
         "OPENAI_BASE_URL",
+        "HOME",  # the processor's, on a tmpfs (stdio MCP servers need a writable home)
     }
 
 
@@ -123,7 +124,7 @@ def test_rabbitmq_definitions_give_bridges_least_privilege() -> None:
     permissions = {p["user"]: p for p in definitions["permissions"]}
     publisher = {k: permissions["publisher"][k] for k in ("configure", "write", "read")}
     assert publisher == topology.PUBLISHER_PERMISSIONS
-    assert {u["name"] for u in definitions["users"]} == {"yoke", "publisher"}
+    assert {u["name"] for u in definitions["users"]} == {"yoke", "publisher", "yoke-gateway"}
     # compose's one-shot rabbitmq-init imports the file with passwords from .env (a node that
     # loads definitions at boot would not create the operator, its default user).
     conf = (ROOT / "deploy/rabbitmq/rabbitmq.conf").read_text()
@@ -146,7 +147,9 @@ def test_the_services_rabbitmq_user_is_no_administrator_and_reaches_only_yoke() 
         assert not re.match(pattern, "bridge.anything") and not re.match(pattern, "amq.topic")
     compose = load("docker-compose.yml")["services"]
     for name in (*SERVICES, GATEWAY):
-        assert compose[name]["environment"]["YOKE_AMQP_URL"].startswith("amqp://yoke:${")
+        # The gateway has a user of its own (tests/test_compose_config.py).
+        user = "yoke-gateway" if name == GATEWAY else "yoke"
+        assert compose[name]["environment"]["YOKE_AMQP_URL"].startswith(f"amqp://{user}:${{")
         assert compose[name]["depends_on"]["rabbitmq-init"] == {
             "condition": "service_completed_successfully"
         }
@@ -350,11 +353,16 @@ def test_mongodb_runs_with_authentication_and_the_services_have_their_own_user()
     [mount] = [v for v in compose["mongodb"]["volumes"] if "docker-entrypoint-initdb.d" in v]
     script = (ROOT / mount.split(":")[0]).read_text()
     assert "process.env.YOKE_MONGODB_PASSWORD" in script
-    assert re.search(r'roles:\s*\[\{\s*role:\s*"readWrite",\s*db:\s*"yoke"\s*\}\]', script)
+    assert re.search(r'"roles":\s*\[\{\s*"role":\s*"readWrite",\s*"db":\s*"yoke"\s*\}\]', script)
     assert mongodb["YOKE_MONGODB_PASSWORD"].startswith("${YOKE_MONGODB_PASSWORD")
     for name in (*SERVICES, GATEWAY):
         url = compose[name]["environment"]["YOKE_MONGODB_URL"]
-        assert url.startswith("mongodb://yoke:${YOKE_MONGODB_PASSWORD") and "/yoke?" in url
+        own = (
+            "yoke-gateway:${YOKE_MONGODB_GATEWAY_PASSWORD"
+            if name == GATEWAY
+            else "yoke:${YOKE_MONGODB_PASSWORD"
+        )
+        assert url.startswith(f"mongodb://{own}") and "/yoke?" in url
 
 
 def test_grafana_lets_no_anonymous_visitor_in() -> None:

@@ -33,6 +33,7 @@ from yoke.redact import redact
 PASSWORD_VARIABLES = {
     "yoke": "YOKE_RABBITMQ_SERVICES_PASSWORD",
     "publisher": "YOKE_RABBITMQ_PUBLISHER_PASSWORD",
+    "yoke-gateway": "YOKE_RABBITMQ_GATEWAY_PASSWORD",
 }
 HASHING_ALGORITHM = "rabbit_password_hashing_sha256"
 

@@ -14,6 +14,7 @@ Run as root on Debian: ``python -m tests.compose.check`` (``make compose-check``
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -31,8 +32,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aio_pika
 import httpx
 import yaml
+from aiormq.exceptions import ChannelAccessRefused
 
 HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("YOKE_COMPOSE_CACHE", "/var/cache/yoke-compose"))
@@ -740,6 +743,98 @@ def gateway_turn(run: Run) -> str:
     return f"POST {BIND}:8080/v1/forums/…/messages 202, the agent's answer in GET"
 
 
+def container_ips(run: Run, service: str) -> set[str]:
+    return {
+        network["IPAddress"]
+        for container in run.containers()
+        if service_of(container) == service
+        for network in container["NetworkSettings"]["Networks"].values()
+        if network.get("IPAddress")
+    }
+
+
+def gateway_as_its_own_user(run: Run) -> str:
+    """Every AMQP connection the gateway's container holds is its own user's, yoke-gateway."""
+    ips = container_ips(run, "gateway")
+    auth = ("operator", run.env_value("YOKE_RABBITMQ_OPERATOR_PASSWORD"))
+
+    def its_connections() -> list[str] | None:
+        found = httpx.get(f"http://{BIND}:15672/api/connections", auth=auth, timeout=10).json()
+        users = [str(c["user"]) for c in found if c.get("peer_host") in ips]
+        # The reply queue's client, the stream hub and the webhook worker.
+        return users if len(users) >= 3 else None
+
+    users = poll("the gateway's connections", its_connections, 60, 2)
+    if set(users) != {"yoke-gateway"}:
+        raise CheckFailed(f"the gateway connects as {sorted(set(users))}, not only yoke-gateway")
+    return f"{len(users)} connections from the gateway, all as yoke-gateway"
+
+
+def gateway_user_refused(run: Run) -> str:
+    """As the gateway's user, a publish to yoke.events and a bind to it are refused."""
+    url = run.amqp_url("yoke-gateway", "YOKE_RABBITMQ_GATEWAY_PASSWORD")
+
+    async def attempts() -> list[str]:
+        connection = await aio_pika.connect(url, timeout=10)
+        said = []
+        try:
+            channel = await connection.channel(publisher_confirms=True)
+            events = await channel.get_exchange("yoke.events")
+            try:
+                await events.publish(aio_pika.Message(b"{}"), routing_key="agent.activity.x")
+                raise CheckFailed("a publish to yoke.events was confirmed")
+            except ChannelAccessRefused as refused:
+                said.append(f"publish to yoke.events: {str(refused)[:40]}")
+            channel = await connection.channel()
+            queue = await channel.declare_queue("yoke.gateway.check", exclusive=True)
+            try:
+                await queue.bind("yoke.events", routing_key="#")
+                raise CheckFailed("a queue of the gateway's user was bound to yoke.events")
+            except ChannelAccessRefused:
+                said.append("bind to yoke.events refused")
+        finally:
+            await connection.close()
+        return said
+
+    return "; ".join(asyncio.run(attempts()))
+
+
+def hardened_containers(run: Run) -> str:
+    """Our image's containers: no capability, read-only root, no new privileges; the model key
+    only where a model is called; the processor's home (MCP servers) writable."""
+    problems = []
+    ours = {"ingestion", "processor", "egress", "followup", "guardian", "gateway"}
+    keyed = set()
+    for container in run.containers():
+        service, host = service_of(container), container["HostConfig"]
+        if service not in ours:
+            continue
+        if "ALL" not in (host.get("CapDrop") or []):
+            problems.append(f"{service}: capabilities kept")
+        if not host.get("ReadonlyRootfs"):
+            problems.append(f"{service}: writable root")
+        if "no-new-privileges:true" not in (host.get("SecurityOpt") or []):
+            problems.append(f"{service}: may gain privileges")
+        if any(e.startswith("OPENAI_API_KEY=") for e in container["Config"]["Env"]):
+            keyed.add(service)
+    if keyed != {"processor", "guardian"}:
+        problems.append(f"the model key reaches {sorted(keyed)}")
+    probe = (
+        "import os, pathlib; pathlib.Path(os.environ['HOME'], 'probe').write_text('x'); "
+        "caps = [l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1]; "
+        "ro = not os.access('/app', os.W_OK); print(int(caps, 16), ro)"
+    )
+    said = run.compose("exec", "-T", "processor", "python", "-c", probe).split()
+    if said != ["0", "True"]:
+        problems.append(f"processor: effective capabilities, /app read-only: {said}")
+    if problems:
+        raise CheckFailed("; ".join(problems))
+    return (
+        f"{len(ours)} services: cap_drop ALL, read-only root, no-new-privileges; key only in "
+        "processor, guardian; processor's HOME writable, no effective capability"
+    )
+
+
 def prometheus_targets(run: Run) -> str:
     expected_yoke = sum(
         n for s, n in EXPECTED.items() if s not in ("rabbitmq", "mongodb", "prometheus")
@@ -982,6 +1077,9 @@ def main(argv: list[str] | None = None) -> int:
             run.step("4 CLI refusal, one line", lambda: check_cli_refusal(run))
             run.step("turn through the AMQP door", lambda: amqp_turn(run))
             run.step("turn through the gateway", lambda: gateway_turn(run))
+            run.step("gateway as yoke-gateway", lambda: gateway_as_its_own_user(run))
+            run.step("gateway user refused", lambda: gateway_user_refused(run))
+            run.step("hardened containers", lambda: hardened_containers(run))
             run.step("prometheus targets", lambda: prometheus_targets(run))
             run.step("1 dockerd restart", lambda: daemon_restart(run))
             run.step("2 rabbitmq recreated", lambda: rabbitmq_recreated(run))
