@@ -576,7 +576,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         "needs `Authorization: Bearer <token>` (`yoke token create`). Errors are "
         '`{"error": "...", "code": "..."}`.',
         lifespan=lifespan,
-        docs_url="/docs",
+        # Swagger UI comes from a CDN, unpinned, into the console's origin: only when asked for
+        # (YOKE_GATEWAY_DOCS); /openapi.json is always there for local tools.
+        docs_url="/docs" if settings.gateway_docs else None,
         redoc_url=None,
     )
 

@@ -37,9 +37,12 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from services.gateway.deps import ApiError, ForumDep, Gateway, TokenDep, gateway
 from services.gateway.tool_calls import ToolCallStates
 from yoke.dead_letters import list_dead_letters
-from yoke.models import Conversation, Participant
+from yoke.forum_list import ForumList
+from yoke.models import Participant
 from yoke.runtime.catalog import ToolCatalog
 from yoke.runtime.chain import chain_of
+from yoke.runtime.instances import INGESTION, PROCESSOR
+from yoke.runtime.joins import participant_id
 from yoke.store import Store
 from yoke.tokens import Token
 from yoke.webhooks import dead_letters
@@ -73,13 +76,19 @@ PAGE_HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Cache-Control": "no-store",
 }
-MAX_FORUMS = 500
+MAX_FORUMS = 100  # one page of the forum list
 MAX_NAMES = 200
 MAX_LINES = 500
 DEAD_LETTERS_SHOWN = 200
+# A compacted-away monologue is looked for among this many of its forum's joins at most.
+MAX_JOINS_SEARCHED = 1000
 DEAD_LETTER_READ_SECONDS = 10.0
-# Where the process keeps its ToolCallStates (Gateway.extras).
+# Where the process keeps its ToolCallStates and its ForumList (Gateway.extras).
 TOOL_CALL_STATES = "console.tool_call_states"
+FORUM_LIST = "console.forum_list"
+# Actors named to any token that may read a conversation they wrote in: the mesh's own
+# (tool results, nudges, steering), who are nobody's secret.
+OPEN_KINDS = ("system",)
 
 router = APIRouter(include_in_schema=False)
 
@@ -119,24 +128,57 @@ async def static_file(name: str) -> Response:
 # --- data ----------------------------------------------------------------------------------
 
 
+def forum_list(state: Gateway) -> ForumList:
+    """One per process: it keeps the list's head as a hint (a few lookups per page)."""
+    found = state.extras.get(FORUM_LIST)
+    if not isinstance(found, ForumList):
+        found = ForumList(state.store)
+        state.extras[FORUM_LIST] = found
+    return found
+
+
 @router.get("/console/api/forums")
-async def forums(request: Request, token: TokenDep) -> JSONResponse:
-    """The forums the token may use (an all-forums token: every forum, newest first)."""
-    store = gateway(request).store
+async def forums(
+    request: Request,
+    token: TokenDep,
+    before: Annotated[int | None, Query(ge=1, description="the previous page's next")] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_FORUMS)] = MAX_FORUMS,
+) -> JSONResponse:
+    """The forums the token may use, newest first: a token's own list, or (an all-forums
+    token) every forum a page at a time; ``next`` is the ``before`` of the next page."""
+    state = gateway(request)
+    store = state.store
+    cursor: int | None = None
     if token.forums is not None:
-        found = [await store.get_conversation(forum_id) for forum_id in token.forums]
-        shown = [f for f in found if f is not None and f.kind == "forum"]
+        forum_ids = token.forums
     else:
-        documents = await store.conversations.find({"kind": "forum"}).to_list(MAX_FORUMS)
-        shown = [Conversation.from_document(document) for document in documents]
-        shown.sort(key=lambda forum: forum.created_at, reverse=True)
-    return JSONResponse({"forums": [forum.to_wire() for forum in shown]})
+        forum_ids, cursor = await forum_list(state).page(before, limit)
+    found = [await store.get_conversation(forum_id) for forum_id in forum_ids]
+    shown = [f for f in found if f is not None and f.kind == "forum"]
+    return JSONResponse({"forums": [forum.to_wire() for forum in shown], "next": cursor})
 
 
-async def agents_of(store: Store, forum_id: str) -> list[dict[str, Any]]:
-    """The forum's agents with their active monologue and the monologues before it."""
+async def joined_participants(
+    store: Store, forum_id: str, cap: int
+) -> tuple[list[Participant], bool]:
+    """The agents' forum participants, newest join first, at most ``cap`` (and whether more
+    were cut), found through the forum's joins (one ingestion instance each, by equality on
+    indexed fields): never the forum's other participants, whose number a token can grow."""
+    query = {"actor": INGESTION, "watch": forum_id}
+    documents = await store.states.find(query, {"config.agentActorId": 1}).to_list(cap + 1)
+    agents = [str(d.get("config", {}).get("agentActorId") or "") for d in documents]
+    found = [await store.get_participant(participant_id(forum_id, agent)) for agent in agents]
+    participants = [p for p in found if p is not None]
+    participants.sort(key=lambda p: (p.joined_at, p.id), reverse=True)
+    return participants[:cap], len(documents) > cap
+
+
+async def agents_of(store: Store, forum_id: str, cap: int) -> tuple[list[dict[str, Any]], bool]:
+    """The forum's agents with their active monologue and the monologues before it (at most
+    ``cap``, newest join first), and whether some were cut."""
     agents = []
-    for participant in await store.participants_of(forum_id):
+    participants, cut = await joined_participants(store, forum_id, cap)
+    for participant in participants:
         monologue_id = participant.metadata.get("monologueId")
         if not isinstance(monologue_id, str):
             continue
@@ -151,22 +193,37 @@ async def agents_of(store: Store, forum_id: str) -> list[dict[str, Any]]:
                 "left": participant.left_at is not None,
             }
         )
-    return agents
+    return agents, cut
 
 
 @router.get("/console/api/forums/{forumId}")
 async def forum_info(request: Request, forum: ForumDep, token: TokenDep) -> JSONResponse:
-    """A forum, its head seq and its agents (for the forum view and its monologue panel), and
-    whether the token may decide approvals (the view then lists them, with their buttons)."""
-    store = gateway(request).store
+    """A forum, its head seq and its agents (for the forum view and its monologue panel;
+    ``agentsCut`` when there were more than ``YOKE_CONSOLE_MAX_AGENTS``), and whether the
+    token may decide approvals (the view then lists them, with their buttons)."""
+    state = gateway(request)
+    agents, cut = await agents_of(state.store, forum.id, state.settings.console_max_agents)
     return JSONResponse(
         {
             "forum": forum.to_wire(),
-            "head": await store.last_seq(forum.id),
-            "agents": await agents_of(store, forum.id),
+            "head": await state.store.last_seq(forum.id),
+            "agents": agents,
+            "agentsCut": cut,
             "canApprove": token.can_approve,
         }
     )
+
+
+async def readable_forum(store: Store, token: Token, conversation_id: str) -> str | None:
+    """The forum through which the token may read the conversation (a forum in its scope, or
+    the monologue of a join there), or None."""
+    conversation = await store.get_conversation(conversation_id)
+    if conversation is None:
+        return None
+    if conversation.kind == "forum":
+        return conversation.id if token.allows(conversation.id) else None
+    join = await join_of_monologue(store, conversation_id)
+    return join[0] if join is not None and token.allows(join[0]) else None
 
 
 @router.get("/console/api/names")
@@ -174,31 +231,50 @@ async def names(
     request: Request,
     token: TokenDep,
     ids: Annotated[str, Query(max_length=MAX_NAMES * 40, description="comma-separated")],
+    conversation: Annotated[str, Query(max_length=64, description="where they wrote")],
 ) -> JSONResponse:
-    """Display names of actors (authors of the lines shown); ids are opaque, unguessable."""
+    """Display names of the authors of a conversation's lines the token may read.
+
+    Human ids are derived from ``externalId``, so anyone can compute them: an actor is named
+    only if it took part in that conversation (its participant there, a derived id), or is
+    one of the mesh's own; a conversation out of scope is 403."""
     store = gateway(request).store
+    if await readable_forum(store, token, conversation) is None:
+        raise ApiError(403, "forbidden", f"this token may not read {conversation!r}")
     found: dict[str, str] = {}
     for actor_id in [i for i in ids.split(",") if i][:MAX_NAMES]:
         actor = await store.get_actor(actor_id)
-        if actor is not None:
+        if actor is None:
+            continue
+        took_part = await store.get_participant(participant_id(conversation, actor_id))
+        if took_part is not None or actor.kind in OPEN_KINDS:
             found[actor_id] = actor.name
     return JSONResponse({"names": found})
 
 
 async def join_of_monologue(store: Store, monologue_id: str) -> tuple[str, str] | None:
-    """The forum and the agent whose join owns the monologue (active or compacted away)."""
+    """The forum and the agent whose join owns the monologue (active or compacted away).
+
+    Read through joins, never through the monologue's participants (one per forum author:
+    a token grows them): the processor instance that watches it, or, for a monologue a
+    compaction left, the joins of the forum its first line names (a join's chain lists it)."""
     monologue = await store.get_conversation(monologue_id)
     if monologue is None or monologue.kind != "monologue":
         return None
-    for participant in await store.participants_of(monologue_id):
-        # The agent's forum participants: one per join (indexed by actor).
-        cursor = store.participants.find({"actorId": participant.actor_id})
-        async for document in cursor:
-            joined = Participant.from_document(document)
-            monologues = {link.from_monologue_id for link in chain_of(joined)}
-            monologues.add(str(joined.metadata.get("monologueId") or ""))
-            if monologue_id in monologues:
-                return joined.conversation_id, joined.actor_id
+    active = await store.states.find_one({"actor": PROCESSOR, "watch": monologue_id})
+    if active is not None:
+        config = active.get("config", {})
+        return str(config.get("sourceConversationId")), str(config.get("agentActorId"))
+    first = await store.history(monologue_id, after_seq=0, up_to_seq=1)
+    forum_id = first[0].meta.source_conversation_id if first else None
+    if not forum_id:
+        return None
+    joined, _ = await joined_participants(store, forum_id, MAX_JOINS_SEARCHED)
+    for participant in joined:
+        monologues = {link.from_monologue_id for link in chain_of(participant)}
+        monologues.add(str(participant.metadata.get("monologueId") or ""))
+        if monologue_id in monologues:
+            return participant.conversation_id, participant.actor_id
     return None
 
 

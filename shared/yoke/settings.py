@@ -85,6 +85,10 @@ class Settings(BaseSettings):
     webhook_retry_window_seconds: float = Field(default=3600.0, ge=0)
     # The dead letters kept per subscription (its newest; older ones are deleted as more come).
     webhook_dead_letters_kept: int = Field(default=1000, ge=1)
+    # Agents the console's forum view lists at most (newest joins first; it says when it cut).
+    console_max_agents: int = Field(default=100, ge=1)
+    # /docs (Swagger UI, loaded from a CDN into the gateway's origin): off unless asked for.
+    gateway_docs: bool = False
     # A gateway replica holds a subscription in leases of this long (one delivers it at a time).
     webhook_lease_seconds: float = Field(default=10.0, gt=0)
 

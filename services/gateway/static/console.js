@@ -46,11 +46,14 @@ function element(tag, className, text) {
   return node;
 }
 
-async function resolveNames(ids) {
+// Names are given only for the authors of a conversation the token may read: say which.
+async function resolveNames(ids, conversationId) {
   const missing = [...new Set(ids)].filter((id) => id && !names.has(id));
+  if (!conversationId) return;
   for (let i = 0; i < missing.length; i += 100) {
     const batch = missing.slice(i, i + 100);
-    const body = await api("/console/api/names?ids=" + encodeURIComponent(batch.join(",")));
+    const query = "ids=" + encodeURIComponent(batch.join(",")) + "&conversation=" + encodeURIComponent(conversationId);
+    const body = await api("/console/api/names?" + query);
     for (const id of batch) names.set(id, body.names[id] || id.slice(0, 8));
   }
 }
@@ -155,7 +158,7 @@ function showToolCalls(list, calls) {
 }
 
 async function appendLines(list, messages, lastSeq) {
-  await resolveNames(messages.map((m) => m.authorActorId));
+  await resolveNames(messages.map((m) => m.authorActorId), messages[0]?.conversationId);
   let seq = lastSeq;
   const firstDraft = list.querySelector("li.draft"); // drafts stay below the lines
   for (const message of messages) {
@@ -326,7 +329,7 @@ async function loadApprovals(base) {
   if (!canApprove) return;
   const body = await api(base + "/approvals");
   const listed = new Set(body.approvals.map((a) => a.callId));
-  await resolveNames(body.approvals.map((a) => a.agentActorId));
+  await resolveNames(body.approvals.map((a) => a.agentActorId), document.body.dataset.forumId);
   for (const [callId, entry] of approvals) {
     if (!entry.decided && !listed.has(callId)) {
       approvals.delete(callId);
@@ -370,9 +373,17 @@ async function guarded(run) {
 // --- pages -------------------------------------------------------------------------------
 
 async function indexPage() {
-  const body = await api("/console/api/forums");
+  $("forums").replaceChildren();
+  await moreForums(null);
+}
+
+// The forum list a page at a time, newest first (an all-forums token's list may be long).
+async function moreForums(before) {
+  const body = await api("/console/api/forums" + (before ? "?before=" + encodeURIComponent(before) : ""));
   const list = $("forums");
-  list.replaceChildren();
+  const more = $("forums-more");
+  more.hidden = body.next === null || body.next === undefined;
+  more.onclick = () => moreForums(body.next).catch((error) => status(error.message));
   for (const forum of body.forums) {
     const item = element("li");
     const link = element("a", "forum-link", forum.title || forum.id);
@@ -380,7 +391,7 @@ async function indexPage() {
     item.append(link, element("code", "meta", " " + forum.id));
     list.append(item);
   }
-  if (!body.forums.length) status("No forums yet (yoke forum create --title T).");
+  if (!before && !body.forums.length) status("No forums yet (yoke forum create --title T).");
   $("forums-section").hidden = false;
 }
 
@@ -396,6 +407,7 @@ async function forumPage() {
   const agentNames = new Map(info.agents.map((a) => [a.agentActorId, a.name]));
   for (const agent of info.agents) names.set(agent.agentActorId, agent.name);
   showAgents(info.agents);
+  if (info.agentsCut) $("agents").append(element("li", "meta", "Only the newest " + info.agents.length + " agents are listed."));
 
   const lines = $("lines");
   const first = Math.max(0, info.head - 100);
@@ -451,7 +463,7 @@ async function forumPage() {
           showDelta(lines, JSON.parse(data));
         } else if (event === "approval") {
           const approval = JSON.parse(data);
-          if (approval.agentActorId) await resolveNames([approval.agentActorId]);
+          if (approval.agentActorId) await resolveNames([approval.agentActorId], approval.forumId || document.body.dataset.forumId);
           approvalEvent(base, approval);
         } else if (event === "activity") {
           const update = JSON.parse(data);

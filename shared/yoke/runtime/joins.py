@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import JsonValue
 
+from yoke.forum_list import ForumList
 from yoke.ids import SYSTEM_ACTOR_ID, derive_id, new_id
 from yoke.llm.base import ScriptedOutput
 from yoke.models import (
@@ -125,9 +126,11 @@ def agent_while_busy(agent: Actor) -> WhileBusy:
 
 
 async def create_forum(store: Store, title: str, *, forum_id: str | None = None) -> Conversation:
-    return await store.save_conversation(
+    forum = await store.save_conversation(
         Conversation(id=forum_id or new_id(), kind="forum", title=title)
     )
+    await ForumList(store).add(forum)  # listed newest first, page by page (the console)
+    return forum
 
 
 async def ensure_system_actor(store: Store) -> Actor:

@@ -1,0 +1,189 @@
+"""The console's data routes over a real gateway process: what a scoped token may learn, what
+a forum's crowd costs, and the forum list past its first page; and /docs off by default.
+
+No mesh is needed: forums, joins and people are written to the store as the services would,
+and every request goes over a real socket to the gateway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from services.gateway.console import PAGE_HEADERS
+from tests.support.gateway_process import running_gateway
+from yoke.forum_list import FORUM_LIST, ForumList
+from yoke.ids import new_id
+from yoke.models import Actor, Conversation, utcnow
+from yoke.runtime.joins import create_agent, create_forum, ensure_participant, join_conversation
+from yoke.runtime.posting import Poster
+from yoke.store import Store
+from yoke.tokens import create_token, ensure_token_indexes
+
+pytestmark = pytest.mark.slow
+
+MAX_AGENTS = 2
+
+
+@pytest.fixture(scope="module")
+async def gateway_url(
+    amqp_url: str, module_mongodb_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[str]:
+    log_dir = Path(tmp_path_factory.mktemp("gateway"))
+    limit = str(MAX_AGENTS)
+    async with running_gateway(
+        amqp_url, module_mongodb_url, log_dir, YOKE_CONSOLE_MAX_AGENTS=limit
+    ) as url:
+        yield url
+
+
+async def person(store: Store, forum_id: str, name: str) -> Actor:
+    """A person who posted in the forum: a human actor and its participant there."""
+    actor = await store.save_actor(
+        Actor(id=new_id(), kind="human", name=name, external_id=f"http:t:{new_id()}")
+    )
+    await ensure_participant(store, forum_id, actor.id)
+    return actor
+
+
+async def get(url: str, path: str, secret: str | None, **params: str) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        return await http.get(path, headers=headers, params=params)
+
+
+async def test_a_scoped_token_learns_the_names_of_its_forums_people_only(
+    gateway_url: str, store: Store, poster: Poster
+) -> None:
+    mine = await create_forum(store, "mine")
+    theirs = await create_forum(store, "theirs")
+    agent = await create_agent(store, "helper")
+    join = await join_conversation(store, poster, agent.id, mine.id)
+    ada = await person(store, mine.id, "Ada")
+    bob = await person(store, theirs.id, "Bob")  # a human id can be derived: it is no secret
+    await ensure_token_indexes(store)
+    _, scoped = await create_token(store, "names-scoped", [mine.id])
+    _, everything = await create_token(store, "names-all")
+    ids = ",".join([ada.id, bob.id, agent.id, "system"])
+
+    answer = await get(gateway_url, "/console/api/names", scoped, ids=ids, conversation=mine.id)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["names"] == {ada.id: "Ada", agent.id: "helper", "system": "system"}
+    # Through the monologue of a join in scope: its agent, and nobody of another forum.
+    answer = await get(
+        gateway_url, "/console/api/names", scoped, ids=ids, conversation=join.monologue_id
+    )
+    assert answer.status_code == 200, answer.text
+    assert bob.id not in answer.json()["names"] and answer.json()["names"][agent.id] == "helper"
+    # Another forum: refused, whoever is asked for; and a conversation must be named.
+    answer = await get(
+        gateway_url, "/console/api/names", scoped, ids=bob.id, conversation=theirs.id
+    )
+    assert answer.status_code == 403
+    assert (await get(gateway_url, "/console/api/names", scoped, ids=bob.id)).status_code == 400
+    # An all-forums token is named Bob through Bob's forum, and only there.
+    answer = await get(
+        gateway_url, "/console/api/names", everything, ids=ids, conversation=theirs.id
+    )
+    assert answer.json()["names"] == {bob.id: "Bob", "system": "system"}
+
+
+async def test_a_forums_crowd_does_not_grow_what_its_console_view_reads(
+    gateway_url: str, store: Store, poster: Poster
+) -> None:
+    """The view lists the forum's joins, newest first up to YOKE_CONSOLE_MAX_AGENTS and says
+    when it cut some; the people a token makes (one per externalId) are not read at all."""
+    forum = await create_forum(store, "crowded")
+    joins = []
+    for n in range(MAX_AGENTS + 1):
+        agent = await create_agent(store, f"agent-{n}")
+        joins.append(await join_conversation(store, poster, agent.id, forum.id))
+    for n in range(30):
+        await person(store, forum.id, f"someone {n}")
+    await ensure_token_indexes(store)
+    _, secret = await create_token(store, "crowd", [forum.id])
+
+    info = (await get(gateway_url, f"/console/api/forums/{forum.id}", secret)).json()
+    assert [agent["name"] for agent in info["agents"]] == ["agent-2", "agent-1"]
+    assert info["agentsCut"] is True
+    # The monologue of the join cut from the list is still found (through its join).
+    first = joins[0].monologue_id
+    lines = await get(gateway_url, f"/console/api/monologues/{first}/messages", secret)
+    assert lines.status_code == 200 and lines.json()["forumId"] == forum.id
+
+
+async def test_docs_are_off_by_default_and_the_console_keeps_its_csp(gateway_url: str) -> None:
+    assert (await get(gateway_url, "/docs", None)).status_code == 404
+    openapi = await get(gateway_url, "/openapi.json", None)
+    assert openapi.status_code == 200 and openapi.json()["info"]["title"]
+    for path in ("/", "/dead-letters", f"/forums/{new_id()}"):
+        page = await get(gateway_url, path, None)
+        assert page.status_code == 200
+        csp = page.headers["content-security-policy"]
+        assert csp == PAGE_HEADERS["Content-Security-Policy"]
+        assert "default-src 'none'" in csp and "script-src 'self';" in csp
+        assert "cdn" not in page.text.lower()
+
+
+async def old_forums(store: Store, count: int) -> list[Conversation]:
+    """Forums stored before the forum list existed, oldest first, a minute apart."""
+    start = utcnow() - timedelta(days=1)
+    made = [
+        Conversation(
+            id=new_id(), kind="forum", title=f"old {n}", created_at=start + timedelta(minutes=n)
+        )
+        for n in range(count)
+    ]
+    await store.conversations.insert_many([forum.to_document() for forum in made])
+    return made
+
+
+async def test_the_forum_list_pages_newest_first_past_five_hundred(
+    amqp_url: str, mongodb_url: str, tmp_path: Path
+) -> None:
+    """On a database of its own: 500 forums from before the list, then new ones. Every forum
+    is listed once, newest first, page by page; /docs turned on serves its page."""
+    store = Store(mongodb_url)
+    await store.ensure_indexes()
+    try:
+        old = await old_forums(store, 500)
+        new = [await create_forum(store, f"new {n}") for n in range(5)]
+        await ensure_token_indexes(store)
+        _, secret = await create_token(store, "pages")
+        async with running_gateway(
+            amqp_url, mongodb_url, tmp_path, YOKE_GATEWAY_DOCS="true"
+        ) as url:
+            shown: list[dict[str, Any]] = []
+            params: dict[str, str] = {"limit": "100"}
+            pages = 0
+            while True:
+                answer = await get(url, "/console/api/forums", secret, **params)
+                assert answer.status_code == 200, answer.text
+                body = answer.json()
+                assert len(body["forums"]) <= 100
+                shown += body["forums"]
+                pages += 1
+                if body["next"] is None:
+                    break
+                params["before"] = body["next"]
+            docs = await get(url, "/docs", None)
+            assert docs.status_code == 200
+            console = await get(url, "/", None)
+            assert (
+                console.headers["content-security-policy"]
+                == PAGE_HEADERS["Content-Security-Policy"]
+            )
+        expected = [forum.id for forum in reversed(new)] + [forum.id for forum in reversed(old)]
+        assert [forum["id"] for forum in shown] == expected
+        assert pages == 6
+        # One page is read by equality on an indexed field, which FerretDB plans as an index scan.
+        plan = await store.db[FORUM_LIST].find({"bucket": 0}).explain()
+        assert "Index" in str(plan.get("queryPlanner", plan)), plan
+        assert (await ForumList(store).head()) == 505
+    finally:
+        await store.close()
