@@ -12,6 +12,7 @@ from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import ToolResultPart
+from yoke.runtime.join_config import JoinConfig
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow
@@ -130,7 +131,8 @@ async def test_slash_commands_are_answered_without_a_model_call(
     store: Store, client: Client, new_join: JoinFactory, fake_openai: FakeOpenAI
 ) -> None:
     fake_openai.script(completion("remembered"), completion("fresh"))
-    forum_id, _ = await new_join(model="gpt-test", tools=["clock"])
+    config = JoinConfig(model="gpt-test", tools=["clock"], allowed_models=["fixture-echo"])
+    forum_id, _ = await new_join(config=config)
     await say(client, forum_id, "my name is Ada")
     await lines_until(store, forum_id, lambda lines: len(lines) == 2)
 

@@ -33,12 +33,13 @@ from yoke.client import STOP_LINE
 from yoke.ids import SYSTEM_ACTOR_ID, forwarded_line_id
 from yoke.llm.base import InferenceRequest, InferenceResult, ProviderFailed, estimate_tokens
 from yoke.llm.prompting import unanswered_last
-from yoke.llm.providers import cost_of, provider_for
+from yoke.llm.providers import cost_of, price_of, priced_family, provider_for
 from yoke.metrics import (
     DOOM_LOOPS,
     LLM_COST,
     LLM_COST_ESTIMATED,
     LLM_TOKENS,
+    LLM_UNPRICED_CALLS,
     MODEL_CALLS_CANCELLED,
     NOTICES,
     STOPS,
@@ -435,11 +436,25 @@ async def answer_slash_command(context: Context, trigger: Message) -> None:
         if config.budget_usd is not None:
             budget.append(f"cost budget ${config.budget_usd:.2f}")
         answer = (
-            f"model {state.model or config.model}; tokens used {state.tokens_used}; "
+            f"model {config.model_for(state)}; tokens used {state.tokens_used}; "
             f"cost ${state.cost_usd:.4f}; tools {', '.join(config.tools) or 'none'}"
             + (f"; {', '.join(budget)}" if budget else "")
         )
     elif command == "/model" and argument:
+        allowed = ", ".join(config.allowed())
+        if argument not in config.allowed():
+            # Anyone in the forum may type this: only the models the operator allowed are let
+            # through, or a person could pick a dearer model than the join's budget assumes.
+            wanted = argument[:200]
+            await post_notice(
+                context,
+                trigger,
+                "model",
+                f"/model {wanted} refused: this join allows {allowed} "
+                "(allowedModels in its configuration)",
+                forum_text=FORUM_NOTICES["model"].format(model=wanted, allowed=allowed),
+            )
+            return
         state.model = argument
         answer = f"model is now {argument}"
     elif command == "/reset":
@@ -759,11 +774,49 @@ async def run_tool_round(context: Context, trigger: Message, calls: list[ToolCal
 
 
 def budget_spent(config: ProcessorConfig, state: ProcessorState) -> str | None:
+    """Why the join's budget allows no more model calls (None: it allows them)."""
     if config.budget_tokens is not None and state.tokens_used >= config.budget_tokens:
         return f"token budget spent ({state.tokens_used} of {config.budget_tokens})"
     if config.budget_usd is not None and state.cost_usd >= config.budget_usd:
         return f"cost budget spent (${state.cost_usd:.4f} of ${config.budget_usd:.4f})"
     return None
+
+
+def unpriced_under_budget(context: Context) -> str | None:
+    """Why a cost budget cannot be kept: the step's model has no price. Counting its calls as
+    free would let them run past any budget, so such a model is refused instead."""
+    config = context.config
+    model = config.model_for(context.state)
+    if config.budget_usd is None or price_of(model, context.settings.prices) is not None:
+        return None
+    return (
+        f"no answer: model {model} has no price, so the cost budget "
+        f"(${config.budget_usd:.4f}) cannot be kept; add its price to YOKE_PRICES "
+        f'(USD per million tokens, input and output: {{"{model}": [0.15, 0.6]}})'
+    )
+
+
+# Models whose calls were counted unpriced, told once per process in the log (metric labels).
+_UNPRICED_TOLD: set[str] = set()
+
+
+def charge(context: Context, usage: Usage, requested: str) -> str:
+    """Price ``usage`` and add it to the join's totals; returns its model's metric label (the
+    priced family of a dated snapshot). An unpriced model's cost is unknown: counted as such
+    (:data:`LLM_UNPRICED_CALLS`), never passed off as free."""
+    state, prices = context.state, context.settings.prices
+    cost = cost_of(usage, context.settings, requested)
+    family = priced_family(usage.model, prices) or priced_family(requested, prices)
+    label = model_label(family or usage.model, prices)
+    if cost is None:
+        LLM_UNPRICED_CALLS.labels(label).inc()
+        if label not in _UNPRICED_TOLD:
+            _UNPRICED_TOLD.add(label)
+            log.warning("model %s has no price in YOKE_PRICES: its cost is unknown", usage.model)
+    usage.cost_usd = cost or 0.0
+    state.tokens_used += usage.input_tokens + usage.output_tokens
+    state.cost_usd += usage.cost_usd
+    return label
 
 
 async def display_names(context: Context, transcript: list[Message]) -> dict[str, str]:
@@ -794,6 +847,10 @@ async def infer_once(
     spent = budget_spent(config, state)
     if spent:
         await post_notice(context, trigger, "budget", f"no answer: {spent}")
+        return
+    unpriced = unpriced_under_budget(context)
+    if unpriced:
+        await post_notice(context, trigger, "unpriced", unpriced)
         return
     if config.while_busy != "queue":
         transcript = unanswered_last(transcript, answered_through(answered, trigger))
@@ -838,7 +895,7 @@ async def infer_into(
     covered: int | None = None,
 ) -> bool:
     config, state = context.config, context.state
-    model = state.model or config.model
+    model = config.model_for(state)
     streamed = 0
 
     def on_text(piece: str) -> None:
@@ -886,10 +943,7 @@ async def infer_into(
         flight.settle()  # from here on the answer is posted: a line arriving now waits its turn
     usage = result.usage
     if usage is not None:
-        usage.cost_usd = cost_of(usage, context.settings)
-        state.tokens_used += usage.input_tokens + usage.output_tokens
-        state.cost_usd += usage.cost_usd
-        label = model_label(usage.model, context.settings.prices)
+        label = charge(context, usage, model)
         LLM_TOKENS.labels(label, "input").inc(usage.input_tokens)
         LLM_TOKENS.labels(label, "output").inc(usage.output_tokens)
         LLM_COST.labels(label).inc(usage.cost_usd)
@@ -918,17 +972,13 @@ async def drop_cancelled(
     assert flight.cancelled is not None
     reason, arrival = flight.cancelled
     await draft.end("abandoned")
-    state = context.state
     usage = Usage(
         model=model,
         input_tokens=estimate_tokens(transcript),
         output_tokens=streamed // 4,
         estimated=True,
     )
-    usage.cost_usd = cost_of(usage, context.settings)
-    state.tokens_used += usage.input_tokens + usage.output_tokens
-    state.cost_usd += usage.cost_usd
-    LLM_COST_ESTIMATED.labels(model_label(model, context.settings.prices)).inc(usage.cost_usd)
+    LLM_COST_ESTIMATED.labels(charge(context, usage, model)).inc(usage.cost_usd)
     MODEL_CALLS_CANCELLED.labels(reason).inc()
     why = "a stop" if reason == "stop" else "a newer line"
     log.info(
@@ -960,6 +1010,10 @@ async def drop_cancelled(
 FORUM_NOTICES = {
     "provider": "I could not answer: the model did not respond in time. Please try again.",
     "budget": "I could not answer: my budget for this conversation is spent.",
+    "unpriced": "I could not answer: my model's price is unknown, so my cost budget cannot be "
+    "kept. An operator can add its price to YOKE_PRICES.",
+    "model": "I cannot switch to {model}: allowed: {allowed}. An operator can allow more models "
+    "with allowedModels in this join's configuration.",
     "doom_loop": "I stopped: I kept asking for the same tool call. Ask again and I will try "
     "another way.",
     "failed": "I could not answer that: something went wrong on my side, and it was set aside "

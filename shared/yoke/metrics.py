@@ -84,6 +84,12 @@ LLM_TOKENS = Counter(
     "yoke_llm_tokens", "Tokens used by model and kind (input, output).", ["model", "kind"]
 )
 LLM_COST = Counter("yoke_llm_cost_usd", "Model cost in USD from the price table.", ["model"])
+LLM_UNPRICED_CALLS = Counter(
+    "yoke_llm_unpriced_calls",
+    "Model calls of a model without a price in YOKE_PRICES: their cost is unknown and is not in "
+    "yoke_llm_cost_usd (a join with a cost budget refuses such a model instead).",
+    ["model"],
+)
 LLM_COST_ESTIMATED = Counter(
     "yoke_llm_cost_estimated_usd",
     "Estimated cost in USD of model calls cancelled before their answer (no usage report comes "
@@ -231,7 +237,7 @@ DEAD_LETTER_REASONS = ("malformed", "failed")
 LLM_OUTCOMES = ("ok", "error", "retryable_error")
 TOOL_OUTCOMES = ("ok", "error")
 # Notice reasons: the processor's (services/processor/app.py) and the guardian's.
-PROCESSOR_NOTICES = ("budget", "provider", "doom_loop", "approval")
+PROCESSOR_NOTICES = ("budget", "provider", "doom_loop", "approval", "unpriced", "model")
 APPROVAL_DECISIONS = ("approve", "reject", "expired", "stopped")
 GUARDIAN_NOTICES = ("guardian",)
 CANCEL_REASONS = ("interrupt", "stop")

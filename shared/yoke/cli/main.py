@@ -103,6 +103,9 @@ def join_config_of(args: argparse.Namespace) -> JoinConfig:
         data["tools"] = split_tools(args.tools) or []
     if args.while_busy is not None:
         data["whileBusy"] = args.while_busy
+    if args.allowed_models is not None:
+        # Blanks are kept, so that "a,,b" is refused like the same list in a file.
+        data["allowedModels"] = [name.strip() for name in args.allowed_models.split(",")]
     if (approval := approval_data(args, data.get("approval"))) is not None:
         data["approval"] = approval
     if args.follow_up_after is not None:
@@ -361,6 +364,11 @@ def parser() -> argparse.ArgumentParser:
     joining.add_argument("--forum", required=True)
     joining.add_argument("--model", help="overrides the agent's model for this join")
     joining.add_argument("--tools", help="overrides the agent's tools for this join")
+    joining.add_argument(
+        "--allowed-models",
+        metavar="MODEL,...",
+        help="models a person's /model may switch to besides the join's own (default: none)",
+    )
     add_approval_options(joining, "overrides the agent's approval for this join")
     add_while_busy(joining, "overrides the agent's whileBusy for this join")
     joining.add_argument(

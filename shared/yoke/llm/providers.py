@@ -2,11 +2,18 @@
 
 Any model id not starting ``fixture-`` goes to the OpenAI provider, which works with any
 OpenAI-compatible server.
+
+Prices (``YOKE_PRICES``) are listed by model family, while an API answers with the dated
+snapshot it ran (``gpt-4o-mini-2024-07-18``): :func:`price_of` maps a snapshot to its family,
+so a budget sees what was spent. A model without a price is not free: ``cost_of`` says None,
+and a cost budget refuses such a model rather than count it as 0.
 """
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Mapping
 
 from yoke.llm.base import (
     InferenceRequest,
@@ -68,10 +75,43 @@ def provider_for(model: str, script: list[ScriptedOutput], settings: Settings) -
     return OpenAIProvider(model, settings)
 
 
-def cost_of(usage: Usage, settings: Settings) -> float:
-    """USD for the usage, from the price table (0 for models it does not list)."""
-    prices = settings.prices.get(usage.model)
-    if prices is None:
-        return 0.0
-    per_input, per_output = prices
+# USD per million tokens, (input, output).
+Price = tuple[float, float]
+# The fixture models cost nothing, and that is known: a cost budget accepts them.
+FIXTURE_PRICE: Price = (0.0, 0.0)
+# What a dated snapshot adds to its family's id: -2024-07-18, -20241022, or -0613.
+SNAPSHOT_SUFFIX = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{8}|\d{4})")
+
+
+def priced_family(model: str, prices: Mapping[str, Price]) -> str | None:
+    """The price table's entry for ``model``: itself, or the longest listed id of which it is
+    a dated snapshot (so ``gpt-4o-mini-2024-07-18`` is never taken for ``gpt-4o``)."""
+    if model in prices:
+        return model
+    for listed in sorted(prices, key=len, reverse=True):
+        rest = model[len(listed) :]
+        if model.startswith(listed) and SNAPSHOT_SUFFIX.fullmatch(rest):
+            return listed
+    return None
+
+
+def price_of(model: str, prices: Mapping[str, Price]) -> Price | None:
+    """What ``model`` costs per million tokens; None when nobody said (never taken as 0)."""
+    family = priced_family(model, prices)
+    if family is not None:
+        return prices[family]
+    if model.startswith("fixture-"):
+        return FIXTURE_PRICE
+    return None
+
+
+def cost_of(usage: Usage, settings: Settings, requested: str | None = None) -> float | None:
+    """USD for the usage, priced by the model that answered (a snapshot: by its family), else
+    by the one ``requested``; None when neither has a price."""
+    price = price_of(usage.model, settings.prices)
+    if price is None and requested is not None:
+        price = price_of(requested, settings.prices)
+    if price is None:
+        return None
+    per_input, per_output = price
     return (usage.input_tokens * per_input + usage.output_tokens * per_output) / 1_000_000

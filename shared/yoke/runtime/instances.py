@@ -65,6 +65,17 @@ class ProcessorConfig(WireModel):
     while_busy: WhileBusy = "queue"
     # Tools whose calls wait for a person's decision (the agent's, or the join's).
     approval: ApprovalConfig | None = None
+    # What ``/model NAME`` may switch to besides ``model`` (the join's ``allowedModels``).
+    allowed_models: list[str] = Field(default_factory=list)
+
+    def allowed(self) -> list[str]:
+        """The models this join may run: its own, then those it allows."""
+        return [self.model, *(name for name in self.allowed_models if name != self.model)]
+
+    def model_for(self, state: ProcessorState) -> str:
+        """The model a step calls: the one ``/model`` chose while the join still allows it
+        (a join configured again may have taken it away), else the join's own."""
+        return state.model if state.model in self.allowed() else self.model
 
     def with_join(self, join: JoinConfig | None) -> ProcessorConfig:
         """This config with what the join sets; None fields of the join keep the defaults."""
@@ -89,6 +100,7 @@ JOIN_TUNABLES = (
     "script",
     "while_busy",
     "approval",
+    "allowed_models",
 )
 
 

@@ -8,6 +8,7 @@ document with one writer: docs/architecture.md, invariant 8).
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, field_validator
@@ -87,6 +88,18 @@ def tool_list_problem(tools: list[str] | None) -> str | None:
     )
 
 
+# A model id as a join names it: what an API accepts, never blank or with spaces in it.
+MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
+
+
+def model_list_problem(models: list[str] | None) -> str | None:
+    """Why a list of model ids holds something that is not one (None: it does not)."""
+    bad = [repr(name) for name in models or [] if not MODEL_ID.match(name)]
+    if not bad:
+        return None
+    return f"not a model id: {', '.join(bad)} (ids match {MODEL_ID.pattern})"
+
+
 class ApprovalConfig(StrictWireModel):
     """Tools whose calls wait for a person's decision before they run (docs/approvals.md)."""
 
@@ -145,6 +158,9 @@ class JoinConfig(StrictWireModel):
     # How long a step retries a failing or silent model before it gives up (a slow local model
     # wants more than the mesh's YOKE_PROVIDER_GIVE_UP_SECONDS, 30 s by default).
     model_give_up_seconds: float | None = Field(default=None, gt=0, le=3600)
+    # What a person's ``/model NAME`` may switch to besides the join's own model (None: only
+    # that one), so that nobody in the forum can pick a dearer model than the operator chose.
+    allowed_models: list[str] | None = Field(default=None, max_length=100)
     while_busy: WhileBusy | None = None
     follow_up: FollowUpConfig | None = None
     guardian: GuardianConfig | None = None
@@ -161,6 +177,14 @@ class JoinConfig(StrictWireModel):
         if problem is not None:
             raise ValueError(problem)
         return tools
+
+    @field_validator("allowed_models")
+    @classmethod
+    def model_ids(cls, models: list[str] | None) -> list[str] | None:
+        problem = model_list_problem(models)
+        if problem is not None:
+            raise ValueError(problem)
+        return models
 
 
 # --- storage: one document per join, written only by joins ------------------------------------
