@@ -181,9 +181,13 @@ async def test_the_forum_list_pages_newest_first_past_five_hundred(
         expected = [forum.id for forum in reversed(new)] + [forum.id for forum in reversed(old)]
         assert [forum["id"] for forum in shown] == expected
         assert pages == 6
-        # One page is read by equality on an indexed field, which FerretDB plans as an index scan.
-        plan = await store.db[FORUM_LIST].find({"bucket": 0}).explain()
-        assert "Index" in str(plan.get("queryPlanner", plan)), plan
+        # A page is read by equality on an indexed field, which FerretDB hands to PostgreSQL
+        # (a sort or a range it would not: it would read every document and filter itself);
+        # PostgreSQL scans the index or, while the list is this small, the table.
+        plan = str((await store.db[FORUM_LIST].find({"bucket": 0}).explain())["queryPlanner"])
+        assert "'bucket'::text) @> '0'::jsonb" in plan, plan
+        ranged = await store.db[FORUM_LIST].find({"bucket": {"$lt": 1}}).explain()
+        assert "bucket" not in str(ranged["queryPlanner"]), ranged
         assert (await ForumList(store).head()) == 505
     finally:
         await store.close()

@@ -83,9 +83,8 @@ DEAD_LETTERS_SHOWN = 200
 # A compacted-away monologue is looked for among this many of its forum's joins at most.
 MAX_JOINS_SEARCHED = 1000
 DEAD_LETTER_READ_SECONDS = 10.0
-# Where the process keeps its ToolCallStates and its ForumList (Gateway.extras).
+# Where the process keeps its ToolCallStates (Gateway.extras).
 TOOL_CALL_STATES = "console.tool_call_states"
-FORUM_LIST = "console.forum_list"
 # Actors named to any token that may read a conversation they wrote in: the mesh's own
 # (tool results, nudges, steering), who are nobody's secret.
 OPEN_KINDS = ("system",)
@@ -128,15 +127,6 @@ async def static_file(name: str) -> Response:
 # --- data ----------------------------------------------------------------------------------
 
 
-def forum_list(state: Gateway) -> ForumList:
-    """One per process: it keeps the list's head as a hint (a few lookups per page)."""
-    found = state.extras.get(FORUM_LIST)
-    if not isinstance(found, ForumList):
-        found = ForumList(state.store)
-        state.extras[FORUM_LIST] = found
-    return found
-
-
 @router.get("/console/api/forums")
 async def forums(
     request: Request,
@@ -152,7 +142,7 @@ async def forums(
     if token.forums is not None:
         forum_ids = token.forums
     else:
-        forum_ids, cursor = await forum_list(state).page(before, limit)
+        forum_ids, cursor = await ForumList.of(store).page(before, limit)
     found = [await store.get_conversation(forum_id) for forum_id in forum_ids]
     shown = [f for f in found if f is not None and f.kind == "forum"]
     return JSONResponse({"forums": [forum.to_wire() for forum in shown], "next": cursor})

@@ -16,9 +16,10 @@ the first position (they then come before every later forum).
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 from pymongo import ASCENDING
-from pymongo.errors import DuplicateKeyError
+from pymongo.errors import BulkWriteError, DuplicateKeyError
 
 from yoke.models import Conversation, utcnow
 from yoke.store import Doc, Store
@@ -31,6 +32,14 @@ _BACKFILLED = "backfilled"
 
 class ForumList:
     """The list's positions; keeps the highest one it has seen (a hint: positions only grow)."""
+
+    @classmethod
+    def of(cls, store: Store) -> ForumList:
+        """The store's one list (its hint and its checked indexes shared by every caller)."""
+        found = _LISTS.get(store)
+        if found is None:
+            found = _LISTS[store] = cls(store)
+        return found
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -94,15 +103,7 @@ class ForumList:
         while True:
             position = (await self.head()) + 1
             try:
-                await self.collection.insert_one(
-                    {
-                        "_id": _position_id(position),
-                        "position": position,
-                        "bucket": position // BUCKET,
-                        "forumId": forum_id,
-                        "at": utcnow(),
-                    }
-                )
+                await self.collection.insert_one(_entry(position, forum_id))
                 self._head = position
                 return position
             except DuplicateKeyError:
@@ -118,11 +119,33 @@ class ForumList:
             Conversation.from_document(document)
             for document in await self.store.conversations.find(query).to_list()
         ]
-        for forum in sorted(forums, key=lambda f: (f.created_at, f.id)):
-            await self._list(forum.id)
+        ordered = [forum.id for forum in sorted(forums, key=lambda f: (f.created_at, f.id))]
+        start = (await self.head()) + 1
+        try:  # one write when nobody else lists meanwhile (the usual case: an upgrade)
+            if ordered:
+                await self.collection.insert_many(
+                    [_entry(start + n, forum_id) for n, forum_id in enumerate(ordered)]
+                )
+                self._head = start + len(ordered) - 1
+        except BulkWriteError:  # someone did: one at a time, each under its unique insert
+            for forum_id in ordered:
+                await self._list(forum_id)
         with contextlib.suppress(DuplicateKeyError):  # another process finished it too
             await self.collection.insert_one({"_id": _BACKFILLED, "at": utcnow()})
 
 
+_LISTS: weakref.WeakKeyDictionary[Store, ForumList] = weakref.WeakKeyDictionary()
+
+
 def _position_id(position: int) -> str:
     return f"p{position}"
+
+
+def _entry(position: int, forum_id: str) -> Doc:
+    return {
+        "_id": _position_id(position),
+        "position": position,
+        "bucket": position // BUCKET,
+        "forumId": forum_id,
+        "at": utcnow(),
+    }

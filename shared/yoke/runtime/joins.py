@@ -129,7 +129,7 @@ async def create_forum(store: Store, title: str, *, forum_id: str | None = None)
     forum = await store.save_conversation(
         Conversation(id=forum_id or new_id(), kind="forum", title=title)
     )
-    await ForumList(store).add(forum)  # listed newest first, page by page (the console)
+    await ForumList.of(store).add(forum)  # listed newest first, page by page (the console)
     return forum
 
 
