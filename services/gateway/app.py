@@ -16,6 +16,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import re
 import signal
 import socket
 import sys
@@ -36,6 +38,7 @@ from services.gateway import console
 from services.gateway.deps import (
     REQUEST_SECONDS,
     REQUESTS,
+    RETRY_AFTER_SECONDS,
     STREAMS,
     ApiError,
     ErrorBody,
@@ -45,11 +48,13 @@ from services.gateway.deps import (
     gateway,
     unavailable,
 )
-from services.gateway.stream import ForumStream, Hub
+from services.gateway.limits import MAX_HEADER_BYTES, REFUSALS, gateway_protocol
+from services.gateway.stream import BindTimeout, ForumStream, Hub
 from services.gateway.webhooks import WebhookWorker
 from yoke.client import STOP_LINE, Client
 from yoke.errors import EXIT_MISCONFIGURED, describe_validation_error, is_transient
 from yoke.ids import new_id
+from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
 from yoke.logs import configure_logging
 from yoke.models import (
     MAX_NAME_CHARS,
@@ -76,6 +81,14 @@ log = logging.getLogger(__name__)
 MAX_EXTERNAL_ID_CHARS = 128
 MAX_IDEMPOTENCY_KEY_CHARS = 128
 MAX_PAGE = 1000
+# Above any seq a store can hold (BSON's int64), and short enough to parse in constant time.
+MAX_SEQ = 2**62
+SEQ_PATTERN = re.compile(r"[0-9]{1,18}")
+# An Idempotency-Key is visible ASCII and spaces: header bytes past ASCII mean different
+# characters to different clients.
+IDEMPOTENCY_KEY_PATTERN = re.compile(r"[\x20-\x7e]+")
+# Lines a page reads from the store at once, counted against YOKE_GATEWAY_MAX_RESPONSE_BYTES.
+PAGE_READ_LINES = 100
 # An open stream looks its token up again before a chunk at most this often.
 TOKEN_CHECK_SECONDS = 1.0
 # The door's reasons (SubmitReply.code) as HTTP statuses; anything else is a 400.
@@ -133,23 +146,78 @@ def json_body(model: type[WireModel]) -> dict[str, Any]:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused (413) past ``limit`` bytes before it is all read."""
+    """The request's JSON body: refused (413) past ``limit`` bytes before it is all read, 408
+    when it does not arrive within the header timeout (a slow body holds a connection as a
+    slow head would), 415 when it is not ``application/json``."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, "too_large", f"body is {declared} bytes; the limit is {limit}")
+    # h11 has checked it is digits; ASCII digits of a sane length are checked again here, as
+    # int() takes other scripts' digits and refuses more than 4,300 of them.
+    if declared is not None and (not SEQ_PATTERN.fullmatch(declared) or int(declared) > limit):
+        raise ApiError(413, "too_large", f"body is {declared[:20]} bytes; the limit is {limit}")
+    timeout = gateway(request).settings.gateway_header_timeout_seconds
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, "too_large", f"body is over the limit of {limit} bytes")
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise ApiError(413, "too_large", f"body is over the limit of {limit} bytes")
+    except TimeoutError as error:
+        REFUSALS.labels("body_timeout").inc()
+        raise ApiError(
+            408, "body_timeout", f"the body did not arrive within {timeout:g} s"
+        ) from error
+    media_type, _, parameters = request.headers.get("content-type", "").partition(";")
+    charset = parameters.strip().lower().removeprefix("charset=").strip('"')
+    if media_type.strip().lower() != "application/json" or charset not in ("", "utf-8"):
+        raise ApiError(
+            415, "unsupported_media_type", "the body must be JSON: Content-Type application/json"
+        )
     return bytes(body)
 
 
+def _no_constants(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"{text[:20]} is out of a number's range")
+    return number
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise ValueError(f"key {key[:40]!r} appears twice")
+        found[key] = value
+    return found
+
+
 def parse_body(body: bytes, model: type[BodyModel]) -> BodyModel:
-    """A JSON object body as ``model``, or a 400 naming what is wrong with it."""
+    """A JSON object body as ``model``, or a 400 naming what is wrong with it: as strict as the
+    AMQP door (UTF-8, depth, no NaN or Infinity), and stricter where JSON is ambiguous (a key
+    twice, a number past a float's range)."""
     try:
-        data = json.loads(body)
-    except ValueError as error:  # UnicodeDecodeError too
+        text = body.decode()
+    except UnicodeDecodeError as error:
+        raise ApiError(
+            400, "invalid_body", f"body is not valid UTF-8 ({error.reason} at byte {error.start})"
+        ) from error
+    if nesting_depth(body) > MAX_BODY_DEPTH:
+        raise ApiError(
+            400, "invalid_body", f"body is nested too deeply (more than {MAX_BODY_DEPTH} levels)"
+        )
+    try:
+        data = json.loads(
+            text,
+            parse_constant=_no_constants,
+            parse_float=_finite,
+            object_pairs_hook=_unique_keys,
+        )
+    except ValueError as error:
         raise ApiError(400, "invalid_body", f"body is not valid JSON: {error}") from error
     if not isinstance(data, dict):
         raise ApiError(400, "invalid_body", "body must be a JSON object")
@@ -190,18 +258,24 @@ async def post_message(
     size = len(post.text.encode())
     if size > max_text:
         raise ApiError(413, "too_large", f"text is {size} bytes; the limit is {max_text}")
-    check_idempotency_key(idempotency_key)
+    check_idempotency_key(request, idempotency_key)
     return await submit_line(state, forum, token, post.author, post.text, idempotency_key)
 
 
-def check_idempotency_key(idempotency_key: str | None) -> None:
+def check_idempotency_key(request: Request, idempotency_key: str | None) -> None:
+    """One key of 1-128 visible ASCII characters (or none): two keys, or bytes past ASCII,
+    would mean different lines to different readers of the same request."""
+    if len(request.headers.getlist("idempotency-key")) > 1:
+        raise ApiError(400, "invalid_idempotency_key", "send one Idempotency-Key, not several")
     if idempotency_key is not None and (
-        not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS or unstorable(idempotency_key)
+        not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS
+        or not IDEMPOTENCY_KEY_PATTERN.fullmatch(idempotency_key)
+        or unstorable(idempotency_key)
     ):
         raise ApiError(
             400,
             "invalid_idempotency_key",
-            f"Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY_CHARS} characters of text",
+            f"Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY_CHARS} characters of visible ASCII",
         )
 
 
@@ -212,6 +286,9 @@ async def mesh_answer(state: Gateway, submitted: Awaitable[SubmitReply]) -> Subm
     try:
         return await submitted
     except TimeoutError as error:
+        if str(error):  # the publish's own bound (Client's publish_timeout) says what it was
+            REFUSALS.labels("publish_timeout").inc()
+            raise unavailable(f"{error}; try again") from error
         raise unavailable(f"the mesh did not answer within {timeout:g} s; try again") from error
     except Exception as error:
         log.warning("could not submit to the mesh: %r", error)
@@ -240,7 +317,13 @@ async def submit_line(
     )
     body = command.model_dump_json(exclude_none=True).encode()
     timeout = state.settings.gateway_submit_timeout_seconds
-    reply = await mesh_answer(state, state.client.submit_raw(body, reply_timeout=timeout))
+    submitting = state.client.submit_raw(
+        body,
+        reply_timeout=timeout,
+        # A broker in a memory or disk alarm reads no publish: a 503, not a POST that hangs.
+        publish_timeout=state.settings.gateway_publish_timeout_seconds,
+    )
+    reply = await mesh_answer(state, submitting)
     if reply.status == "rejected":
         code = reply.code or "invalid_command"
         raise ApiError(STATUS_OF_CODE.get(code, 400), code, reply.error or "rejected")
@@ -276,7 +359,7 @@ async def stop_agents(
     ] = None,
 ) -> JSONResponse:
     stop = parse_body(await read_body(request, 16384), PostStop)
-    check_idempotency_key(idempotency_key)
+    check_idempotency_key(request, idempotency_key)
     state = gateway(request)
     return await submit_line(state, forum, token, stop.author, STOP_LINE, idempotency_key)
 
@@ -394,6 +477,7 @@ async def decide_approval(
         # The mesh's own user (the door takes decisions from it), which RabbitMQ verifies.
         user_id=amqp_user(state.settings.amqp_url),
         reply_timeout=state.settings.gateway_submit_timeout_seconds,
+        publish_timeout=state.settings.gateway_publish_timeout_seconds,
     )
     reply = await mesh_answer(state, deciding)
     if reply.status == "rejected":
@@ -433,15 +517,49 @@ async def list_approvals(request: Request, forum: ApproverForumDep) -> JSONRespo
 async def list_messages(
     request: Request,
     forum: ForumDep,
-    after: Annotated[int, Query(ge=0, description="lines with a higher seq than this")] = 0,
-    limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="at most this many")] = 100,
-) -> JSONResponse:
-    store = gateway(request).store
+    after: Annotated[
+        int, Query(ge=0, le=MAX_SEQ, description="lines with a higher seq than this")
+    ] = 0,
+    limit: Annotated[
+        int,
+        Query(
+            ge=1,
+            le=MAX_PAGE,
+            description="at most this many (fewer when their bytes reach the response limit: "
+            "ask again after the last seq until a page is empty)",
+        ),
+    ] = 100,
+) -> Response:
+    for name in ("after", "limit"):
+        if len(request.query_params.getlist(name)) > 1:
+            raise ApiError(400, "invalid_request", f"{name}: give it once, not several times")
+    state = gateway(request)
+    store = state.store
+    budget = state.settings.gateway_max_response_bytes
     # Bounded by seq (docs/architecture.md, invariant 11): the head by indexed lookups, then at most
-    # ``limit`` lines by their buckets; never a read of the whole forum.
+    # ``limit`` lines by their buckets; never a read of the whole forum. Bounded in bytes too
+    # (invariant 14): read a chunk at a time, and the page ends before the line that would pass
+    # YOKE_GATEWAY_MAX_RESPONSE_BYTES (never before its first line).
     head = await store.last_seq(forum.id)
-    lines = await store.history(forum.id, after_seq=after, up_to_seq=min(after + limit, head))
-    return JSONResponse({"messages": [line.to_wire() for line in lines]})
+    end = min(after + limit, head)
+    encoded: list[bytes] = []
+    size = len(b'{"messages":[]}')
+    cursor = after
+    while cursor < end:
+        upper = min(end, cursor + PAGE_READ_LINES)
+        for line in await store.history(forum.id, after_seq=cursor, up_to_seq=upper):
+            one = json.dumps(line.to_wire(), ensure_ascii=False, separators=(",", ":")).encode()
+            if encoded and size + len(one) + 1 > budget:
+                REFUSALS.labels("page_trimmed").inc()
+                return Response(_page(encoded), media_type="application/json")
+            encoded.append(one)
+            size += len(one) + 1
+        cursor = upper
+    return Response(_page(encoded), media_type="application/json")
+
+
+def _page(encoded: list[bytes]) -> bytes:
+    return b'{"messages":[' + b",".join(encoded) + b"]}"
 
 
 @api.get(
@@ -474,15 +592,46 @@ async def stream(
     ] = None,
 ) -> StreamingResponse:
     state = gateway(request)
+    settings = state.settings
     cursor: int | None = None
     if last_event_id is not None:
-        if not last_event_id.strip().isdigit():
+        # ASCII digits only, and few: str.isdigit() passes '²', which int() refuses.
+        if not SEQ_PATTERN.fullmatch(last_event_id.strip()):
             raise ApiError(400, "invalid_last_event_id", "Last-Event-ID must be a seq (a number)")
         cursor = int(last_event_id)
+    open_streams = state.streams_by_token
+    if open_streams.get(token.id, 0) >= settings.gateway_streams_per_token:
+        REFUSALS.labels("streams_per_token").inc()
+        raise ApiError(
+            429,
+            "too_many_streams",
+            f"token {token.id!r} has {settings.gateway_streams_per_token} streams open on this "
+            "gateway, its limit: close one first",
+            {"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
+    open_streams[token.id] = open_streams.get(token.id, 0) + 1
+
+    def release() -> None:
+        left = open_streams.get(token.id, 1) - 1
+        if left > 0:
+            open_streams[token.id] = left
+        else:
+            open_streams.pop(token.id, None)
+
     stack = contextlib.AsyncExitStack()
+    stack.callback(release)
     try:
         # Subscribed before the head is read: every line past it has its event on the way.
-        subscriber = await stack.enter_async_context(state.hub.subscribe(forum.id))
+        subscription = state.hub.subscribe(
+            forum.id,
+            buffer_bytes=settings.gateway_stream_buffer_bytes,
+            bind_timeout=settings.gateway_bind_timeout_seconds,
+        )
+        try:
+            subscriber = await stack.enter_async_context(subscription)
+        except BindTimeout as error:
+            REFUSALS.labels("bind_timeout").inc()
+            raise unavailable(f"{error}; try again") from error
         head = await state.store.last_seq(forum.id)
         # A Last-Event-ID past the head (another forum's, a store restored from a backup)
         # would hold back every line up to it: resume at the head instead.
@@ -611,7 +760,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
         started = time.perf_counter()
-        response = await call_next(request)
+        head_bytes = sum(len(name) + len(value) for name, value in request.scope["headers"])
+        if head_bytes > MAX_HEADER_BYTES:
+            # h11 bounds a head only while it is incomplete: one that came whole is measured.
+            REFUSALS.labels("header_bytes").inc()
+            error = f"the request's headers are {head_bytes} bytes; the limit is {MAX_HEADER_BYTES}"
+            body = ErrorBody(error=error, code="headers_too_large")
+            response: Response = JSONResponse(body.model_dump(), status_code=431)
+        else:
+            response = await call_next(request)
         route = route_of(request)
         REQUESTS.labels(route, str(response.status_code)).inc()
         REQUEST_SECONDS.labels(route).observe(time.perf_counter() - started)
@@ -671,6 +828,15 @@ def main() -> None:
         log_config=None,
         access_log=False,
         lifespan="on",
+        # uvicorn's h11 with the gateway's bounds (services/gateway/limits.py): connections,
+        # the time a request's head may take, and JSON for what h11 refuses.
+        http=gateway_protocol(
+            settings.gateway_max_connections,
+            settings.gateway_header_timeout_seconds,
+            RETRY_AFTER_SECONDS,
+        ),
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        timeout_keep_alive=5,
         # Open streams end at shutdown; clients reconnect with Last-Event-ID elsewhere.
         timeout_graceful_shutdown=3,
     )

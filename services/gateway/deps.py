@@ -13,12 +13,13 @@ from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.gateway.limits import REFUSALS, TOKEN_PATTERN, UnknownSecrets
 from services.gateway.stream import Hub
 from yoke.client import Client
 from yoke.models import Conversation, WireModel
 from yoke.settings import Settings
 from yoke.store import Store
-from yoke.tokens import Token, find_token
+from yoke.tokens import Token, find_token, hash_secret
 
 REQUESTS = Counter(
     "yoke_gateway_requests", "HTTP requests answered by the gateway", ["route", "status"]
@@ -41,6 +42,10 @@ class Gateway:
     hub: Hub
     # Anything a router wires in at start-up (say, the webhook worker) keeps its objects here.
     extras: dict[str, Any] = field(default_factory=dict)
+    # Secrets found to be no token's lately: a flood of one bad token is one store read.
+    unknown_secrets: UnknownSecrets = field(default_factory=UnknownSecrets)
+    # Streams open on this process, by token name (YOKE_GATEWAY_STREAMS_PER_TOKEN).
+    streams_by_token: dict[str, int] = field(default_factory=dict)
 
 
 class ErrorBody(WireModel):
@@ -92,9 +97,22 @@ async def require_token(
         raise ApiError(
             401, "unauthorized", "missing token: send Authorization: Bearer <token>", challenge
         )
-    token = await find_token(gateway(request).store, credentials.credentials)
+    unknown = ApiError(401, "unauthorized", "unknown or revoked token", challenge)
+    secret = credentials.credentials
+    # Cheap refusals first: a secret of the wrong shape, or one found unknown a moment ago, costs
+    # no store read (a flood of bad tokens must not become a flood of reads).
+    if not TOKEN_PATTERN.fullmatch(secret):
+        REFUSALS.labels("invalid_token").inc()
+        raise unknown
+    state = gateway(request)
+    digest = hash_secret(secret)
+    if digest in state.unknown_secrets:
+        REFUSALS.labels("invalid_token").inc()
+        raise unknown
+    token = await find_token(state.store, secret)
     if token is None:
-        raise ApiError(401, "unauthorized", "unknown or revoked token", challenge)
+        state.unknown_secrets.add(digest)
+        raise unknown
     return token
 
 

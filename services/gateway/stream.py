@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
@@ -42,6 +43,7 @@ from aio_pika.abc import (
 from prometheus_client import Counter
 from pydantic import ValidationError
 
+from services.gateway.limits import REFUSALS
 from yoke import amqp_nodes, topology
 from yoke.bus import ensure_forum_exchange
 from yoke.ids import new_id
@@ -70,6 +72,15 @@ IDLE_SECONDS = 15.0
 CATCH_UP_LINES = 500
 # Longest wait to drop a forum's bindings when its last stream ends.
 UNBIND_SECONDS = 5.0
+# What one stream may have waiting, in event bytes, and how long its bind may take, unless told
+# (YOKE_GATEWAY_STREAM_BUFFER_BYTES, YOKE_GATEWAY_BIND_TIMEOUT_SECONDS).
+BUFFER_BYTES = 4 * 1024 * 1024
+BIND_SECONDS = 5.0
+
+
+class BindTimeout(TimeoutError):
+    """The broker did not bind a forum's events in time (say, it is in an alarm): no stream."""
+
 
 DELTAS_DROPPED = Counter(
     "yoke_gateway_stream_deltas_dropped",
@@ -89,17 +100,28 @@ STREAMED_EVENTS = (
 
 @dataclass(eq=False)
 class Subscriber:
-    """One open stream's inbox, in arrival order; lines and deltas bounded apart (``offer``)."""
+    """One open stream's inbox, in arrival order; lines and deltas bounded apart (``offer``),
+    and everything but deltas bounded in bytes (``max_bytes``)."""
 
     forum_id: str
-    inbox: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
+    max_bytes: int = BUFFER_BYTES
+    # None: the wake-up of a stream that overflowed (nothing else waits then).
+    inbox: asyncio.Queue[StreamItem | None] = field(default_factory=asyncio.Queue)
     # Set when an event was dropped (the inbox was full): the stream reads the head instead.
     missed: bool = False
+    # Set when the events waiting would pass ``max_bytes``: its reader is too slow, and the
+    # stream ends with a last event saying so (the client resumes with Last-Event-ID).
+    overflowed: bool = False
     waiting_events: int = 0
+    waiting_bytes: int = 0
     waiting_deltas: int = 0
     waiting_delta_chars: int = 0
+    # The byte sizes of the waiting events other than deltas, in their order.
+    _sizes: deque[int] = field(default_factory=deque)
 
-    def offer(self, item: StreamItem) -> None:
+    def offer(self, item: StreamItem, size: int = 0) -> None:
+        if self.overflowed:
+            return
         if isinstance(item, AgentDelta):
             chars = len(item.text)
             if (
@@ -110,21 +132,39 @@ class Subscriber:
                 return
             self.waiting_deltas += 1
             self.waiting_delta_chars += chars
+        elif self.waiting_events and self.waiting_bytes + size > self.max_bytes:
+            # One event always fits (a line may be as big as the budget): a backlog never.
+            self.overflowed = True
+            self._drop_waiting()  # nothing of it will be sent: free it now
+            self.inbox.put_nowait(None)
+            return
         elif self.waiting_events >= SUBSCRIBER_BACKLOG:
             self.missed = True
             return
         else:
             self.waiting_events += 1
+            self.waiting_bytes += size
+            self._sizes.append(size)
         self.inbox.put_nowait(item)
 
-    async def take(self) -> StreamItem:
-        """The next item, in arrival order."""
+    def _drop_waiting(self) -> None:
+        while not self.inbox.empty():
+            self.inbox.get_nowait()
+        self._sizes.clear()
+        self.waiting_events = self.waiting_bytes = 0
+        self.waiting_deltas = self.waiting_delta_chars = 0
+
+    async def take(self) -> StreamItem | None:
+        """The next item, in arrival order (None once the stream overflowed)."""
         item = await self.inbox.get()
+        if item is None:
+            return None
         if isinstance(item, AgentDelta):
             self.waiting_deltas -= 1
             self.waiting_delta_chars -= len(item.text)
         else:
             self.waiting_events -= 1
+            self.waiting_bytes -= self._sizes.popleft()
         return item
 
 
@@ -138,7 +178,10 @@ class Hub:
         self._channel: AbstractRobustChannel | None = None
         self._queue: AbstractQueue | None = None
         self._subscribers: dict[str, set[Subscriber]] = {}
-        self._binding = asyncio.Lock()
+        # One lock per forum being bound or unbound (with how many wait on it), so one forum's
+        # slow bind holds no other forum's streams; dropped when nobody waits.
+        self._binding: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._unbinding: set[asyncio.Task[None]] = set()
         self._closing = False
 
     async def start(self) -> None:
@@ -171,24 +214,64 @@ class Hub:
         return []
 
     @contextlib.asynccontextmanager
-    async def subscribe(self, forum_id: str) -> AsyncIterator[Subscriber]:
+    async def _forum_lock(self, forum_id: str) -> AsyncIterator[None]:
+        lock, users = self._binding.get(forum_id, (asyncio.Lock(), 0))
+        self._binding[forum_id] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._binding[forum_id]
+            if users > 1:
+                self._binding[forum_id] = (lock, users - 1)
+            else:
+                del self._binding[forum_id]
+
+    @contextlib.asynccontextmanager
+    async def subscribe(
+        self,
+        forum_id: str,
+        *,
+        buffer_bytes: int = BUFFER_BYTES,
+        bind_timeout: float = BIND_SECONDS,
+    ) -> AsyncIterator[Subscriber]:
         """A subscriber for the forum's events, bound before this yields (so a head read after
-        it misses nothing) and unbound when the forum's last stream ends."""
-        subscriber = Subscriber(forum_id)
-        async with self._binding:
-            watchers = self._subscribers.setdefault(forum_id, set())
-            if not watchers:
-                await self._bind(forum_id, bind=True)
-            watchers.add(subscriber)
+        it misses nothing) and unbound when the forum's last stream ends. A bind that takes
+        longer than ``bind_timeout`` raises :class:`BindTimeout` (what it bound is undone)."""
+        subscriber = Subscriber(forum_id, max_bytes=buffer_bytes)
+        async with self._forum_lock(forum_id):
+            if not self._subscribers.get(forum_id):
+                try:
+                    async with asyncio.timeout(bind_timeout):
+                        await self._bind(forum_id, bind=True)
+                except TimeoutError as error:
+                    self._unbind_later(forum_id)
+                    raise BindTimeout(
+                        f"the broker did not bind the forum's events within {bind_timeout:g} s"
+                    ) from error
+            self._subscribers.setdefault(forum_id, set()).add(subscriber)
         try:
             yield subscriber
         finally:
-            async with self._binding:
+            async with self._forum_lock(forum_id):
                 watchers = self._subscribers.get(forum_id, set())
                 watchers.discard(subscriber)
                 if not watchers:
                     self._subscribers.pop(forum_id, None)
                     await self._unbind_quietly(forum_id)
+
+    def _unbind_later(self, forum_id: str) -> None:
+        """Undo a bind cut short, in the background (its bindings would wake nobody, but they
+        would stay for ever); under the forum's lock, so a new stream's bind comes after."""
+
+        async def unbind() -> None:
+            async with self._forum_lock(forum_id):
+                if not self._subscribers.get(forum_id):
+                    await self._unbind_quietly(forum_id)
+
+        task = asyncio.create_task(unbind())
+        self._unbinding.add(task)
+        task.add_done_callback(self._unbinding.discard)
 
     async def _unbind_quietly(self, forum_id: str) -> None:
         """Drop the forum's bindings unless the hub is closing: the exclusive queue goes with the
@@ -225,7 +308,7 @@ class Hub:
         else:
             return
         for subscriber in self._subscribers.get(forum_id, ()):
-            subscriber.offer(payload)
+            subscriber.offer(payload, len(message.body))
 
 
 def sse(event: str, data: str, event_id: int | None = None) -> bytes:
@@ -251,6 +334,16 @@ def activity_event(activity: AgentActivity) -> bytes:
 def delta_event(delta: AgentDelta) -> bytes:
     # No id: Last-Event-ID stays a line's seq (deltas are not replayed after a reconnect).
     return sse("delta", json.dumps(delta.to_wire(), separators=(",", ":")))
+
+
+def slow_reader_event(max_bytes: int) -> bytes:
+    """The last event of a stream whose reader fell behind by more than ``max_bytes``."""
+    body = {
+        "error": f"the stream fell more than {max_bytes} bytes behind its reader and is closed; "
+        "reconnect with Last-Event-ID to resume",
+        "code": "slow_reader",
+    }
+    return sse("closed", json.dumps(body, separators=(",", ":")))
 
 
 def approval_event(approval: ApprovalRequested | ApprovalDecided, *, with_input: bool) -> bytes:
@@ -304,6 +397,12 @@ class ForumStream:
                 async for chunk in self.catch_up():
                     yield chunk
                 continue
+            if item is None:
+                # Invariant 14: a reader this slow is not waited for with the forum's events in
+                # memory. It is told why, and resumes with Last-Event-ID from the store.
+                REFUSALS.labels("slow_reader").inc()
+                yield slow_reader_event(self.subscriber.max_bytes)
+                return
             if isinstance(item, AgentActivity):
                 yield activity_event(item)
             elif isinstance(item, AgentDelta):

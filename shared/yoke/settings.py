@@ -77,6 +77,17 @@ class Settings(BaseSettings):
     gateway_amqp_user: str = "yoke-gateway"
     # How long a POST waits for the door's answer before it says 503 (Retry-After).
     gateway_submit_timeout_seconds: float = Field(default=10.0, gt=0)
+    # The gateway's bounds (invariant 14): open connections (more get 503 at once), seconds for a
+    # request's head and for its body, streams one token holds open, what one stream may buffer
+    # for a slow reader, the bytes of one response, and how long a publish (a broker in alarm
+    # reads none) and a stream's bind may take before 503.
+    gateway_max_connections: int = Field(default=1000, ge=1)
+    gateway_header_timeout_seconds: float = Field(default=10.0, gt=0)
+    gateway_streams_per_token: int = Field(default=20, ge=1)
+    gateway_stream_buffer_bytes: int = Field(default=4 * 1024 * 1024, ge=65536)
+    gateway_max_response_bytes: int = Field(default=8 * 1024 * 1024, ge=65536)
+    gateway_publish_timeout_seconds: float = Field(default=5.0, gt=0)
+    gateway_bind_timeout_seconds: float = Field(default=5.0, gt=0)
     # Outgoing webhooks: one POST's timeout; a failing receiver is retried with backoff from
     # the first wait up to the cap, for up to the window, then its lines are dead-lettered.
     webhook_timeout_seconds: float = Field(default=10.0, gt=0)
