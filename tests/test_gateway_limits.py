@@ -263,14 +263,22 @@ async def test_a_stream_whose_reader_stalls_is_closed_with_a_final_event(
     async with asyncio.timeout(10):
         head = await reader.readuntil(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200"), head
-    # The client reads nothing more while 9 MB of lines go out: far past what the sockets'
-    # buffers hold (a loopback connection's may grow past a megabyte) and the stream's buffer.
-    lines = 150
-    for _ in range(lines):
-        text_part = TextPart(text=BIG_TEXT)
-        await poster.post(
-            Message(id=new_id(), conversation_id=forum_id, author_actor_id="a", parts=[text_part])
-        )
+    # The client reads nothing more while lines go out, until the stream's buffer overflows:
+    # past what the sockets' buffers hold (a loopback connection's may grow past a megabyte).
+    overflows = await metric(gateway_url, "yoke_gateway_refusals_total", reason="slow_reader")
+    lines = 0
+    while await metric(gateway_url, "yoke_gateway_refusals_total", reason="slow_reader") == (
+        overflows
+    ):
+        assert lines < 300, "300 lines of 60 kB and the stream still holds them all"
+        for _ in range(10):
+            text_part = TextPart(text=BIG_TEXT)
+            await poster.post(
+                Message(
+                    id=new_id(), conversation_id=forum_id, author_actor_id="a", parts=[text_part]
+                )
+            )
+        lines += 10
     body = b""
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(30):

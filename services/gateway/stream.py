@@ -135,6 +135,7 @@ class Subscriber:
         elif self.waiting_events and self.waiting_bytes + size > self.max_bytes:
             # One event always fits (a line may be as big as the budget): a backlog never.
             self.overflowed = True
+            REFUSALS.labels("slow_reader").inc()
             self._drop_waiting()  # nothing of it will be sent: free it now
             self.inbox.put_nowait(None)
             return
@@ -400,7 +401,6 @@ class ForumStream:
             if item is None:
                 # Invariant 14: a reader this slow is not waited for with the forum's events in
                 # memory. It is told why, and resumes with Last-Event-ID from the store.
-                REFUSALS.labels("slow_reader").inc()
                 yield slow_reader_event(self.subscriber.max_bytes)
                 return
             if isinstance(item, AgentActivity):
