@@ -170,7 +170,7 @@ def worker_tool(registered: Registered) -> Publisher:
 @pytest.fixture(scope="module")
 async def operator(amqp_url: str, mesh: Mesh) -> AsyncIterator[Client]:
     """The mesh's own user, as the CLI and the HTTP gateway speak to the door."""
-    async with Client(amqp_url, queue_prefix="yoke.test.") as client:
+    async with Client(amqp_url, queue_prefix=topology.CLI_REPLY_QUEUE_PREFIX) as client:
         yield client
 
 
@@ -202,6 +202,31 @@ class ForumApprovals:
                 self.events.append(json.loads(message.body))
 
 
+async def without_user_id(url: str, body: bytes) -> dict[str, Any]:
+    """A decision published with no user_id; the door's answer, on direct reply-to (the one
+    queue it answers a publisher it cannot name on)."""
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel()
+        replies = await channel.get_queue(topology.DIRECT_REPLY_PREFIX, ensure=False)
+        answered: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+        async def keep(delivery: aio_pika.abc.AbstractIncomingMessage) -> None:
+            if not answered.done():
+                answered.set_result(delivery.body)
+
+        await replies.consume(keep, no_ack=True)
+        exchange = await channel.get_exchange(topology.COMMANDS_EXCHANGE, ensure=False)
+        await exchange.publish(
+            aio_pika.Message(body, reply_to=replies.name, correlation_id="anonymous"),
+            routing_key=topology.APPROVAL_COMMAND,
+        )
+        reply: dict[str, Any] = json.loads(await asyncio.wait_for(answered, WAIT))
+        return reply
+    finally:
+        await connection.close()
+
+
 @pytest.fixture
 async def watch(
     publishers: dict[str, Publisher],
@@ -212,7 +237,9 @@ async def watch(
 
     async def bind(forum_id: str) -> ForumApprovals:
         queue = await channel.declare_queue(
-            f"{topology.BRIDGE_QUEUE_PREFIX}{uuid.uuid4().hex}", exclusive=True, auto_delete=True
+            topology.bridge_queue_prefix(publishers["approver"].name) + uuid.uuid4().hex,
+            exclusive=True,
+            auto_delete=True,
         )
         await queue.bind(topology.FORUM_EXCHANGE, routing_key=f"tool.approval.*.{forum_id}")
         return ForumApprovals(queue)
@@ -263,8 +290,8 @@ async def test_a_can_approve_publisher_approves_over_amqp_and_others_are_refused
     body = json.dumps(
         {"callId": call_id, "decision": "approve", "by": {"externalId": "x", "displayName": "X"}}
     ).encode()
-    anonymous = await approver.submit_raw(body, routing_key=topology.APPROVAL_COMMAND)
-    assert (anonymous.status, anonymous.code) == ("rejected", "missing_user_id"), anonymous
+    anonymous = await without_user_id(publishers["approver"].url, body)
+    assert (anonymous["status"], anonymous["code"]) == ("rejected", "missing_user_id"), anonymous
     assert await still_pending(store, call_id)
     assert await store.db[TOOL_CALL_DECISIONS_COLLECTION].count_documents({}) == 0
 
@@ -276,7 +303,8 @@ async def test_a_can_approve_publisher_approves_over_amqp_and_others_are_refused
         "forumId": forum_id,
         "callId": call_id,
         "decision": "approve",
-        "by": {"externalId": "slack:U1", "displayName": "Ada"},
+        # A bridge's people are its own: the door keeps them in its namespace.
+        "by": {"externalId": f"amqp:{publishers['approver'].name}:slack:U1", "displayName": "Ada"},
     }
     result = await ended_once(store, monologue_id, call_id)
     assert (result.output, result.is_error) == ("42", False)
@@ -439,7 +467,7 @@ async def test_two_decisions_racing_one_wins_and_the_other_is_refused(
     await say(client, forum_id, "three squared?")
     call_id = (await approvals.next("tool.approval.requested"))["payload"]["callId"]
 
-    async with Client(amqp_url, queue_prefix="yoke.test.") as other:
+    async with Client(amqp_url, queue_prefix=topology.CLI_REPLY_QUEUE_PREFIX) as other:
         # Two connections, two people, at once.
         approve, reject = await asyncio.gather(
             decide_as(operator, call_id, "approve", "A"),

@@ -28,6 +28,7 @@ from tests.support.approvals import (
 from tests.support.mesh import Mesh, lines_until, say
 from tests.support.processes import eventually
 from tests.support.rabbit_node import RabbitNode
+from yoke import topology
 from yoke.cli.supervisor import SERVICES
 from yoke.client import Client
 from yoke.runtime.approvals import pending_approvals
@@ -112,7 +113,7 @@ async def approved_after(
 
     async with (
         Client(amqp_url) as client,
-        Client(amqp_url, queue_prefix="yoke.test.") as operator,
+        Client(amqp_url, queue_prefix=topology.CLI_REPLY_QUEUE_PREFIX) as operator,
     ):
         reply = await decide_as(operator, call_id, "approve", "Ada")
         assert reply.status == "accepted", reply

@@ -110,11 +110,13 @@ def widest_binding(kind: str) -> tuple[str, FieldTable]:
 
 
 async def tap_everything(
-    connection: AbstractRobustConnection, management: httpx.AsyncClient, vhost: str
+    connection: AbstractRobustConnection, management: httpx.AsyncClient, vhost: str, user: str
 ) -> Tap:
     tap = Tap()
     channel = await connection.channel()
-    queue = await channel.declare_queue(f"bridge.tap.{uuid.uuid4().hex}", exclusive=True)
+    queue = await channel.declare_queue(
+        f"{topology.bridge_queue_prefix(user)}tap.{uuid.uuid4().hex}", exclusive=True
+    )
     listing = await management.get(f"/api/exchanges/{quote(vhost, safe='')}")
     listing.raise_for_status()
     exchanges = [(x["name"], x["type"]) for x in listing.json()]
@@ -157,7 +159,7 @@ async def test_a_publisher_bound_to_everything_it_may_read_sees_forum_lines_and_
     fence_forum = (await create_forum(store, "fence")).id
     connection = await aio_pika.connect_robust(publisher.url)
     try:
-        tap = await tap_everything(connection, management, vhost_of(amqp_url))
+        tap = await tap_everything(connection, management, vhost_of(amqp_url), publisher.name)
         assert tap.bound, f"the publisher may bind nothing at all: {tap.refused}"
 
         async with Client(publisher.url) as bridge:
@@ -244,8 +246,9 @@ async def readable_queues(
 
 
 def test_the_publisher_may_read_the_forum_exchange_and_its_own_queues_only() -> None:
-    read = re.compile(topology.PUBLISHER_PERMISSIONS["read"])
-    assert read.search(topology.FORUM_EXCHANGE) and read.search("bridge.replies")
+    read = re.compile(topology.publisher_permissions("b")["read"])
+    assert read.search(topology.FORUM_EXCHANGE) and read.search("bridge.b.replies")
+    assert not read.search("bridge.other.replies") and not read.search("bridge.b-x.replies")
     mesh_names = [
         topology.EVENTS_EXCHANGE,
         topology.COMMANDS_EXCHANGE,
@@ -280,7 +283,7 @@ async def test_publisher_create_grants_exactly_the_bridge_permissions_and_never_
         assert [
             {key: entry[key] for key in ("vhost", "configure", "write", "read")}
             for entry in granted
-        ] == [{"vhost": vhost_of(amqp_url), **topology.PUBLISHER_PERMISSIONS}]
+        ] == [{"vhost": vhost_of(amqp_url), **topology.publisher_permissions(name)}]
         assert (await management.get(f"/api/users/{name}/topic-permissions")).json() == []
         connection = await aio_pika.connect(with_user(amqp_url, name, password))
         await connection.close()

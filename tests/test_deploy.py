@@ -123,7 +123,7 @@ def test_rabbitmq_definitions_give_bridges_least_privilege() -> None:
     definitions = json.loads((ROOT / "deploy/rabbitmq/definitions.json").read_text())
     permissions = {p["user"]: p for p in definitions["permissions"]}
     publisher = {k: permissions["publisher"][k] for k in ("configure", "write", "read")}
-    assert publisher == topology.PUBLISHER_PERMISSIONS
+    assert publisher == topology.publisher_permissions("publisher")
     assert {u["name"] for u in definitions["users"]} == {"yoke", "publisher", "yoke-gateway"}
     # compose's one-shot rabbitmq-init imports the file with passwords from .env (a node that
     # loads definitions at boot would not create the operator, its default user).

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -388,8 +389,10 @@ async def test_idempotency_keys_and_people_are_per_token(
     first_ada = await store.get_actor(lines[0].author_actor_id)
     second_ada = await store.get_actor(lines[1].author_actor_id)
     assert first_ada is not None and second_ada is not None
-    assert first_ada.external_id == f"http:{first_name}:ada" and first_ada.name == "Ada"
-    assert second_ada.external_id == f"http:{second_name}:ada"
+    # Each token's namespace is its own, made with it (its name and 64 random bits).
+    assert re.fullmatch(rf"http:{first_name}~[0-9a-f]{{16}}:ada", first_ada.external_id or "")
+    assert re.fullmatch(rf"http:{second_name}~[0-9a-f]{{16}}:ada", second_ada.external_id or "")
+    assert first_ada.name == "Ada"
     assert first_ada.id != second_ada.id
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import shutil
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import datetime, timedelta
@@ -103,7 +104,9 @@ async def test_stop_over_http_submits_the_stop_line_for_the_person_named(
     lines = await lines_until(store, forum.id, lambda lines: len(lines) >= 1)
     line = next(line for line in lines if line.id == accepted["messageId"])
     assert (line.role, line.type, line.text) == ("user", "message", "/stop")
-    assert await author_of(store, line) == (f"http:{name}:ada", "Ada")
+    external_id, display_name = await author_of(store, line)
+    assert re.fullmatch(rf"http:{name}~[0-9a-f]{{16}}:ada", external_id or "")
+    assert display_name == "Ada"
 
     # A body without an author, or with an empty one, is refused and writes nothing.
     for body in ({}, {"author": {"externalId": "", "displayName": "x"}}, {"text": "/stop"}):
@@ -285,7 +288,8 @@ async def test_an_approval_over_http_runs_the_tool_and_the_first_decision_stands
         assert approved.json() == {"callId": call_id, "decision": "approve", "duplicate": False}
         decided = (await next_approval(stream, "decided")).data
         assert decided["callId"] == call_id and decided["decision"] == "approve"
-        assert decided["by"] == {"externalId": f"http:{name}:ada", "displayName": "Ada"}
+        assert re.fullmatch(rf"http:{name}~[0-9a-f]{{16}}:ada", decided["by"]["externalId"])
+        assert decided["by"]["displayName"] == "Ada"
         assert (await next_approval(plain_stream, "decided")).data["decision"] == "approve"
 
     lines = await lines_until(store, forum_id, lambda lines: len(agent_lines(lines)) == 1)
@@ -396,4 +400,5 @@ async def test_the_console_rejects_an_approval_and_shows_who_and_why(
     assert call["state"] == "rejected" and call["name"] == "calculator"
     approval = call["approval"]
     assert (approval["decision"], approval["reason"]) == ("reject", "not today")
-    assert approval["by"] == {"externalId": f"http:{name}:Ada", "displayName": "Ada"}
+    assert re.fullmatch(rf"http:{name}~[0-9a-f]{{16}}:Ada", approval["by"]["externalId"])
+    assert approval["by"]["displayName"] == "Ada"

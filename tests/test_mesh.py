@@ -21,6 +21,7 @@ from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import ToolResultPart
 from yoke.runtime.joins import leave_conversation
+from yoke.speakers import amqp_user
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow
@@ -38,10 +39,14 @@ async def test_line_published_with_plain_aio_pika_is_answered_in_the_forum(
     store: Store, new_join: JoinFactory, amqp_url: str, mesh: Mesh
 ) -> None:
     forum_id, join = await new_join()
+    user = amqp_user(amqp_url)
     connection = await aio_pika.connect(amqp_url)
     try:
         channel = await connection.channel()
-        replies = await channel.declare_queue(exclusive=True)
+        # The door answers only on a queue of the publisher's own, named by its verified user.
+        replies = await channel.declare_queue(
+            topology.bridge_queue_prefix(user) + "plain", exclusive=True
+        )
         command = {
             "conversationId": forum_id,
             "author": {"externalId": "slack:U1", "displayName": "Ada"},
@@ -51,7 +56,10 @@ async def test_line_published_with_plain_aio_pika_is_answered_in_the_forum(
         commands = await channel.get_exchange(topology.COMMANDS_EXCHANGE)
         await commands.publish(
             aio_pika.Message(
-                json.dumps(command).encode(), reply_to=replies.name, correlation_id="c-1"
+                json.dumps(command).encode(),
+                reply_to=replies.name,
+                correlation_id="c-1",
+                user_id=user,
             ),
             routing_key=topology.SUBMIT_COMMAND,
         )
@@ -362,9 +370,8 @@ async def test_a_least_privilege_publisher_can_bridge_but_not_impersonate(
         (
             await api.put(f"/api/users/{user}", json={"password": "bridge", "tags": ""})
         ).raise_for_status()
-        (
-            await api.put(f"/api/permissions/{vhost}/{user}", json=topology.PUBLISHER_PERMISSIONS)
-        ).raise_for_status()
+        permissions = topology.publisher_permissions(user)
+        (await api.put(f"/api/permissions/{vhost}/{user}", json=permissions)).raise_for_status()
     bridge_url = urlunsplit(
         parts._replace(netloc=f"{user}:bridge@{parts.hostname}:{parts.port or 5672}")
     )

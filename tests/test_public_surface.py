@@ -31,7 +31,7 @@ PUBLIC = {
     "TextPart": "yoke.models",
     "ToolCallPart": "yoke.models",
     "ToolResultPart": "yoke.models",
-    "PUBLISHER_PERMISSIONS": "yoke.topology",
+    "publisher_permissions": "yoke.topology",
     "signature_matches": "yoke.webhooks",
 }
 HEAVY = ("aio_pika", "aiormq", "pymongo", "openai", "fastapi", "httpx", "prometheus_client")

@@ -92,6 +92,9 @@ def into_vhost(definitions: dict[str, Any], names: dict[str, str], vhost: str) -
         for key in ("user", "name"):
             if key in entry and entry[key] in names and "type" not in entry:
                 entry[key] = names[entry[key]]
+        if "configure" in entry and entry.get("user") == names["publisher"]:
+            # A bridge's queues are named by its user (bridge.NAME.*): they follow the rename.
+            entry.update(topology.publisher_permissions(names["publisher"]))
         return entry
 
     result: dict[str, Any] = {

@@ -24,6 +24,7 @@ from typing import Any
 
 import aio_pika
 import pytest
+from aio_pika.abc import AbstractIncomingMessage
 
 from tests.support.cli import run_yoke
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env
@@ -277,13 +278,21 @@ async def test_a_second_answer_by_the_same_worker_is_a_duplicate_and_changes_not
 
 async def forged_answer(bridge: Bridge, call_id: str, as_user_name: str) -> dict[str, Any]:
     """An answer published by the bridge's user (no user_id) claiming, in the mesh's user
-    header, to come from ``as_user_name``; the door's reply."""
+    header, to come from ``as_user_name``; the door's reply, on direct reply-to (the one queue
+    the door answers an unnamed publisher on)."""
     connection = await aio_pika.connect(bridge.url)
     try:
         channel = await connection.channel()
-        replies = await channel.declare_queue(
-            f"bridge.replies.{uuid.uuid4().hex}", exclusive=True, auto_delete=True
+        replies = await channel.get_queue(topology.DIRECT_REPLY_PREFIX, ensure=False)
+        answered: asyncio.Future[AbstractIncomingMessage] = (
+            asyncio.get_running_loop().create_future()
         )
+
+        async def keep(delivery: AbstractIncomingMessage) -> None:
+            if not answered.done():
+                answered.set_result(delivery)
+
+        await replies.consume(keep, no_ack=True)  # before the publish names it
         exchange = await channel.get_exchange(topology.COMMANDS_EXCHANGE, ensure=False)
         body = {"callId": call_id, "output": "forged"}
         await exchange.publish(
@@ -296,14 +305,12 @@ async def forged_answer(bridge: Bridge, call_id: str, as_user_name: str) -> dict
             ),
             routing_key="tool.result.submit",
         )
-        async with replies.iterator(no_ack=True, timeout=WAIT) as deliveries:
-            async for delivery in deliveries:
-                assert delivery.correlation_id == "forged"
-                reply: dict[str, Any] = json.loads(delivery.body)
-                return reply
+        delivery = await asyncio.wait_for(answered, WAIT)
+        assert delivery.correlation_id == "forged"
+        reply: dict[str, Any] = json.loads(delivery.body)
+        return reply
     finally:
         await connection.close()
-    raise AssertionError("no reply to the forged answer")
 
 
 async def test_answers_from_anyone_but_the_calls_worker_are_rejected_and_change_nothing(

@@ -234,6 +234,7 @@ def parse_body(body: bytes, model: type[BodyModel]) -> BodyModel:
     responses={
         **ERRORS,
         413: {"model": ErrorBody, "description": "text or body too large"},
+        429: {"model": ErrorBody, "description": "too many lines from this token (Retry-After)"},
         503: {"model": ErrorBody, "description": "the mesh did not answer in time"},
     },
     openapi_extra=json_body(PostMessage),
@@ -326,6 +327,10 @@ async def submit_line(
     reply = await mesh_answer(state, submitting)
     if reply.status == "rejected":
         code = reply.code or "invalid_command"
+        if code == "rate_limited":
+            # The door counts each token's lines (YOKE_TOKEN_LINES_PER_MINUTE, in the store).
+            retry = {"Retry-After": str(reply.retry_after or 60)}
+            raise ApiError(429, code, reply.error or "too many lines; retry later", retry)
         raise ApiError(STATUS_OF_CODE.get(code, 400), code, reply.error or "rejected")
     assert reply.message_id is not None
     accepted = Accepted(message_id=reply.message_id, duplicate=bool(reply.duplicate))

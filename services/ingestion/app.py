@@ -23,7 +23,7 @@ from yoke.consumer import Malformed
 from yoke.errors import describe_validation_error
 from yoke.ids import derive_id
 from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
-from yoke.metrics import COMMANDS
+from yoke.metrics import COMMANDS, LINES_RATE_LIMITED
 from yoke.models import (
     MAX_ID_CHARS,
     Actor,
@@ -36,13 +36,15 @@ from yoke.models import (
     SubmitToolResult,
     TextPart,
 )
+from yoke.rate_limit import LineLimit
 from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
-from yoke.runtime.approvals import Approvals, amqp_user
+from yoke.runtime.approvals import Approvals
 from yoke.runtime.chain import carry_tail, copy_target
 from yoke.runtime.instances import INGESTION, IngestionConfig, IngestionState
 from yoke.runtime.joins import ensure_participant_id
 from yoke.runtime.open_calls import OpenCalls
 from yoke.runtime.service import Service
+from yoke.speakers import DoorUsers, ForeignNamespace, token_namespace
 
 log = logging.getLogger(__name__)
 
@@ -120,20 +122,62 @@ def parse_command(body: bytes, max_bytes: int, model: type[Command]) -> Command 
         return _rejected("invalid_command", f"invalid command: {describe_validation_error(error)}")
 
 
+def speaker_of(message: AbstractIncomingMessage) -> str | None:
+    """The RabbitMQ user that published a command, as the broker verified it (the command
+    router put it in USER_HEADER after dropping every x-yoke-* header the publisher set)."""
+    user = (message.headers or {}).get(topology.USER_HEADER)
+    return str(user) if user else None
+
+
+def refuse_reply_to(
+    users: DoorUsers, user: str | None, message: AbstractIncomingMessage, what: str
+) -> None:
+    """Dead-letter a command whose reply_to is not a queue of its publisher's, unhandled.
+
+    The door answers as the services' user, who may write to every yoke.* queue: answering on
+    any queue named would let a publisher write (with a correlation id of its choice) into a
+    service's shard, the dead letters or another bridge's queue (invariant 13). Nothing is
+    written for such a command and nobody is answered; the reason is logged and dead-lettered.
+    """
+    if not message.reply_to or users.may_answer(user, message.reply_to):
+        return
+    COMMANDS.labels("rejected").inc()
+    if user:
+        error = (
+            f"rejected {what}: reply_to {message.reply_to!r} is not a queue of RabbitMQ user "
+            f"{user!r}'s (a bridge NAME is answered on bridge.NAME.*, or direct reply-to)"
+        )
+    else:
+        error = (
+            f"rejected {what}: it has no AMQP user_id, so reply_to {message.reply_to!r} is "
+            "nobody's the door can tell: publish with user_id set to your RabbitMQ user"
+        )
+    log.warning("%s", error, extra={"messageId": message.message_id})
+    raise Malformed(error)
+
+
 class Door:
-    """Turns submit commands into forum lines."""
+    """Turns submit commands into forum lines, each in its speaker's own namespace."""
 
     def __init__(self, service: Service) -> None:
         self.service = service
         self.store = service.store
-        self.max_text_bytes = service.settings.max_text_bytes
+        settings = service.settings
+        self.max_text_bytes = settings.max_text_bytes
         self.max_body_bytes = self.max_text_bytes * 2 + 4096
+        self.users = DoorUsers.of(settings)
+        self.limits = {
+            "bridge": LineLimit(self.store, settings.bridge_lines_per_minute),
+            "token": LineLimit(self.store, settings.token_lines_per_minute),
+        }
 
     def key(self, message: AbstractIncomingMessage) -> str:
         return command_key(message, self.max_body_bytes)
 
     async def handle(self, message: AbstractIncomingMessage) -> None:
-        reply = await self.submit(message.body)
+        user = speaker_of(message)
+        refuse_reply_to(self.users, user, message, "command")
+        reply = await self.submit(message.body, user)
         COMMANDS.labels("duplicate" if reply.duplicate else reply.status).inc()
         if reply.status == "rejected":
             log.warning(
@@ -141,8 +185,9 @@ class Door:
                 reply.error,
                 extra={"messageId": message.message_id, "conversationId": self.key(message)},
             )
-            if not message.reply_to:
-                # Nobody to answer: the dead-letter queue keeps it, with the reason.
+            # Nobody to answer: the dead-letter queue keeps it, with the reason; but never a
+            # line past its rate limit, or a flood would fill that queue (invariant 14).
+            if not message.reply_to and reply.code != "rate_limited":
                 raise Malformed(f"rejected command: {reply.error}")
         if message.reply_to:
             await self.service.bus.reply(
@@ -151,7 +196,9 @@ class Door:
                 reply.model_dump_json(exclude_none=True).encode(),
             )
 
-    async def submit(self, body: bytes) -> SubmitReply:
+    async def submit(self, body: bytes, user: str | None) -> SubmitReply:
+        """The line ``body`` asks for, written as RabbitMQ ``user`` may say it (None: the
+        command had no ``user_id``), or the rejection that says why not."""
         command = parse_command(body, self.max_body_bytes, SubmitMessage)
         if isinstance(command, SubmitReply):
             return command
@@ -160,6 +207,23 @@ class Door:
             return _rejected(
                 "too_large",
                 f"text is {size} bytes; the limit is {self.max_text_bytes} (YOKE_MAX_TEXT_BYTES)",
+            )
+        if not user:
+            return _rejected(
+                "missing_user_id",
+                "the command has no AMQP user_id: publish it with user_id set to your "
+                "RabbitMQ user, which the broker verifies",
+            )
+        try:
+            external_id = self.users.own(user, command.author.external_id, "externalId")
+            key = self.users.own(user, command.idempotency_key, "idempotencyKey")
+        except ForeignNamespace as error:
+            return _rejected("foreign_namespace", str(error))
+        if user == self.users.gateway and token_namespace(key) != token_namespace(external_id):
+            return _rejected(
+                "foreign_namespace",
+                "externalId and idempotencyKey from the HTTP gateway must share one token's "
+                "namespace",
             )
         forum = await self.store.get_conversation(command.conversation_id)
         if forum is None:
@@ -171,13 +235,16 @@ class Door:
                 "not_a_forum", f"conversation {forum.id!r} is a {forum.kind}; submit to a forum"
             )
         # The id derives from the idempotency key: a repeat finds the line already written.
-        message_id = derive_id("submit", forum.id, command.idempotency_key)
+        message_id = derive_id("submit", forum.id, key)
+        refused = await self.over_limit(user, key, message_id)
+        if refused is not None:
+            return refused
         author = await self.store.save_actor(
             Actor(
-                id=derive_id("human", command.author.external_id),
+                id=derive_id("human", external_id),
                 kind="human",
                 name=command.author.display_name,
-                external_id=command.author.external_id,
+                external_id=external_id,
             )
         )
         participant_id = await ensure_participant_id(self.store, forum.id, author.id)
@@ -197,6 +264,28 @@ class Door:
         )
         return SubmitReply(status="accepted", message_id=stored.id, duplicate=not created)
 
+    async def over_limit(self, user: str, key: str, message_id: str) -> SubmitReply | None:
+        """The refusal of a line past its bridge's or token's lines per minute, else None (a
+        repeat of a line already written is still answered as its duplicate)."""
+        limited = self.users.limited_as(user, key)
+        if limited is None:
+            return None
+        door, speaker = limited
+        wait = await self.limits[door].take(f"{door}:{speaker}")
+        if wait is None:
+            return None
+        if await self.store.get_message(message_id) is not None:
+            return SubmitReply(status="accepted", message_id=message_id, duplicate=True)
+        LINES_RATE_LIMITED.labels(door).inc()
+        setting = f"YOKE_{door.upper()}_LINES_PER_MINUTE"
+        return SubmitReply(
+            status="rejected",
+            code="rate_limited",
+            retry_after=wait,
+            error=f"too many lines from this {door} ({self.limits[door].per_minute} a minute, "
+            f"{setting}): retry in {wait} s",
+        )
+
 
 class CallDoor(ABC):
     """A command about one call that waits in the store, keyed by its ``callId`` (two commands
@@ -211,13 +300,15 @@ class CallDoor(ABC):
 
     def __init__(self, service: Service) -> None:
         self.service = service
+        self.users = DoorUsers.of(service.settings)
 
     def key(self, message: AbstractIncomingMessage) -> str:
         return command_key(message, self.max_body_bytes, "callId")
 
     async def handle(self, message: AbstractIncomingMessage) -> None:
-        user = (message.headers or {}).get(topology.USER_HEADER)
-        reply = await self.submit(message.body, str(user) if user else None)
+        user = speaker_of(message)
+        refuse_reply_to(self.users, user, message, self.what)
+        reply = await self.submit(message.body, user)
         COMMANDS.labels("duplicate" if reply.duplicate else reply.status).inc()
         if reply.status == "rejected":
             log.warning(
@@ -266,16 +357,14 @@ class ToolResultDoor(CallDoor):
 
 class ApprovalDoor(CallDoor):
     """Takes a person's decision (``tool.approval.submit``) on a call awaiting approval: from
-    the mesh's own user (the CLI, the HTTP gateway, each naming its person in ``by``) or a
-    publisher made with ``yoke publisher create --can-approve``; the first decision wins."""
+    the services' own user (the CLI), the HTTP gateway's (each naming its person in ``by``) or
+    a publisher made with ``yoke publisher create --can-approve``; the first decision wins."""
 
     what = "approval decision"
 
     def __init__(self, service: Service) -> None:
         super().__init__(service)
-        self.approvals = Approvals(
-            OpenCalls(service.store, service.poster), amqp_user(service.settings.amqp_url)
-        )
+        self.approvals = Approvals(OpenCalls(service.store, service.poster), self.users)
 
     async def submit(self, body: bytes, user: str | None) -> SubmitReply:
         decision = parse_command(body, self.max_body_bytes, SubmitApproval)

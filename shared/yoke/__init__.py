@@ -38,12 +38,11 @@ _EXPORTS = {
     "TextPart": "yoke.models",
     "ToolCallPart": "yoke.models",
     "ToolResultPart": "yoke.models",
-    "PUBLISHER_PERMISSIONS": "yoke.topology",
+    "publisher_permissions": "yoke.topology",
     "signature_matches": "yoke.webhooks",
 }
 
 __all__ = [
-    "PUBLISHER_PERMISSIONS",
     "AgentActivity",
     "ApprovalDecided",
     "ApprovalRequested",
@@ -67,6 +66,7 @@ __all__ = [
     "create_forum",
     "join_conversation",
     "leave_conversation",
+    "publisher_permissions",
     "signature_matches",
 ]
 
@@ -93,7 +93,7 @@ if TYPE_CHECKING:
     from yoke.runtime.joins import leave_conversation as leave_conversation
     from yoke.tools import Tool as Tool
     from yoke.tools import ToolContext as ToolContext
-    from yoke.topology import PUBLISHER_PERMISSIONS as PUBLISHER_PERMISSIONS
+    from yoke.topology import publisher_permissions as publisher_permissions
     from yoke.webhooks import signature_matches as signature_matches
 
     __version__: str

@@ -24,6 +24,7 @@ from yoke.models import (
     SubmitMessage,
     SubmitReply,
 )
+from yoke.speakers import amqp_user
 
 # The line a person types in a forum to stop every agent there (see the README);
 # ``yoke stop`` and the gateway's stop route submit exactly this for the person named.
@@ -44,11 +45,15 @@ async def _bounded(seconds: float | None, what: str) -> AsyncIterator[None]:
 
 
 class Client:
-    def __init__(self, amqp_url: str, *, queue_prefix: str = topology.BRIDGE_QUEUE_PREFIX) -> None:
+    def __init__(self, amqp_url: str, *, queue_prefix: str | None = None) -> None:
         self.amqp_url = amqp_url
-        # Its reply (and watch) queues are named by this: a bridge's user may declare only
-        # ``bridge.*``, the mesh's services' user (the HTTP gateway's) only ``yoke.*``.
-        self.queue_prefix = queue_prefix
+        # The RabbitMQ user it connects as: every command says so in its user_id (the broker
+        # verifies it, and the door names who speaks by it: docs/architecture.md, invariant 13).
+        self.user = amqp_user(amqp_url)
+        # Its reply (and watch) queues are named by this: a bridge NAME may declare only
+        # ``bridge.NAME.*`` (the default), the HTTP gateway ``yoke.gateway.replies.*``, and the
+        # door answers only on a queue its publisher owns (yoke.speakers.DoorUsers.may_answer).
+        self.queue_prefix = queue_prefix or topology.bridge_queue_prefix(self.user)
         self._connection: AbstractRobustConnection | None = None
         self._channel: AbstractChannel | None = None
         self._replies: AbstractQueue | None = None
@@ -121,7 +126,8 @@ class Client:
     ) -> SubmitReply:
         """Publish any body as a command (a line by default; bridges, the gateway's other
         commands, and tests of bad input) and wait for the door's answer. ``user_id``: this
-        connection's RabbitMQ user, which the broker verifies (decisions on approvals need it).
+        connection's RabbitMQ user (the default), which the broker verifies; the door rejects
+        a command without one (``missing_user_id``).
         ``publish_timeout`` bounds the publish itself: a broker under a memory or disk alarm
         stops reading publishes, and its confirm never comes (TimeoutError saying so)."""
         assert self._channel is not None and self._replies is not None
@@ -141,7 +147,7 @@ class Client:
                         reply_to=self._replies.name,
                         message_id=correlation_id,
                         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                        user_id=user_id,
+                        user_id=user_id or self.user,
                     ),
                     routing_key=routing_key,
                 )
@@ -157,12 +163,13 @@ class Client:
         external_id: str,
         display_name: str,
         reason: str | None = None,
-        user_id: str,
+        user_id: str | None = None,
         reply_timeout: float = 30.0,
         publish_timeout: float | None = None,
     ) -> SubmitReply:
-        """Publish ``tool.approval.submit`` as RabbitMQ user ``user_id`` (this connection's) for
-        the person named, and wait for the door's answer (the first decision stands)."""
+        """Publish ``tool.approval.submit`` as RabbitMQ user ``user_id`` (this connection's, the
+        default) for the person named, and wait for the door's answer (the first decision
+        stands)."""
         command = SubmitApproval(
             call_id=call_id,
             decision=decision,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
@@ -9,6 +11,8 @@ import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
 from yoke import amqp_nodes, topology
+
+log = logging.getLogger(__name__)
 
 # A letter's AMQP user_id when it is not the lister's own (a re-publish cannot carry it).
 ORIGINAL_USER_HEADER = "x-yoke-dead-user-id"
@@ -142,29 +146,59 @@ async def list_dead_letters(amqp_url: str, limit: int = 10_000) -> list[dict[str
     return letters
 
 
-def replay_target(headers: Mapping[str, object], routing_key: str) -> tuple[str, str]:
-    """Where a letter goes back: to the service that failed it, not to every subscriber.
+# A service's name as the mesh writes it in DEAD_SERVICE_HEADER (its queues are yoke.NAME.*).
+_SERVICE_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+# Headers a command may carry back through yoke.commands: none the mesh would trust.
+_MESH_HEADER_PREFIXES = ("x-yoke-", "yoke-")
 
-    Events go to that service's shard exchange (which hashes the conversation header, so the
-    letter lands on its conversation's shard); commands go to its intake queue. A letter the
-    broker dead-lettered itself goes back to the queue it died in, through the default exchange.
+
+def replay_target(headers: Mapping[str, object], routing_key: str) -> tuple[str, str] | None:
+    """Where a letter goes back: to the service that failed it, not to every subscriber; None
+    when the letter names nowhere the mesh could have sent it (it is kept, not replayed).
+
+    Only what the mesh wrote is trusted (invariant 13). A letter RabbitMQ dead-lettered itself
+    carries the headers its publisher set, which may claim anything: its newest ``x-death``
+    entry, the broker's, says where it died, and that decides. Died in a shard queue (which only
+    the mesh publishes to): back to that queue. Died in an intake queue, so an outside command
+    as it came: back through ``yoke.commands`` with its command's routing key, where the
+    router drops every mesh header again. A letter the mesh dead-lettered (no ``x-death``)
+    carries our headers over the router's: its events go to that service's shard exchange (which
+    hashes the conversation header onto its shard), its commands to its intake queue, and
+    nothing ever to ``yoke.events`` or any other exchange.
     """
-    death = None if topology.DEAD_SERVICE_HEADER in headers else broker_death(headers)
-    if death is not None and death.get("queue"):
-        return "", str(death["queue"])
+    death = broker_death(headers)
+    if death is not None:
+        queue = str(death.get("queue") or "")
+        service = service_of_queue(queue)
+        if service is None:
+            return None
+        if queue == topology.intake_queue(service):
+            keys = death.get("routing-keys")
+            key = str(keys[0]) if isinstance(keys, list) and keys else routing_key
+            return (topology.COMMANDS_EXCHANGE, key) if key in _COMMANDS else None
+        return "", queue
     service = str(headers.get(topology.DEAD_SERVICE_HEADER) or "")
     original = str(headers.get(topology.DEAD_EXCHANGE_HEADER) or "")
     original_key = str(headers.get(topology.DEAD_ROUTING_KEY_HEADER) or routing_key)
-    if not service:
-        return original, original_key
+    if not _SERVICE_NAME.match(service):
+        return None
     if original == topology.COMMANDS_EXCHANGE:
         return "", topology.intake_queue(service)
-    return topology.shard_exchange(service), original_key
+    if original in (topology.EVENTS_EXCHANGE, topology.shard_exchange(service)):
+        return topology.shard_exchange(service), original_key
+    return None
+
+
+_COMMANDS = frozenset(
+    {topology.SUBMIT_COMMAND, topology.TOOL_RESULT_COMMAND, topology.APPROVAL_COMMAND}
+)
 
 
 async def replay_dead_letters(amqp_url: str) -> int:
-    """Send each dead letter back to the service that failed it, then drop it."""
+    """Send each dead letter back to the service that failed it, then drop it; one that names
+    nowhere the mesh could have sent it is kept, at the back of the queue (logged)."""
     connection = await amqp_nodes.connect(amqp_url)
+    own_user = urlsplit(amqp_nodes.node_urls(amqp_url)[0]).username or None
     replayed = 0
     try:
         channel = await connection.channel(publisher_confirms=True)
@@ -174,11 +208,32 @@ async def replay_dead_letters(amqp_url: str) -> int:
         # Only what is there now: a letter that fails again comes back behind us, and
         # replaying it in the same run would go round forever.
         waiting = queue.declaration_result.message_count or 0
-        while replayed < waiting and (message := await queue.get(no_ack=False, fail=False)):
+        for _ in range(waiting):
+            message = await queue.get(no_ack=False, fail=False)
+            if message is None:
+                break
             headers = dict(message.headers or {})
-            exchange_name, routing_key = replay_target(headers, message.routing_key or "")
+            target = replay_target(headers, message.routing_key or "")
+            if target is None:
+                log.warning(
+                    "dead letter %s kept: it names nowhere the mesh sends (%s)",
+                    message.message_id,
+                    describe(headers),
+                )
+                await channel.default_exchange.publish(
+                    _copy_of(message, own_user), routing_key=topology.DEAD_LETTER_QUEUE
+                )
+                await message.ack()
+                continue
+            exchange_name, routing_key = target
             for name in _OUR_HEADERS | _BROKER_HEADERS:
                 headers.pop(name, None)
+            if exchange_name == topology.COMMANDS_EXCHANGE:
+                headers = {
+                    name: value
+                    for name, value in headers.items()
+                    if not name.lower().startswith(_MESH_HEADER_PREFIXES)
+                }
             exchange = (
                 await channel.get_exchange(exchange_name, ensure=False)
                 if exchange_name

@@ -74,6 +74,11 @@ COMMANDS = Counter(
     "Outside commands answered, by outcome (accepted, duplicate, rejected).",
     ["outcome"],
 )
+LINES_RATE_LIMITED = Counter(
+    "yoke_lines_rate_limited",
+    "Lines the door refused as rate_limited, by who sent them (bridge, token).",
+    ["door"],
+)
 LLM_REQUESTS = Counter(
     "yoke_llm_requests", "Model requests by model and outcome.", ["model", "outcome"]
 )

@@ -500,6 +500,11 @@ RejectCode = Literal[
     "too_large",
     "unknown_conversation",
     "not_a_forum",
+    # An externalId, idempotencyKey or approval's by.externalId in a namespace the publishing
+    # RabbitMQ user may not speak in (yoke.speakers).
+    "foreign_namespace",
+    # Past the publisher's lines per minute (a bridge's or a token's); see retryAfter.
+    "rate_limited",
     # tool.result.submit only (see SubmitToolResult)
     "unknown_call",
     "call_closed",
@@ -522,8 +527,11 @@ class SubmitReply(WireModel):
     # ``invalid_command`` (a field is missing or wrong), ``too_large``, ``unknown_conversation``,
     # ``not_a_forum``; for tool results ``unknown_call``, ``call_closed``, ``wrong_tool``,
     # ``missing_user_id``, ``awaiting_approval``; for approvals ``not_allowed``,
-    # ``already_decided``, ``unknown_call``, ``not_awaiting_approval``.
+    # ``already_decided``, ``unknown_call``, ``not_awaiting_approval``; for any command
+    # ``foreign_namespace``, ``missing_user_id`` and (lines) ``rate_limited``.
     code: RejectCode | None = None
+    # With ``rate_limited``: whole seconds until a line is taken again.
+    retry_after: int | None = None
 
 
 class ToolCallRequest(WireModel):

@@ -70,6 +70,15 @@ class Settings(BaseSettings):
     # USD per million tokens by model: {"gpt-4o-mini": [0.15, 0.6]} (input, output).
     prices: dict[str, tuple[float, float]] = Field(default_factory=dict)
 
+    # Lines a minute the door takes from one bridge user / one gateway token (0: no limit);
+    # counted in the store, so the limit holds across ingestion replicas.
+    bridge_lines_per_minute: int = Field(default=120, ge=0)
+    token_lines_per_minute: int = Field(default=60, ge=0)
+    # The RabbitMQ policy on every bridge.* queue (yoke publisher create applies it): at most
+    # this many lines / bytes wait in one, the oldest dropped first.
+    bridge_queue_max_length: int = Field(default=10_000, ge=1)
+    bridge_queue_max_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+
     # The HTTP gateway (services/gateway): its API, console, /healthz and /metrics.
     gateway_port: int = Field(default=8080, ge=0, le=65535)
     gateway_host: str = "127.0.0.1"  # compose says 0.0.0.0 (its port is published on loopback)

@@ -3,9 +3,12 @@
 Only a token's SHA-256 is stored: the secret is shown once, when it is made, and a copy of the
 database gives nobody a working token. A token is named (the name is its ``_id``: unique by
 insert) and scoped to the forums it names, or to all. What a token's callers say about
-themselves is namespaced by its name (:func:`namespaced`), so one token cannot speak as the
-people of another. Deciding a tool call's approval is a right of its own (``can_approve``): a
-token that only posts lines, say a website's, cannot also let an agent's tool run.
+themselves is namespaced (:func:`namespaced`) by the token's own namespace, random and made
+with it, so one token cannot speak as the people of another, nor a token revoked and made
+again under the same name as the old one's people or with its idempotency keys. Tokens stored
+before namespaces were random keep their name as namespace. Deciding a tool call's approval
+is a right of its own (``can_approve``): a token that only posts lines, say a website's,
+cannot also let an agent's tool run.
 """
 
 from __future__ import annotations
@@ -40,17 +43,25 @@ class Token(Document):
     forums: list[str] | None = None
     can_approve: bool = False
     created_at: datetime = Field(default_factory=utcnow)
+    # None on tokens stored before namespaces were random: their name is their namespace.
+    namespace: str | None = None
 
     def allows(self, forum_id: str) -> bool:
         return self.forums is None or forum_id in self.forums
 
     def namespaced(self, value: str) -> str:
-        return namespaced(self.id, value)
+        return namespaced(self.namespace or self.id, value)
 
 
-def namespaced(token_name: str, value: str) -> str:
-    """``http:<token name>:<value>``: an external id or idempotency key as this token's own."""
-    return f"http:{token_name}:{value}"
+def namespaced(namespace: str, value: str) -> str:
+    """``http:<namespace>:<value>``: an external id or idempotency key as a token's own."""
+    return f"http:{namespace}:{value}"
+
+
+def new_namespace(name: str) -> str:
+    """``<name>~<64 random bits>``: readable in a line's external id, and never a name (no
+    token name holds '~'), so never the namespace of a token stored before."""
+    return f"{name}~{secrets.token_hex(8)}"
 
 
 def hash_secret(secret: str) -> str:
@@ -82,6 +93,7 @@ async def create_token(
         hash=hash_secret(secret),
         forums=sorted(set(forums)) if forums else None,
         can_approve=can_approve,
+        namespace=new_namespace(name),
     )
     if not await store.insert_if_absent(collection(store), token.to_document()):
         raise TokenError(f"a token named {name!r} exists; revoke it first")

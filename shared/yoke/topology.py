@@ -139,16 +139,54 @@ def quorum_queue_arguments() -> FieldTable:
     }
 
 
-# What an outside publisher (a bridge) may do, as RabbitMQ permission patterns: submit commands,
-# declare queues of its own (named ``bridge.*``), bind them to yoke.forum and read them. Nothing
-# else it may read carries a monologue: not yoke.events, the dead letters, or the services'
-# route and shard exchanges and queues.
+# What an outside publisher (a bridge) NAME may do, as RabbitMQ permission patterns: submit
+# commands, declare queues of its own (named ``bridge.NAME.*``, never another bridge's), bind
+# them to yoke.forum and read them. Nothing else it may read carries a monologue: not
+# yoke.events, the dead letters, or the services' route and shard exchanges and queues.
 BRIDGE_QUEUE_PREFIX = "bridge."
-PUBLISHER_PERMISSIONS = {
-    "configure": r"^bridge\..*",
-    "write": r"^(yoke\.commands|bridge\..*)$",
-    "read": r"^(yoke\.forum|bridge\..*)$",
-}
+
+
+def bridge_queue_prefix(user: str) -> str:
+    """The names of bridge user ``user``'s queues start so (its replies, its watches)."""
+    return f"{BRIDGE_QUEUE_PREFIX}{user}."
+
+
+def publisher_permissions(user: str) -> dict[str, str]:
+    """Bridge user ``user``'s permissions: its own ``bridge.<user>.*`` queues only."""
+    own = re.escape(bridge_queue_prefix(user)) + ".*"
+    return {
+        "configure": f"^{own}",
+        "write": rf"^(yoke\.commands|{own})$",
+        "read": rf"^(yoke\.forum|{own})$",
+    }
+
+
+# Invariant 14 for bridges' queues: a RabbitMQ policy on every bridge.* queue (applied by
+# yoke publisher create; deploy/rabbitmq/definitions.json has it for compose). A slow bridge
+# loses its oldest lines (drop-head) rather than the broker's memory, and never blocks the
+# mesh's publishes (reject-publish would nack the forum exchange's every publish).
+BRIDGE_QUEUE_POLICY = "yoke-bridge-queues"
+
+
+def bridge_queue_policy(max_length: int, max_bytes: int) -> dict[str, Any]:
+    """The policy's body for the management API (``PUT /api/policies/<vhost>/<name>``)."""
+    return {
+        "pattern": r"^bridge\.",
+        "apply-to": "queues",
+        "priority": 0,
+        "definition": {
+            "max-length": max_length,
+            "max-length-bytes": max_bytes,
+            "overflow": "drop-head",
+        },
+    }
+
+
+# Where the door may answer a command (its reply_to), besides RabbitMQ's direct reply-to: the
+# HTTP gateway's reply queues, and the CLI's when it runs as the services' own user.
+DIRECT_REPLY_PREFIX = "amq.rabbitmq.reply-to"
+GATEWAY_REPLY_QUEUE_PREFIX = "yoke.gateway.replies."
+CLI_REPLY_QUEUE_PREFIX = "yoke.cli."
 
 # What the services' own RabbitMQ user may do (deploy/rabbitmq/definitions.json gives it exactly
 # this, and no tag: it never uses the management API): everything named yoke.*, and publish

@@ -1,7 +1,9 @@
 """``yoke publisher create``: a bridge's RabbitMQ user, with exactly the bridge permissions.
 
 Made through RabbitMQ's management API in the mesh's vhost (YOKE_AMQP_URL's), so an operator
-never types the permission patterns: they are :data:`yoke.topology.PUBLISHER_PERMISSIONS`.
+never types the permission patterns: they are :func:`yoke.topology.publisher_permissions` (a
+bridge NAME owns only ``bridge.NAME.*`` queues), and the policy that bounds every ``bridge.``
+queue (:func:`yoke.topology.bridge_queue_policy`) is set in the same vhost first.
 """
 
 from __future__ import annotations
@@ -81,18 +83,59 @@ def _why(response: httpx.Response) -> str:
     return why
 
 
-async def create_publisher(management: Management, name: str, password: str | None = None) -> str:
+async def create_publisher(
+    management: Management,
+    name: str,
+    password: str | None = None,
+    *,
+    settings: Settings | None = None,
+) -> str:
     """Create user ``name`` with the bridge permissions in the vhost; returns its password.
 
     A name starting ``tool-`` is refused: those are tool workers' users, and the door takes
-    the answer to a tool call by the user that published it.
+    the answer to a tool call by the user that published it. So is the HTTP gateway's user
+    (the door trusts it to name tokens' people), and a name with a '.': bridge ``a`` owns the
+    queues ``bridge.a.*``, which would hold those of a bridge ``a.b``.
     """
+    settings = settings or Settings()
     if name.startswith(topology.TOOL_USER_PREFIX):
         raise PublisherRefused(
             f"user name {name!r} starts with {topology.TOOL_USER_PREFIX!r}, which is kept for "
             "tool workers (yoke tools add-worker makes those); choose another"
         )
-    return await create_user(management, name, topology.PUBLISHER_PERMISSIONS, password)
+    if name == settings.gateway_amqp_user:
+        raise PublisherRefused(
+            f"user name {name!r} is the HTTP gateway's (YOKE_GATEWAY_AMQP_USER); choose another"
+        )
+    if "." in name:
+        raise PublisherRefused(f"user name {name!r} holds a '.'; choose one without")
+    await set_bridge_policy(
+        management, settings.bridge_queue_max_length, settings.bridge_queue_max_bytes
+    )
+    return await create_user(management, name, topology.publisher_permissions(name), password)
+
+
+async def set_bridge_policy(management: Management, max_length: int, max_bytes: int) -> None:
+    """Bound every ``bridge.`` queue of the vhost (invariant 14: a slow or absent bridge never
+    makes the broker hold its lines without limit); idempotent."""
+    policy = (
+        f"/api/policies/{quote(management.vhost, safe='')}/"
+        f"{quote(topology.BRIDGE_QUEUE_POLICY, safe='')}"
+    )
+    try:
+        async with httpx.AsyncClient(
+            base_url=management.url, auth=management.auth, timeout=30
+        ) as api:
+            answer = await api.put(policy, json=topology.bridge_queue_policy(max_length, max_bytes))
+    except httpx.HTTPError as error:
+        raise PublisherRefused(
+            f"cannot reach the management API at {management.url}: {error!r}"
+        ) from error
+    if answer.is_error:
+        raise PublisherRefused(
+            f"the management API at {management.url} refused the policy bounding bridge queues "
+            f"in vhost {management.vhost!r}: {_why(answer)}"
+        )
 
 
 async def create_user(
@@ -169,7 +212,7 @@ async def publisher_create(args: argparse.Namespace) -> None:
     settings = Settings()
     management = management_of(settings.amqp_url, settings.management_url)
     try:
-        password = await create_publisher(management, args.name)
+        password = await create_publisher(management, args.name, settings=settings)
     except PublisherRefused as error:
         raise SystemExit(f"yoke: {error}") from error
     if args.can_approve:
@@ -181,7 +224,8 @@ async def publisher_create(args: argparse.Namespace) -> None:
         await with_store(grant)
     print(
         f"created RabbitMQ user {args.name!r} in vhost {management.vhost!r}: it may submit to "
-        f"{topology.COMMANDS_EXCHANGE} and bind bridge.* queues to {topology.FORUM_EXCHANGE}"
+        f"{topology.COMMANDS_EXCHANGE} and bind its {topology.bridge_queue_prefix(args.name)}* "
+        f"queues to {topology.FORUM_EXCHANGE}"
         + (f" and decide on approvals ({topology.APPROVAL_COMMAND})" if args.can_approve else "")
         + "; its password is the last line",
         file=sys.stderr,

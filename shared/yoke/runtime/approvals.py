@@ -2,17 +2,17 @@
 
 A gated call waits in the store as an open call awaiting approval (:mod:`yoke.runtime.open_calls`
 keeps its state, its decision and how each decision is carried out). This module is the
-deciding side: who may decide (:func:`may_decide`: the mesh's own RabbitMQ user, which the CLI
-and the HTTP gateway speak as, or a publisher made with ``yoke publisher create
---can-approve``), the door's answer to ``tool.approval.submit`` (:class:`Approvals`), and the
-list of what waits (:func:`pending_approvals`, for ``yoke approvals`` and the gateway's
-``GET /v1/forums/{id}/approvals``).
+deciding side: who may decide (:func:`may_decide`: the services' own RabbitMQ user, which the
+CLI speaks as, the HTTP gateway's (YOKE_GATEWAY_AMQP_USER), or a publisher made with ``yoke
+publisher create --can-approve``, each naming its person in ``by`` within its own namespace as
+for lines, :mod:`yoke.speakers`), the door's answer to ``tool.approval.submit``
+(:class:`Approvals`), and the list of what waits (:func:`pending_approvals`, for ``yoke
+approvals`` and the gateway's ``GET /v1/forums/{id}/approvals``).
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from urllib.parse import unquote, urlsplit
 
 from pydantic import Field, JsonValue
 
@@ -33,6 +33,8 @@ from yoke.runtime.open_calls import (
     OpenCall,
     OpenCalls,
 )
+from yoke.speakers import DoorUsers, ForeignNamespace
+from yoke.speakers import amqp_user as amqp_user  # where the CLI and the gateway found it
 from yoke.store import Store
 
 # The publishers (RabbitMQ users) that may decide, one document each; written by the CLI.
@@ -93,12 +95,6 @@ async def is_approver(store: Store, user: str) -> bool:
     return found is not None
 
 
-def amqp_user(amqp_url: str) -> str:
-    """The RabbitMQ user an AMQP URL connects as (its first node's; guest when none)."""
-    parts = urlsplit(amqp_url.split(",")[0].strip())
-    return unquote(parts.username) if parts.username else "guest"
-
-
 def _rejected(code: RejectCode, error: str) -> SubmitReply:
     return SubmitReply(status="rejected", code=code, error=error)
 
@@ -111,17 +107,18 @@ class Approvals:
     """The door's side of ``tool.approval.submit``: who may decide, and the first decision
     standing (a unique insert, :meth:`OpenCalls.decide`)."""
 
-    def __init__(self, open_calls: OpenCalls, operator: str) -> None:
+    def __init__(self, open_calls: OpenCalls, users: DoorUsers) -> None:
         self.open_calls = open_calls
         self.store = open_calls.store
-        # The mesh's own RabbitMQ user: the CLI's and the HTTP gateway's (each names its person).
-        self.operator = operator
+        # The services' own RabbitMQ user (the CLI's) and the HTTP gateway's: each names its
+        # person; every other user is a publisher, whose people are its own.
+        self.users = users
 
     async def may_decide(self, user: str) -> bool:
-        """The mesh's own user, or a publisher granted it; never a tool worker's user."""
+        """The mesh's own users, or a publisher granted it; never a tool worker's user."""
         if user.startswith(topology.TOOL_USER_PREFIX):
             return False
-        return user == self.operator or await is_approver(self.store, user)
+        return self.users.is_mesh(user) or await is_approver(self.store, user)
 
     async def submit(self, command: SubmitApproval, user: str | None) -> SubmitReply:
         """Decide on the call as ``command.by``, speaking through the RabbitMQ ``user`` that
@@ -137,6 +134,14 @@ class Approvals:
                 "not_allowed",
                 f"RabbitMQ user {user!r} may not decide on approvals (a publisher made with "
                 "yoke publisher create --can-approve may)",
+            )
+        if command.by is not None:
+            try:
+                by = self.users.own(user, command.by.external_id, "by.externalId")
+            except ForeignNamespace as error:
+                return _rejected("foreign_namespace", str(error))
+            command = command.model_copy(
+                update={"by": command.by.model_copy(update={"external_id": by})}
             )
         call_id = command.call_id
         call = await self.open_calls.get(call_id)

@@ -1,0 +1,114 @@
+"""Who speaks at the AMQP door: what each RabbitMQ user may say, and where it is answered.
+
+RabbitMQ verifies a command's ``user_id`` and the command router passes it on (it drops every
+header a publisher set): that is the only proof of who spoke (docs/architecture.md, invariant
+13). There are three kinds of speaker:
+
+- the services' own user (YOKE_AMQP_URL's), the operator's: it speaks as-is (the CLI names its
+  people ``cli:NAME``);
+- the HTTP gateway's user (YOKE_GATEWAY_AMQP_USER): what it says must already be in a token's
+  ``http:<namespace>:`` (the gateway prefixes every external id and key with it);
+- every other user is an outside publisher (a bridge): what it says is stored as
+  ``amqp:<user>:<value>``, so it can never be a token's person, the CLI's, or another
+  bridge's, nor take their idempotency keys; a value already in a reserved namespace is
+  refused rather than quietly nested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import unquote, urlsplit
+
+from yoke import topology
+from yoke.settings import Settings
+
+RESERVED_NAMESPACES = ("http:", "cli:", "amqp:")
+HTTP_NAMESPACE = "http:"
+
+# Which limit a line counts against (and the label of yoke_lines_rate_limited_total).
+LimitedAs = Literal["bridge", "token"]
+
+
+class ForeignNamespace(Exception):
+    """A value in a namespace its speaker may not use (the message says which and why)."""
+
+
+def amqp_user(amqp_url: str) -> str:
+    """The RabbitMQ user an AMQP URL connects as (its first node's; guest when none)."""
+    parts = urlsplit(amqp_url.split(",")[0].strip())
+    return unquote(parts.username) if parts.username else "guest"
+
+
+def token_namespace(value: str) -> str | None:
+    """``NS`` of ``http:NS:rest``, or None when ``value`` is not in a token's namespace."""
+    if not value.startswith(HTTP_NAMESPACE):
+        return None
+    namespace, colon, rest = value[len(HTTP_NAMESPACE) :].partition(":")
+    return namespace if namespace and colon and rest else None
+
+
+@dataclass(frozen=True)
+class DoorUsers:
+    """The two RabbitMQ users the door knows by name; every other one is a bridge."""
+
+    operator: str
+    gateway: str
+
+    @classmethod
+    def of(cls, settings: Settings) -> DoorUsers:
+        return cls(amqp_user(settings.amqp_url), settings.gateway_amqp_user)
+
+    def is_mesh(self, user: str) -> bool:
+        """The services' own user or the gateway's: the ones that name their people."""
+        return user in (self.operator, self.gateway)
+
+    def own(self, user: str, value: str, what: str) -> str:
+        """``value`` (an external id or key) as the door stores it for ``user``; raises
+        :class:`ForeignNamespace` for what ``user`` may not say."""
+        if user == self.operator:
+            return value
+        if user == self.gateway:
+            if token_namespace(value) is None:
+                raise ForeignNamespace(
+                    f"{what} {value!r} from the HTTP gateway's RabbitMQ user {user!r} must be "
+                    "in a token's namespace (http:NAMESPACE:...)"
+                )
+            return value
+        if value.startswith(RESERVED_NAMESPACES):
+            raise ForeignNamespace(
+                f"{what} {value!r} starts with a namespace kept for the mesh's own doors "
+                f"({', '.join(RESERVED_NAMESPACES)}); RabbitMQ user {user!r} speaks as "
+                f"amqp:{user}:<value>, so send the bare value"
+            )
+        return f"amqp:{user}:{value}"
+
+    def limited_as(self, user: str, idempotency_key: str) -> tuple[LimitedAs, str] | None:
+        """Which limit a line counts against and under what name: a bridge's user, or the
+        gateway token whose namespace its key is in (the gateway may run as the services'
+        user, as in ``make run``); None for the operator's own lines, which are exempt."""
+        if self.is_mesh(user):
+            namespace = token_namespace(idempotency_key)
+            return ("token", namespace) if namespace is not None else None
+        return "bridge", user
+
+    def may_answer(self, user: str | None, queue: str) -> bool:
+        """``queue`` (a command's reply_to) is one ``user`` owns, so that the door, answering
+        as the services' user, never writes into a service's queue or another user's."""
+        if queue.startswith(topology.DIRECT_REPLY_PREFIX):
+            return True  # the broker hands it to the publisher's own channel only
+        if not user:
+            return False
+        if user == self.operator:
+            return queue.startswith(
+                (
+                    topology.bridge_queue_prefix(user),
+                    topology.CLI_REPLY_QUEUE_PREFIX,
+                    topology.GATEWAY_REPLY_QUEUE_PREFIX,
+                )
+            )
+        if user == self.gateway:
+            return queue.startswith(topology.GATEWAY_REPLY_QUEUE_PREFIX)
+        if user.startswith(topology.TOOL_USER_PREFIX):
+            return False  # a worker declares no queue: direct reply-to only
+        return queue.startswith(topology.bridge_queue_prefix(user))
