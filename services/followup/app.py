@@ -7,7 +7,7 @@ consumes (its nudges need the broker).
 
 from __future__ import annotations
 
-from services.followup.scheduler import FollowUps
+from services.followup.scheduler import FollowUps, decision_rule
 from yoke.models import MessagePosted
 from yoke.runtime.service import Service
 
@@ -16,7 +16,9 @@ SCHEDULER = "follow-up scheduler"
 
 
 def register(service: Service) -> None:
-    followups = FollowUps(service.store, service.poster)
+    days = service.settings.retention_decision_days
+    followups = FollowUps(service.store, service.poster, decision_days=days)
+    service.retention.add(decision_rule(days))
     service.on_event(
         MessagePosted, followups.on_posted, where=[{"kind": "forum", "type": "message"}]
     )

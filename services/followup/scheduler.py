@@ -42,7 +42,17 @@ from yoke.metrics import (
     FOLLOWUPS_PENDING,
     FOLLOWUPS_SCHEDULED,
 )
-from yoke.models import Actor, Document, Message, MessageMeta, MessagePosted, TextPart, utcnow
+from yoke.models import (
+    Actor,
+    Document,
+    Message,
+    MessageMeta,
+    MessagePosted,
+    TextPart,
+    as_utc,
+    utcnow,
+)
+from yoke.retention import BUCKET_FIELD, Rule, day_bucket
 from yoke.runtime.chain import carry_tail
 from yoke.runtime.join_config import FollowUpConfig, JoinConfig, load_join_config
 from yoke.runtime.joins import ensure_participant, join_id, participant_id
@@ -104,6 +114,8 @@ class FollowUpDecision(Document):
     streak: int = 1
     done: bool = False
     created_at: datetime = Field(default_factory=utcnow)
+    # yoke.retention: the day it was decided, then the day it was done (kept from then).
+    age_bucket: str = Field(default_factory=day_bucket)
 
 
 def schedule_id(join_key: str, agent_line_id: str) -> str:
@@ -132,6 +144,18 @@ async def ensure_schema(store: Store) -> None:
     await schedules.create_index([("forumId", ASCENDING)], name="forum")
 
 
+async def _undone(document: dict[str, Any]) -> bool:
+    """A firing not finished yet is live: whoever next sees it finishes it (invariant 9)."""
+    return not document.get("done", False)
+
+
+def decision_rule(days: float) -> Rule:
+    """Follow-up decisions are kept ``days`` once done (a pending schedule has none yet)."""
+    return Rule(
+        "follow-up decisions", PROCEDURES, "day", days, where={"kind": "follow-up"}, live=_undone
+    )
+
+
 async def _kind(
     cache: LRUCache[str, str], collection: AsyncCollection[dict[str, Any]], key: str
 ) -> str:
@@ -147,9 +171,12 @@ async def _kind(
 class FollowUps:
     """The follow-up service's logic: react to forum lines, and fire what is due."""
 
-    def __init__(self, store: Store, poster: Poster) -> None:
+    def __init__(self, store: Store, poster: Poster, *, decision_days: float = 7.0) -> None:
         self.store = store
         self.poster = poster
+        # Decisions are kept this long (yoke.retention): an older line's is gone, so it is
+        # never scheduled (a redelivery of it would nudge again).
+        self.decided_for = timedelta(days=decision_days)
         self.schedules = store.db[FOLLOWUPS]
         # Decisions are procedure records, next to compaction's swaps.
         self.decisions = store.db[PROCEDURES]
@@ -207,6 +234,8 @@ class FollowUps:
 
     async def schedule(self, line: Message) -> FollowUp | None:
         """Schedule a nudge about the agent's forum line, if its join asks for follow-ups."""
+        if utcnow() - as_utc(line.created_at) > self.decided_for:
+            return None
         key = join_id(line.author_actor_id, line.conversation_id)
         config = await self._join_config(key)
         if config is None or config.follow_up is None:
@@ -347,7 +376,9 @@ class FollowUps:
                     follow_up = config.follow_up if config else None
                 await self._nudge(schedule, follow_up or FollowUpConfig(after_seconds=1))
             # The decision's owner is whoever finishes it; every finisher writes the same.
-            await self.decisions.update_one({"_id": decision.id}, {"$set": {"done": True}})
+            await self.decisions.update_one(
+                {"_id": decision.id}, {"$set": {"done": True, BUCKET_FIELD: day_bucket()}}
+            )
         # Only pending schedules stay in the collection: what the scheduler reads never grows.
         await self.schedules.delete_one({"_id": schedule.id})
         if won:

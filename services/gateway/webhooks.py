@@ -46,6 +46,7 @@ from yoke.ids import derive_id, new_id
 from yoke.metrics import LATENCY_BUCKETS
 from yoke.models import Envelope, Message, MessagePosted, utcnow
 from yoke.redact import redact
+from yoke.retention import BUCKET_FIELD, Rule, Sweep, hour_bucket
 from yoke.settings import Settings
 from yoke.store import Store
 from yoke.webhooks import (
@@ -193,6 +194,8 @@ class Leases:
                     "bucket": bucket,
                     "holder": self.holder,
                     "at": utcnow(),
+                    # A holder that died leaves its buckets: retention removes them.
+                    BUCKET_FIELD: hour_bucket(),
                 }
             )
             return True
@@ -451,6 +454,19 @@ class SubscriptionRunner:
         )
 
 
+def retention_rules(settings: Settings) -> list[Rule]:
+    """Dead letters are kept for days (the console shows them), lapsed leases for hours."""
+    return [
+        Rule(
+            "webhook dead letters",
+            DEAD_LETTERS,
+            "day",
+            settings.retention_webhook_dead_letter_days,
+        ),
+        Rule("webhook leases", LEASES, "hour", settings.retention_lease_hours),
+    ]
+
+
 class WebhookWorker:
     """Every subscription of the mesh, delivered by whichever gateway process holds it."""
 
@@ -468,9 +484,19 @@ class WebhookWorker:
         self.runners: dict[str, tuple[SubscriptionRunner, asyncio.Task[None]]] = {}
         self._by_forum: dict[str, list[SubscriptionRunner]] = {}
         self._keeper: asyncio.Task[None] | None = None
+        self.retention = Sweep(
+            store,
+            retention_rules(settings),
+            owner="gateway",
+            every=settings.retention_sweep_seconds,
+            lookback_days=settings.retention_lookback_days,
+            batch=settings.retention_batch,
+        )
+        self._sweep: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await ensure_webhook_indexes(self.store)
+        await self.retention.ensure_indexes()
         await self.bus.connect(declare=False)
         channel = await self.bus.connection.channel()
         route = await channel.declare_exchange(
@@ -487,6 +513,7 @@ class WebhookWorker:
         await queue.consume(self._on_event, no_ack=True)
         await self.refresh()
         self._keeper = asyncio.create_task(self._keep())
+        self._sweep = asyncio.create_task(self.retention.run(self.stopping))
 
     def problems(self) -> list[str]:
         return [] if self.bus.is_connected else ["webhook connection down"]
@@ -497,6 +524,8 @@ class WebhookWorker:
         tasks = [task for _, task in self.runners.values()]
         if self._keeper is not None:
             tasks.append(self._keeper)
+        if self._sweep is not None:
+            tasks.append(self._sweep)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

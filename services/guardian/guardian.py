@@ -30,6 +30,7 @@ import re
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -56,6 +57,7 @@ from yoke.models import (
     as_utc,
     call_signature,
 )
+from yoke.retention import BUCKET_FIELD, Rule, day_bucket, hour_bucket
 from yoke.runtime.actor import instance_state_id
 from yoke.runtime.instances import PROCESSOR
 from yoke.runtime.join_config import (
@@ -69,6 +71,7 @@ from yoke.runtime.join_config import (
 from yoke.runtime.joins import join_id
 from yoke.runtime.service import Service
 from yoke.safe_regex import compile_safe, search
+from yoke.settings import Settings
 from yoke.store import Store
 from yoke.tools.base import Tool, ToolContext
 
@@ -275,6 +278,7 @@ class Guardian:
         self.documents = service.store.db[COLLECTION]
         # A lease's holder: this process (leases are released by whoever holds them).
         self.holder = new_id()
+        self.checked_for = timedelta(days=service.settings.retention_decision_days)
         self._kinds: LRUCache[str, str] = LRUCache()
         self._watched: LRUCache[str, Watched] = LRUCache()
         self._configs: LRUCache[str, tuple[float, GuardianConfig | None]] = LRUCache()
@@ -287,6 +291,8 @@ class Guardian:
         self.recent.remember(line)
         if line.role != "agent" or line.type != "message" or line.meta.carried_from:
             return  # only the agent's own steps are checked; compaction's copies were already
+        if _now() - as_utc(line.created_at) > self.checked_for:
+            return  # a redelivery older than its "checked" record's retention: checked then
         watched = await self.watched(line.conversation_id)
         if watched is None:
             return
@@ -436,7 +442,13 @@ class Guardian:
                 await self.start_cooldown(watched.join_key, config.cooldown_seconds)
             await self.store.insert_if_absent(
                 self.documents,
-                {"_id": check_id, "kind": "checked", "messageId": line.id, "at": _now()},
+                {
+                    "_id": check_id,
+                    "kind": "checked",
+                    "messageId": line.id,
+                    "at": _now(),
+                    BUCKET_FIELD: day_bucket(),
+                },
             )
         finally:
             await self.release_lease(lease)
@@ -582,6 +594,8 @@ class Guardian:
                 "joinKey": join_key,
                 "holder": self.holder,
                 "at": _now(),
+                # A holder that crashed leaves its buckets; they lapse, then retention goes.
+                BUCKET_FIELD: hour_bucket(),
             }
             if not await self.store.insert_if_absent(self.documents, document):
                 await self.release_lease(taken)
@@ -630,6 +644,7 @@ class Guardian:
                 "kind": "cooldown",
                 "joinKey": join_key,
                 "until": _now() + timedelta(seconds=seconds),
+                BUCKET_FIELD: day_bucket(),
             },
             upsert=True,
         )
@@ -639,9 +654,46 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+async def _cooling(document: dict[str, Any]) -> bool:
+    """A cooldown still running is live (a checked record never is, once old)."""
+    until = document.get("until")
+    return isinstance(until, datetime) and as_utc(until) > _now()
+
+
+def retention_rules(settings: Settings) -> list[Rule]:
+    """The guardian's records: "checked" ones and cooldowns for days, lapsed leases for hours."""
+    return [
+        Rule(
+            "guardian checks",
+            COLLECTION,
+            "day",
+            settings.retention_decision_days,
+            where={"kind": "checked"},
+        ),
+        Rule(
+            "guardian cooldowns",
+            COLLECTION,
+            "day",
+            settings.retention_decision_days,
+            where={"kind": "cooldown"},
+            live=_cooling,
+        ),
+        # A lease lasts two buckets of LEASE_BUCKET_SECONDS: hours old, its holder is gone.
+        Rule(
+            "guardian leases",
+            COLLECTION,
+            "hour",
+            settings.retention_lease_hours,
+            where={"kind": "lease"},
+        ),
+    ]
+
+
 def register(service: Service) -> Guardian:
     """Wire the guardian into a service: it consumes ``conversation.message.posted``."""
     guardian = Guardian(service)
+    for rule in retention_rules(service.settings):
+        service.retention.add(rule)
     # The agent's own steps: the lines around them are read by seq when a policy needs them.
     service.on_event(
         MessagePosted,

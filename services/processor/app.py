@@ -64,7 +64,7 @@ from yoke.models import (
 )
 from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.runtime.catalog import LocalTools, ToolCatalog
-from yoke.runtime.compaction import call_ids, compact, result_ids
+from yoke.runtime.compaction import call_ids, compact, result_ids, swap_rule
 from yoke.runtime.dispatch import ToolDispatch, deadline_after
 from yoke.runtime.drafts import Draft
 from yoke.runtime.in_flight import Arrival, InFlight, ModelCall, cancelled_here
@@ -1042,6 +1042,7 @@ async def post_notice(
             conversation_id=trigger.conversation_id,
             author_actor_id=SYSTEM_ACTOR_ID,
             role="user",
+    service.retention.add(swap_rule(service.settings.retention_decision_days))
             type="notice",
             parts=[TextPart(text=text)],
             meta=meta,

@@ -12,6 +12,7 @@ from datetime import datetime
 from pydantic import Field
 
 from yoke.models import Document, utcnow
+from yoke.retention import day_bucket
 
 
 class Failure(Document):
@@ -25,3 +26,5 @@ class Failure(Document):
     open: bool = True
     created_at: datetime = Field(default_factory=utcnow)
     resolved_at: datetime | None = None
+    # yoke.retention: the day it was recorded, then the day it was handled (kept from then).
+    age_bucket: str = Field(default_factory=day_bucket)

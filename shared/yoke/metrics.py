@@ -176,6 +176,12 @@ GUARDIAN_CHECKS = Counter(
 GUARDIAN_INTERVENTIONS = Counter(
     "yoke_guardian_interventions", "Steering lines the guardian posted, by policy kind.", ["policy"]
 )
+# yoke.retention: records its sweeps deleted, by rule (what grows is bounded: invariant 14).
+RETENTION_DELETED = Counter(
+    "yoke_retention_deleted",
+    "Records the retention sweep deleted as expired (live ones are kept), by rule.",
+    ["rule"],
+)
 GUARDIAN_RUNNER_SECONDS = Histogram(
     "yoke_guardian_runner_seconds",
     "Time a guardian runner took (model rounds included), by policy kind.",

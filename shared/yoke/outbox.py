@@ -31,6 +31,7 @@ from pymongo.errors import DuplicateKeyError
 from yoke.ids import new_id
 from yoke.metrics import OUTBOX_OLDEST_UNPUBLISHED_SECONDS, OUTBOX_UNPUBLISHED
 from yoke.models import Message, as_utc
+from yoke.retention import BUCKET_FIELD, hour_bucket
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,10 @@ class OutboxSweep:
     async def _claim(self, writer: str, now: datetime) -> bool:
         claim = f"sweep:{writer}"
         try:
-            await self.writers.insert_one({"_id": claim, "claimedAt": now})
+            # A sweep that dies between claim and finish leaves it: retention removes it.
+            await self.writers.insert_one(
+                {"_id": claim, "claimedAt": now, BUCKET_FIELD: hour_bucket(now)}
+            )
             return True
         except DuplicateKeyError:
             existing = await self.writers.find_one({"_id": claim})

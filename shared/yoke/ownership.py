@@ -41,6 +41,7 @@ from yoke.consumer import Gate
 from yoke.ids import new_id
 from yoke.metrics import LATENCY_BUCKETS
 from yoke.models import as_utc
+from yoke.retention import BUCKET_FIELD, hour_bucket
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,8 @@ class Ownership:
             "shardCount": len(self.queues),
             "startedAt": self.started_at,
             "beat": datetime.now(UTC),
+            # A replica gone without a word (its service never run again) ages out with it.
+            BUCKET_FIELD: hour_bucket(),
         }
 
     async def beat(self) -> None:

@@ -112,6 +112,20 @@ class Settings(BaseSettings):
     # A gateway replica holds a subscription in leases of this long (one delivers it at a time).
     webhook_lease_seconds: float = Field(default=10.0, gt=0)
 
+    # Retention (yoke.retention): how often each process sweeps what it owns, how far back
+    # its first round looks, and how many records of a bucket one round reads for liveness.
+    retention_sweep_seconds: float = Field(default=600.0, gt=0)
+    retention_lookback_days: int = Field(default=7, ge=1)
+    retention_batch: int = Field(default=1000, ge=1)
+    # Days kept: follow-up decisions, guardian "checked" records and done procedure intents.
+    retention_decision_days: float = Field(default=7.0, gt=0)
+    # Days kept: failure records once handled (an open one stays while it can be replayed).
+    retention_failure_days: float = Field(default=14.0, gt=0)
+    # Days kept: webhook dead letters (the console and `yoke webhook list` show them).
+    retention_webhook_dead_letter_days: float = Field(default=14.0, gt=0)
+    # Hours kept: lapsed leases, stale outbox claims and silent replicas' documents.
+    retention_lease_hours: float = Field(default=6.0, gt=0)
+
     def metrics_port_for(self, service: str) -> int:
         if self.metrics_port is not None:
             return self.metrics_port

@@ -20,6 +20,7 @@ from yoke.lru import LRUCache
 from yoke.metrics import IN_DELIVERY, STORE_OPERATIONS
 from yoke.models import Actor, Conversation, Message, Participant, utcnow
 from yoke.outbox import Outbox
+from yoke.retention import BUCKET_FIELD, day_bucket
 
 Doc = dict[str, Any]
 NAMESPACE_EXISTS = 48
@@ -422,5 +423,7 @@ class Store:
     async def close_failure(self, failure_id: str) -> None:
         """Mark a failure handled; its instance's lane is its one writer."""
         await self.failures.update_one(
-            {"_id": failure_id}, {"$set": {"open": False, "resolvedAt": utcnow()}}
+            {"_id": failure_id},
+            # Retention counts from now: the same update, no operation more.
+            {"$set": {"open": False, "resolvedAt": utcnow(), BUCKET_FIELD: day_bucket()}},
         )

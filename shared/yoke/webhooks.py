@@ -30,6 +30,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 
 from yoke.ids import derive_id, new_id
 from yoke.models import Document, Message, WireModel, utcnow
+from yoke.retention import day_bucket
 from yoke.store import Doc, Store
 
 SUBSCRIPTIONS = "webhooks"
@@ -90,6 +91,8 @@ class DeadLetter(Document):
     status: int | None = None
     attempts: int
     created_at: datetime = Field(default_factory=utcnow)
+    # yoke.retention: kept YOKE_RETENTION_WEBHOOK_DEAD_LETTER_DAYS from this day.
+    age_bucket: str = Field(default_factory=day_bucket)
 
 
 class Delivery(WireModel):

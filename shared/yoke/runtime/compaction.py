@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
+from typing import Any
 
 from pydantic import Field
 
@@ -77,6 +78,7 @@ from yoke.models import (
     ToolResultPart,
     utcnow,
 )
+from yoke.retention import BUCKET_FIELD, Rule, day_bucket
 from yoke.runtime.actor import ActorContext
 from yoke.runtime.chain import (
     SWAPPING,
@@ -112,6 +114,8 @@ class MonologueSwap(Document):
     done: bool = False
     created_at: datetime = Field(default_factory=utcnow)
 
+    # yoke.retention: the day it was recorded, then the day it was done (kept from then).
+    age_bucket: str = Field(default_factory=day_bucket)
     @property
     def link(self) -> CompactionLink:
         return CompactionLink(
@@ -397,7 +401,9 @@ async def announce(context: Context, swap: MonologueSwap) -> None:
 
 async def close(context: Context, swap: MonologueSwap) -> None:
     """The procedure is done; the new monologue's lane is its one writer now."""
-    await context.store.db[PROCEDURES].update_one({"_id": swap.id}, {"$set": {"done": True}})
+    await context.store.db[PROCEDURES].update_one(
+        {"_id": swap.id}, {"$set": {"done": True, BUCKET_FIELD: day_bucket()}}
+    )
     COMPACTIONS.inc()
 
 
@@ -411,6 +417,23 @@ SWAP_STEPS = (
     rouse,
     move_participant,
     carry_over,
+async def _unfinished(document: dict[str, Any]) -> bool:
+    """A swap not done is live: the new monologue's lane (or a redelivery) finishes it."""
+    return not document.get("done", False)
+
+
+def swap_rule(days: float) -> Rule:
+    """Swap intents are kept ``days`` once done; the participant's chain keeps the link."""
+    return Rule(
+        "monologue swaps",
+        PROCEDURES,
+        "day",
+        days,
+        where={"kind": "monologue-swap"},
+        live=_unfinished,
+    )
+
+
     announce,
     close,
 )

@@ -27,6 +27,7 @@ from yoke.metrics import EVENT_LAG_SECONDS
 from yoke.models import Envelope, EventPayload, MessagePosted, utcnow
 from yoke.ownership import REPLICAS, Ownership
 from yoke.reshard import check_shard_count
+from yoke.retention import sweep_for
 from yoke.runtime.health import HealthServer
 from yoke.runtime.posting import Poster
 from yoke.settings import Settings
@@ -109,6 +110,9 @@ class Service:
         self._crashed: dict[str, str] = {}
         self._started = False
         self.background("consumer watchdog", self._watch_consumers)
+        # What this process owns that is kept only for a while; services add their rules.
+        self.retention = sweep_for(name, self.store, self.settings)
+        self.background("retention sweep", lambda: self.retention.run(self.stopping))
 
     # --- registration ------------------------------------------------------------------
 
@@ -207,6 +211,7 @@ class Service:
     async def start(self, *, health: bool = True) -> None:
         await self.store.ping()
         await self.store.ensure_indexes()
+        await self.retention.ensure_indexes()
         await self.bus.connect()
         if health:
             port = self.settings.metrics_port_for(self.name)
