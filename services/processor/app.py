@@ -1042,7 +1042,6 @@ async def post_notice(
             conversation_id=trigger.conversation_id,
             author_actor_id=SYSTEM_ACTOR_ID,
             role="user",
-    service.retention.add(swap_rule(service.settings.retention_decision_days))
             type="notice",
             parts=[TextPart(text=text)],
             meta=meta,
@@ -1094,6 +1093,7 @@ def register(service: Service) -> None:
     dispatch = _dispatch = ToolDispatch(catalog, local, open_calls, service.bus, hosting.host)
     service.background("tool catalog", lambda: host_tools(hosting, dispatch, service.stopping))
     service.background("tool call deadlines", lambda: open_calls.run_reaper(service.stopping))
+    service.retention.add(swap_rule(service.settings.retention_decision_days))
     # An approved call runs in its conversation's lane, on the replica owning that shard.
     service.on_event(ToolCallApproved, run_approved_call)
     service.on_arrival(notice_arrival)

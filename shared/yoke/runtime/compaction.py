@@ -113,9 +113,9 @@ class MonologueSwap(Document):
     wake_id: str
     done: bool = False
     created_at: datetime = Field(default_factory=utcnow)
-
     # yoke.retention: the day it was recorded, then the day it was done (kept from then).
     age_bucket: str = Field(default_factory=day_bucket)
+
     @property
     def link(self) -> CompactionLink:
         return CompactionLink(
@@ -407,16 +407,6 @@ async def close(context: Context, swap: MonologueSwap) -> None:
     COMPACTIONS.inc()
 
 
-SWAP_STEPS = (
-    record_intent,
-    open_monologue,
-    write_summary,
-    write_context,
-    arm_wake,
-    repoint,
-    rouse,
-    move_participant,
-    carry_over,
 async def _unfinished(document: dict[str, Any]) -> bool:
     """A swap not done is live: the new monologue's lane (or a redelivery) finishes it."""
     return not document.get("done", False)
@@ -434,6 +424,16 @@ def swap_rule(days: float) -> Rule:
     )
 
 
+SWAP_STEPS = (
+    record_intent,
+    open_monologue,
+    write_summary,
+    write_context,
+    arm_wake,
+    repoint,
+    rouse,
+    move_participant,
+    carry_over,
     announce,
     close,
 )
