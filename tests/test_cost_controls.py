@@ -128,6 +128,44 @@ async def test_the_fixture_model_answers_under_a_cost_budget(
     assert forum[1].type == "message" and forum[1].text == "echo under a budget"
 
 
+async def test_a_compaction_summary_is_charged_to_the_budget(
+    store: Store, client: Client, new_join: JoinFactory, fake_openai: FakeOpenAI
+) -> None:
+    """A summary is a model call like any: what it costs counts, and may spend the budget."""
+    fake_openai.script(
+        completion("first", prompt_tokens=10, completion_tokens=8, model="gpt-4o-mini"),
+        completion("a summary", prompt_tokens=10, completion_tokens=10, model="gpt-4o-mini"),
+    )
+    before = len(fake_openai.requests)
+    config = JoinConfig(
+        model="gpt-4o-mini", budget_tokens=30, compaction_threshold_tokens=1, compaction_keep=0
+    )
+    forum_id, _ = await new_join(config=config)
+    await say(client, forum_id, "one")
+    await lines_until(store, forum_id, lambda lines: len(lines) == 2)
+    await say(client, forum_id, "two")  # compacts first: the summary takes 20 more tokens
+    forum = await lines_until(store, forum_id, lambda lines: len(lines) == 4)
+    assert forum[3].type == "notice" and "budget" in forum[3].text
+    assert len(fake_openai.requests) - before == 2
+
+
+async def test_a_spent_budget_calls_no_model_for_a_summary(
+    store: Store, client: Client, new_join: JoinFactory, fake_openai: FakeOpenAI
+) -> None:
+    fake_openai.script(completion("first", prompt_tokens=10, completion_tokens=8))
+    before = len(fake_openai.requests)
+    config = JoinConfig(
+        model="gpt-4o-mini", budget_tokens=18, compaction_threshold_tokens=1, compaction_keep=0
+    )
+    forum_id, _ = await new_join(config=config)
+    await say(client, forum_id, "one")
+    await lines_until(store, forum_id, lambda lines: len(lines) == 2)
+    await say(client, forum_id, "two")
+    forum = await lines_until(store, forum_id, lambda lines: len(lines) == 4)
+    assert forum[3].type == "notice" and "budget" in forum[3].text
+    assert len(fake_openai.requests) - before == 1  # the summary was the mesh's own
+
+
 async def test_model_is_refused_outside_the_joins_own_model_by_default(
     store: Store, client: Client, new_join: JoinFactory, fake_openai: FakeOpenAI
 ) -> None:

@@ -33,17 +33,13 @@ from yoke.client import STOP_LINE
 from yoke.ids import SYSTEM_ACTOR_ID, forwarded_line_id
 from yoke.llm.base import InferenceRequest, InferenceResult, ProviderFailed, estimate_tokens
 from yoke.llm.prompting import unanswered_last
-from yoke.llm.providers import cost_of, price_of, priced_family, provider_for
+from yoke.llm.providers import provider_for
 from yoke.metrics import (
     DOOM_LOOPS,
-    LLM_COST,
     LLM_COST_ESTIMATED,
-    LLM_TOKENS,
-    LLM_UNPRICED_CALLS,
     MODEL_CALLS_CANCELLED,
     NOTICES,
     STOPS,
-    model_label,
     tool_label,
 )
 from yoke.models import (
@@ -63,6 +59,7 @@ from yoke.models import (
     call_signature,
 )
 from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
+from yoke.runtime.budgets import budget_spent, charge, count_usage, unpriced_under_budget
 from yoke.runtime.catalog import LocalTools, ToolCatalog
 from yoke.runtime.compaction import call_ids, compact, result_ids, swap_rule
 from yoke.runtime.dispatch import ToolDispatch, deadline_after
@@ -773,52 +770,6 @@ async def run_tool_round(context: Context, trigger: Message, calls: list[ToolCal
     )
 
 
-def budget_spent(config: ProcessorConfig, state: ProcessorState) -> str | None:
-    """Why the join's budget allows no more model calls (None: it allows them)."""
-    if config.budget_tokens is not None and state.tokens_used >= config.budget_tokens:
-        return f"token budget spent ({state.tokens_used} of {config.budget_tokens})"
-    if config.budget_usd is not None and state.cost_usd >= config.budget_usd:
-        return f"cost budget spent (${state.cost_usd:.4f} of ${config.budget_usd:.4f})"
-    return None
-
-
-def unpriced_under_budget(context: Context) -> str | None:
-    """Why a cost budget cannot be kept: the step's model has no price. Counting its calls as
-    free would let them run past any budget, so such a model is refused instead."""
-    config = context.config
-    model = config.model_for(context.state)
-    if config.budget_usd is None or price_of(model, context.settings.prices) is not None:
-        return None
-    return (
-        f"no answer: model {model} has no price, so the cost budget "
-        f"(${config.budget_usd:.4f}) cannot be kept; add its price to YOKE_PRICES "
-        f'(USD per million tokens, input and output: {{"{model}": [0.15, 0.6]}})'
-    )
-
-
-# Models whose calls were counted unpriced, told once per process in the log (metric labels).
-_UNPRICED_TOLD: set[str] = set()
-
-
-def charge(context: Context, usage: Usage, requested: str) -> str:
-    """Price ``usage`` and add it to the join's totals; returns its model's metric label (the
-    priced family of a dated snapshot). An unpriced model's cost is unknown: counted as such
-    (:data:`LLM_UNPRICED_CALLS`), never passed off as free."""
-    state, prices = context.state, context.settings.prices
-    cost = cost_of(usage, context.settings, requested)
-    family = priced_family(usage.model, prices) or priced_family(requested, prices)
-    label = model_label(family or usage.model, prices)
-    if cost is None:
-        LLM_UNPRICED_CALLS.labels(label).inc()
-        if label not in _UNPRICED_TOLD:
-            _UNPRICED_TOLD.add(label)
-            log.warning("model %s has no price in YOKE_PRICES: its cost is unknown", usage.model)
-    usage.cost_usd = cost or 0.0
-    state.tokens_used += usage.input_tokens + usage.output_tokens
-    state.cost_usd += usage.cost_usd
-    return label
-
-
 async def display_names(context: Context, transcript: list[Message]) -> dict[str, str]:
     names: dict[str, str] = {}
     for author_id in {message.author_actor_id for message in transcript}:
@@ -848,7 +799,7 @@ async def infer_once(
     if spent:
         await post_notice(context, trigger, "budget", f"no answer: {spent}")
         return
-    unpriced = unpriced_under_budget(context)
+    unpriced = unpriced_under_budget(config, state, context.settings)
     if unpriced:
         await post_notice(context, trigger, "unpriced", unpriced)
         return
@@ -943,10 +894,7 @@ async def infer_into(
         flight.settle()  # from here on the answer is posted: a line arriving now waits its turn
     usage = result.usage
     if usage is not None:
-        label = charge(context, usage, model)
-        LLM_TOKENS.labels(label, "input").inc(usage.input_tokens)
-        LLM_TOKENS.labels(label, "output").inc(usage.output_tokens)
-        LLM_COST.labels(label).inc(usage.cost_usd)
+        count_usage(charge(state, usage, model, context.settings), usage)
     if result.empty:
         return True
     parts: list[Part] = []
@@ -978,7 +926,8 @@ async def drop_cancelled(
         output_tokens=streamed // 4,
         estimated=True,
     )
-    LLM_COST_ESTIMATED.labels(charge(context, usage, model)).inc(usage.cost_usd)
+    label = charge(context.state, usage, model, context.settings)
+    LLM_COST_ESTIMATED.labels(label).inc(usage.cost_usd)
     MODEL_CALLS_CANCELLED.labels(reason).inc()
     why = "a stop" if reason == "stop" else "a newer line"
     log.info(

@@ -80,6 +80,7 @@ from yoke.models import (
 )
 from yoke.retention import BUCKET_FIELD, Rule, day_bucket
 from yoke.runtime.actor import ActorContext
+from yoke.runtime.budgets import budget_spent, charge, count_usage, unpriced_under_budget
 from yoke.runtime.chain import (
     SWAPPING,
     CompactionLink,
@@ -137,8 +138,15 @@ def fixture_summary(older: list[Message]) -> str:
 
 
 async def summarize(context: Context, older: list[Message]) -> str:
-    model = context.config.model_for(context.state)  # never a model the join no longer allows
-    if model.startswith("fixture-"):
+    """A summary by the join's model, charged to its budget like an answer; the mesh's own
+    (no model call) for a fixture model, or when the budget forbids another call."""
+    config, state = context.config, context.state
+    model = config.model_for(state)  # never a model the join no longer allows
+    if (
+        model.startswith("fixture-")
+        or budget_spent(config, state)
+        or unpriced_under_budget(config, state, context.settings)
+    ):
         return fixture_summary(older)
     request = InferenceRequest(
         transcript=older,
@@ -151,6 +159,8 @@ async def summarize(context: Context, older: list[Message]) -> str:
         result = await provider_for(model, [], context.settings).infer(request)
     except ProviderFailed:
         return fixture_summary(older)
+    if result.usage is not None:
+        count_usage(charge(state, result.usage, model, context.settings), result.usage)
     return result.text or fixture_summary(older)
 
 
