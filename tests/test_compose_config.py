@@ -213,8 +213,15 @@ def test_the_gateway_mongodb_user_reads_and_writes_only_what_it_must() -> None:
         for privilege in role["privileges"]
         if writes & set(privilege["actions"])
     }
-    # Only the webhook worker's own bookkeeping; never a line, an actor, a token or a call.
-    assert written == {"webhook_cursors", "webhook_leases", "webhook_dead_letters"}
+    # Only bookkeeping: the webhook worker's, its retention sweep's progress, the console's
+    # forum list; never a line, an actor, a token or a call.
+    assert written == {
+        "webhook_cursors",
+        "webhook_leases",
+        "webhook_dead_letters",
+        "retention",
+        "forum_list",
+    }
     for privilege in role["privileges"]:
         assert privilege["resource"]["db"] == "yoke"
         assert not {"dropCollection", "dropDatabase", "createUser", "grantRole"} & set(

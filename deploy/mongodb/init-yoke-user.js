@@ -18,9 +18,11 @@ const services = {
   "roles": [{ "role": "readWrite", "db": "yoke" }]
 };
 
-// The gateway reads what it shows (lines, forums, tokens, calls) and writes only its webhook
-// worker's bookkeeping; it creates collections and indexes because it starts before or without
-// the services (Store.ensure_indexes). It cannot write a line, an actor, a token or a call.
+// The gateway reads what it shows (lines, forums, tokens, calls) and writes only bookkeeping:
+// its webhook worker's, its retention sweep's progress and the console's forum list (positions
+// of forums made before it); it creates collections and indexes because it starts before or
+// without the services (Store.ensure_indexes). It cannot write a line, an actor, a token or a
+// call.
 const gatewayRole = {
   "role": "yokeGateway",
   "privileges": [
@@ -39,6 +41,14 @@ const gatewayRole = {
     {
       "resource": { "db": "yoke", "collection": "webhook_dead_letters" },
       "actions": ["find", "insert", "update", "remove"]
+    },
+    {
+      "resource": { "db": "yoke", "collection": "retention" },
+      "actions": ["find", "insert", "update"]
+    },
+    {
+      "resource": { "db": "yoke", "collection": "forum_list" },
+      "actions": ["find", "insert"]
     }
   ],
   "roles": []
