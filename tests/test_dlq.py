@@ -12,6 +12,7 @@ from tests.support.cli import run_yoke
 from tests.support.processes import eventually
 from yoke import topology
 from yoke.bus import Bus
+from yoke.dead_letters import describe, replay_target
 
 WORK_QUEUE = "yoke.dlqtest.shard.000"
 
@@ -98,3 +99,23 @@ async def test_broker_dead_letters_are_listed_and_replayed_to_their_queue(amqp_u
         assert not [name for name in headers if name.startswith(("x-death", "x-first-death"))]
     finally:
         await connection.close()
+
+
+def test_a_listing_believes_the_broker_over_headers_an_outside_publisher_set() -> None:
+    # An outside command RabbitMQ dead-lettered keeps the headers its publisher set, which may
+    # name a service and an error: the broker's x-death says where it really died, as replay
+    # decides (yoke.dead_letters.replay_target).
+    forged = {
+        topology.DEAD_SERVICE_HEADER: "processor",
+        topology.DEAD_ERROR_HEADER: "nothing to see",
+        "x-death": [{"queue": "yoke.ingestion.commands", "reason": "delivery_limit"}],
+    }
+    shown = describe(forged)
+    assert shown["service"] == "ingestion"
+    assert shown["error"] == (
+        "dead-lettered by RabbitMQ: delivery_limit in queue yoke.ingestion.commands"
+    )
+    assert replay_target(forged, "conversation.message.submit") == (
+        topology.COMMANDS_EXCHANGE,
+        "conversation.message.submit",
+    )

@@ -58,8 +58,10 @@ def service_of_queue(queue: str) -> str | None:
 
 
 def describe(headers: Mapping[str, object]) -> dict[str, object]:
-    """Service, error and attempts of a letter, ours or the broker's."""
-    death = None if topology.DEAD_SERVICE_HEADER in headers else broker_death(headers)
+    """Service, error and attempts of a letter, ours or the broker's: the broker's ``x-death``
+    when there is one (an outside command it dead-lettered keeps whatever headers its publisher
+    set), as :func:`replay_target` decides."""
+    death = broker_death(headers)
     if death is None:
         return {
             "service": headers.get(topology.DEAD_SERVICE_HEADER),

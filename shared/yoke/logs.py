@@ -11,6 +11,7 @@ import sys
 from datetime import UTC, datetime
 
 from yoke.redact import RedactingFormatter, install_excepthook
+from yoke.text import printable
 
 CONTEXT_FIELDS = ("service", "event", "conversationId", "messageId", "causationId", "queue")
 
@@ -38,17 +39,24 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
+    """One line per record for a terminal. Messages carry outside text (lines, names, errors):
+    its control characters are shown escaped (:func:`yoke.text.printable`), so none clears the
+    operator's screen and no newline in it starts a forged line; a traceback keeps its lines."""
+
     def __init__(self, service: str) -> None:
         super().__init__("%(asctime)s %(levelname)-7s " + service + " %(message)s%(context)s")
 
-    def format(self, record: logging.LogRecord) -> str:
+    def formatMessage(self, record: logging.LogRecord) -> str:
         pairs = [
             f"{field}={record.__dict__[field]}"
             for field in CONTEXT_FIELDS
             if record.__dict__.get(field) is not None
         ]
         record.context = (" [" + " ".join(pairs) + "]") if pairs else ""
-        return super().format(record)
+        return printable(super().formatMessage(record))
+
+    def formatException(self, ei: logging._SysExcInfoType) -> str:
+        return printable(super().formatException(ei), multiline=True)
 
 
 def configure_logging(service: str, fmt: str | None = None, level: str = "INFO") -> None:

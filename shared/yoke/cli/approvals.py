@@ -17,13 +17,13 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from yoke.cli.base import CommandError, UsageError, refusals_as_errors, with_store
-from yoke.cli.text import printable
 from yoke.client import Client
 from yoke.errors import describe_validation_error
 from yoke.runtime.approvals import amqp_user, pending_approvals
 from yoke.runtime.join_config import ApprovalConfig
 from yoke.settings import Settings
 from yoke.store import Store
+from yoke.text import printable
 
 # The reply queue's prefix: the services' own user may declare only yoke.* queues.
 REPLY_QUEUE_PREFIX = "yoke.cli."

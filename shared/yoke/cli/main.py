@@ -20,7 +20,6 @@ from yoke.cli.approvals import register as register_approvals
 from yoke.cli.base import CommandError, UsageError, refusals_as_errors, with_store
 from yoke.cli.publishers import register as register_publishers
 from yoke.cli.status import register as register_status
-from yoke.cli.text import printable
 from yoke.cli.tokens import register as register_tokens
 from yoke.cli.tools import check_tool_names
 from yoke.cli.tools import register as register_tools
@@ -37,6 +36,7 @@ from yoke.runtime.joins import create_agent, create_forum, join_conversation, le
 from yoke.runtime.posting import Poster
 from yoke.settings import Settings
 from yoke.store import Store
+from yoke.text import printable
 from yoke.tls import refused_as_misconfigured
 
 
@@ -190,7 +190,7 @@ async def submit_as(forum_id: str, name: str, text: str, *, reply_timeout: float
 
 def render(message: Message, names: dict[str, str]) -> str:
     """One line for people: injected instructions and notices say what they are; outside
-    text shows its control characters escaped (yoke.cli.text)."""
+    text shows its control characters escaped (yoke.text)."""
     who = printable(names.get(message.author_actor_id, message.author_actor_id))
     text = printable(message.text, multiline=True)
     if message.meta.instruction:

@@ -17,11 +17,11 @@ import aio_pika
 
 from yoke import topology
 from yoke.cli.base import CommandError, UsageError, with_store
-from yoke.cli.text import printable
 from yoke.cli.tool_users import ToolUserRefused, create_tool_user, delete_tool_user
 from yoke.runtime.catalog import LocalTools, ToolCatalog, listed_name, registered_servers
 from yoke.settings import Settings
 from yoke.store import Store
+from yoke.text import printable
 from yoke.tools.catalog import (
     DEFAULT_WORKER_TIMEOUT_SECONDS,
     MCP_SERVER_NAME,
@@ -99,7 +99,7 @@ async def tools_list(args: argparse.Namespace) -> None:
                 print(json.dumps(row.to_wire(), separators=(",", ":")))
             else:
                 state = row.status if row.reason is None else f"{row.status}: {row.reason}"
-                # A plugin's or MCP server's text: its controls escaped (yoke.cli.text).
+                # A plugin's or MCP server's text: its controls escaped (yoke.text).
                 fields = (row.name, row.source, state, row.description)
                 print("\t".join(printable(field) for field in fields))
 

@@ -1,11 +1,11 @@
-"""Outside text made safe for an operator's terminal.
+"""Outside text made safe for an operator's terminal (the CLI's output, the services' text logs).
 
 Lines, display names, tool descriptions and errors come from people, models and outside
 systems; printed as they are, an ESC sequence could clear the screen, retitle the window,
-rewrite what was printed before or hide text, and a BEL rings. Every CLI output that shows
-such text passes it through :func:`printable`, which shows each control character escaped
-(``\\x1b``), so the operator sees what was sent instead of what it would do. ``--json``
-output needs none of this: ``json.dumps`` escapes control characters itself.
+rewrite what was printed before or hide text, and a BEL rings. Every CLI output and text log
+line that shows such text passes it through :func:`printable`, which shows each control
+character escaped (``\\x1b``), so the operator sees what was sent instead of what it would do.
+``--json`` output and JSON logs need none of this: ``json.dumps`` escapes them itself.
 """
 
 from __future__ import annotations
