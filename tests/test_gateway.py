@@ -409,6 +409,12 @@ async def test_a_mesh_that_does_not_answer_is_a_503_with_retry_after(
     own_vhost: str, module_mongodb_url: str, store: Store, tokens: Tokens, tmp_path: Path
 ) -> None:
     forum = await create_forum(store, "nobody home")
+    # A mesh deployed but not answering: its exchanges exist (definitions.json, or services
+    # that ran once) and take the command, and nothing consumes it. (With no exchange at all
+    # the gateway, which declares none, says the mesh cannot be reached: also a 503.)
+    bus = Bus(own_vhost, name="test-exchanges-only")
+    await bus.connect()
+    await bus.close()
     async with (
         running_gateway(
             own_vhost,
