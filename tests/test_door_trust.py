@@ -225,7 +225,6 @@ async def test_each_door_speaks_only_in_its_own_namespace(
     for external_id, key in (
         (token.namespaced("ann"), token.namespaced("k1")),
         ("ann", token.namespaced("k1")),
-        ("cli:ann", "k2"),
         ("amqp:someone-else:ann", "k3"),
     ):
         refused = await bridge.ask(line(forum.id, external_id, key, "impostor"))
@@ -246,6 +245,11 @@ async def test_each_door_speaks_only_in_its_own_namespace(
     assert (external, kind) == (f"amqp:{bridge.name}:ann", "human") and actor != ann
     again = await bridge.ask(line(forum.id, "ann", "k1", "mine"))
     assert again is not None and again.duplicate and again.message_id == own.message_id
+    # The CLI run as a bridge's user names its people cli:NAME: theirs, not the operator's.
+    by_cli = await bridge.ask(line(forum.id, "cli:ann", "k2", "from the bridge's CLI"))
+    assert by_cli is not None and by_cli.status == "accepted", by_cli
+    _, external, _ = await author_of(store, by_cli.message_id or "")
+    assert external == f"amqp:{bridge.name}:cli:ann"
 
     # No user_id: nobody the door can name, nor whose queue its reply_to is: not answered
     # there, and nothing written (the dead letters say why).

@@ -10,8 +10,8 @@ header a publisher set): that is the only proof of who spoke (docs/architecture.
   ``http:<namespace>:`` (the gateway prefixes every external id and key with it);
 - every other user is an outside publisher (a bridge): what it says is stored as
   ``amqp:<user>:<value>``, so it can never be a token's person, the CLI's, or another
-  bridge's, nor take their idempotency keys; a value already in a reserved namespace is
-  refused rather than quietly nested.
+  bridge's, nor take their idempotency keys; a value already in another door's namespace
+  (``http:``, ``amqp:``) is refused rather than quietly nested.
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ from urllib.parse import unquote, urlsplit
 from yoke import topology
 from yoke.settings import Settings
 
-RESERVED_NAMESPACES = ("http:", "cli:", "amqp:")
+# What no bridge may start a value with: other doors' namespaces. ``cli:`` is not among them:
+# the CLI names its people ``cli:NAME`` whoever runs it, and a bridge user's CLI (compose's
+# ``cli`` service) gets them as ``amqp:<user>:cli:NAME``, never the operator's ``cli:NAME``.
+RESERVED_NAMESPACES = ("http:", "amqp:")
 HTTP_NAMESPACE = "http:"
 
 # Which limit a line counts against (and the label of yoke_lines_rate_limited_total).
