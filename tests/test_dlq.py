@@ -8,6 +8,7 @@ import json
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
+from tests.support.broker import dead_letter_count
 from tests.support.cli import run_yoke
 from tests.support.processes import eventually
 from yoke import topology
@@ -15,11 +16,6 @@ from yoke.bus import Bus
 from yoke.dead_letters import describe, replay_target
 
 WORK_QUEUE = "yoke.dlqtest.shard.000"
-
-
-async def dead_letter_count(channel: aio_pika.abc.AbstractChannel) -> int:
-    queue = await channel.declare_queue(topology.DEAD_LETTER_QUEUE, passive=True)
-    return queue.declaration_result.message_count or 0
 
 
 async def test_broker_dead_letters_are_listed_and_replayed_to_their_queue(amqp_url: str) -> None:

@@ -9,6 +9,7 @@ import json
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
+from tests.support.broker import dead_letter_count
 from tests.support.cli import run_yoke_commands
 from tests.support.processes import eventually
 from yoke import topology
@@ -16,11 +17,6 @@ from yoke.bus import Bus
 
 WORK_QUEUE = "yoke.dlqlist.shard.000"
 LOOKS = 5
-
-
-async def dead_letter_count(channel: aio_pika.abc.AbstractChannel) -> int:
-    queue = await channel.declare_queue(topology.DEAD_LETTER_QUEUE, passive=True)
-    return queue.declaration_result.message_count or 0
 
 
 async def broker_dead_letter(connection: aio_pika.abc.AbstractConnection) -> None:

@@ -1,4 +1,5 @@
-"""RabbitMQ's management API from tests: force-close connections, see who consumes what."""
+"""RabbitMQ from tests: the management API (force-close connections, see who consumes what)
+and what a queue holds."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from contextlib import contextmanager
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
+import aio_pika
 import httpx
+
+from yoke import topology
 
 
 @contextmanager
@@ -82,3 +86,9 @@ class Management:
         async with self._client() as api:
             response = await api.delete(f"/api/queues/{self._vhost}/{quote(name, safe='')}")
             response.raise_for_status()
+
+
+async def dead_letter_count(channel: aio_pika.abc.AbstractChannel) -> int:
+    """Letters in the mesh's dead-letter queue now."""
+    queue = await channel.declare_queue(topology.DEAD_LETTER_QUEUE, passive=True)
+    return queue.declaration_result.message_count or 0
