@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping
-from urllib.parse import urlsplit
 
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
 from yoke import amqp_nodes, topology
+from yoke.speakers import amqp_user
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def describe(headers: Mapping[str, object]) -> dict[str, object]:
     }
 
 
-def _copy_of(message: AbstractIncomingMessage, own_user: str | None) -> aio_pika.Message:
+def _copy_of(message: AbstractIncomingMessage, own_user: str) -> aio_pika.Message:
     """The letter as it was delivered: body, headers (``x-delivery-count`` and ``x-death``
     included: its history stays readable) and properties.
 
@@ -123,7 +123,7 @@ async def list_dead_letters(amqp_url: str, limit: int = 10_000) -> list[dict[str
     between the two leaves a duplicate of one letter, never a loss (its id is the same).
     """
     connection = await amqp_nodes.connect(amqp_url)
-    own_user = urlsplit(amqp_nodes.node_urls(amqp_url)[0]).username or None
+    own_user = amqp_user(amqp_url)
     letters: list[dict[str, object]] = []
     try:
         channel = await connection.channel(publisher_confirms=True)
@@ -200,7 +200,7 @@ async def replay_dead_letters(amqp_url: str) -> int:
     """Send each dead letter back to the service that failed it, then drop it; one that names
     nowhere the mesh could have sent it is kept, at the back of the queue (logged)."""
     connection = await amqp_nodes.connect(amqp_url)
-    own_user = urlsplit(amqp_nodes.node_urls(amqp_url)[0]).username or None
+    own_user = amqp_user(amqp_url)
     replayed = 0
     try:
         channel = await connection.channel(publisher_confirms=True)

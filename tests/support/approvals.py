@@ -10,7 +10,6 @@ from tests.support.processes import eventually
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, SubmitReply, ToolResultPart
-from yoke.runtime.approvals import amqp_user
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.open_calls import (
@@ -19,6 +18,7 @@ from yoke.runtime.open_calls import (
     result_line_id,
 )
 from yoke.runtime.posting import Poster
+from yoke.speakers import amqp_user
 from yoke.store import Store
 
 WAIT = 30.0  # the most any step of a test may take on a loaded machine

@@ -19,9 +19,10 @@ from pydantic import ValidationError
 from yoke.cli.base import CommandError, UsageError, refusals_as_errors, with_store
 from yoke.client import Client
 from yoke.errors import describe_validation_error
-from yoke.runtime.approvals import amqp_user, pending_approvals
+from yoke.runtime.approvals import pending_approvals
 from yoke.runtime.join_config import ApprovalConfig
 from yoke.settings import Settings
+from yoke.speakers import amqp_user
 from yoke.store import Store
 from yoke.text import printable
 

@@ -34,7 +34,6 @@ from yoke.runtime.open_calls import (
     OpenCalls,
 )
 from yoke.speakers import DoorUsers, ForeignNamespace
-from yoke.speakers import amqp_user as amqp_user  # where the CLI and the gateway found it
 from yoke.store import Store
 
 # The publishers (RabbitMQ users) that may decide, one document each; written by the CLI.
