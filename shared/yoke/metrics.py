@@ -33,11 +33,16 @@ EVENT_LAG_SECONDS = Histogram(
 )
 # True while a task handles a delivery: store operations are counted by origin.
 IN_DELIVERY: ContextVar[bool] = ContextVar("yoke_in_delivery", default=False)
+# The background task a store operation outside a delivery comes from (its own beat: "ownership"
+# for replica beats and live-set reads, "outbox" for writer beats and the dead-writer sweep), so
+# what an idle process asks of the store can be told apart by cause.
+STORE_ORIGIN: ContextVar[str] = ContextVar("yoke_store_origin", default="background")
 
 STORE_OPERATIONS = Counter(
     "yoke_store_operations",
     "MongoDB commands sent, by service, command and origin (delivery: while handling a "
-    "delivery; background: outbox sweep, start-up, health).",
+    "delivery; ownership: replica beats and live-set reads; outbox: writer beats and the "
+    "dead-writer sweep; background: the rest, start-up, health).",
     ["service", "command", "origin"],
 )
 DEAD_LETTERS = Counter(

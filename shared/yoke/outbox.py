@@ -7,11 +7,11 @@ message (a read-modify-write on FerretDB), so instead:
 - each process is a *writer* with an id of its own; every message it stores carries that id
   and an *outbox slot* (writer and minute, a field read by equality);
 - the writer keeps its not-yet-confirmed messages in memory, publishes them again itself if
-  a publish keeps failing, and every second stores a heartbeat: "alive, and everything I wrote
-  before T is published";
-- every other second, each process's *outbox sweep* claims (a unique insert) any writer whose
-  heartbeat stopped and publishes again what that writer stored from T on, read slot by slot;
-  then forgets it.
+  a publish keeps failing, and every :data:`BEAT_SECONDS` stores a heartbeat: "alive, and
+  everything I wrote before T is published";
+- every :data:`SWEEP_SECONDS`, each process's *outbox sweep* claims (a unique insert) any
+  writer whose heartbeat stopped and publishes again what that writer stored from T on, read
+  slot by slot; then forgets it.
 
 A republished event is the same event (its id derives from the message): consumers dedupe.
 """
@@ -29,7 +29,12 @@ from typing import Any
 from pymongo.errors import DuplicateKeyError
 
 from yoke.ids import new_id
-from yoke.metrics import OUTBOX_OLDEST_UNPUBLISHED_SECONDS, OUTBOX_UNPUBLISHED
+from yoke.metrics import (
+    IN_DELIVERY,
+    OUTBOX_OLDEST_UNPUBLISHED_SECONDS,
+    OUTBOX_UNPUBLISHED,
+    STORE_ORIGIN,
+)
 from yoke.models import Message, as_utc
 from yoke.retention import BUCKET_FIELD, hour_bucket
 
@@ -37,8 +42,17 @@ log = logging.getLogger(__name__)
 
 Doc = dict[str, Any]
 
-# Heartbeats a second; a writer silent for ``dead_after(grace)`` is finished by others.
-BEAT_SECONDS = 1.0
+# A heartbeat this often; a writer silent for ``dead_after(grace)`` (three beats at least) is
+# finished by others. At one a second, with the sweep's read every other second, every idle
+# process asked the store for 1.5 operations a second; a dead writer waits out its silence
+# anyway (9 s at the default grace), so reading for one more often than that buys nothing.
+BEAT_SECONDS = 2.0
+# Own overdue publishes are retried this often (memory only); the writers are read every
+# SWEEP_SECONDS for dead ones.
+RETRY_SECONDS = 2.0
+SWEEP_SECONDS = 2 * BEAT_SECONDS
+# What yoke_store_operations calls the store operations of the heartbeat and the sweep.
+OUTBOX_ORIGIN = "outbox"
 # A claim on a dead writer older than this is taken to have died with its outbox sweep.
 CLAIM_EXPIRES_SECONDS = 60.0
 # At most this many minutes of a dead writer are read back (older ones were settled).
@@ -122,6 +136,10 @@ class Outbox:
             await writers.replace_one({"_id": self.writer}, document)
 
     async def _beat_forever(self, writers: Any) -> None:
+        # Its own task, though it may be started from a delivery (a first post): counted as the
+        # outbox's store operations, never that delivery's.
+        STORE_ORIGIN.set(OUTBOX_ORIGIN)
+        IN_DELIVERY.set(False)
         while True:
             await asyncio.sleep(BEAT_SECONDS)
             try:
@@ -249,13 +267,19 @@ class OutboxSweep:
         return len(found)
 
     async def run(self, grace: float, stopping: asyncio.Event) -> None:
-        """Retry own overdue publishes and finish dead writers, every other second."""
+        """Retry own overdue publishes every :data:`RETRY_SECONDS`; finish dead writers every
+        :data:`SWEEP_SECONDS`."""
+        STORE_ORIGIN.set(OUTBOX_ORIGIN)  # the sweep's own task
         await self.outbox.register(self.writers)
+        clock = asyncio.get_running_loop().time
+        next_sweep = clock()
         while not stopping.is_set():
             try:
                 await self.retry_own(grace)
-                await self.finish_dead_writers(dead_after(grace))
+                if clock() >= next_sweep:
+                    next_sweep = clock() + SWEEP_SECONDS
+                    await self.finish_dead_writers(dead_after(grace))
             except Exception:
                 log.warning("outbox round failed; trying again", exc_info=True)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopping.wait(), timeout=2 * BEAT_SECONDS)
+                await asyncio.wait_for(stopping.wait(), timeout=RETRY_SECONDS)

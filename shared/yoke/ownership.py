@@ -2,9 +2,9 @@
 
 Replicas of a service share its shards (docs/architecture.md, invariant 3). Each replica registers
 itself in MongoDB's ``replicas`` collection (its own document, written only by itself: invariant 8)
-and beats every second; one silent for :data:`EXPIRES_SECONDS` is taken for gone. Every replica
-reads the live set each round and computes the same assignment from it alone (:func:`assign`:
-rendezvous hashing with bounded load), so they agree without talking.
+and beats every :data:`BEAT_SECONDS`; one silent for :data:`EXPIRES_SECONDS` is taken for gone.
+Every replica reads the live set each round and computes the same assignment from it alone
+(:func:`assign`: rendezvous hashing with bounded load), so they agree without talking.
 
 A shard a replica gains is consumed at once; single active consumer keeps it idle while the
 previous owner still holds the queue. A shard it loses is handed over: its gate
@@ -39,20 +39,25 @@ from pymongo.errors import DuplicateKeyError
 from yoke.bus import Bus, OnMessage, Subscription
 from yoke.consumer import Gate
 from yoke.ids import new_id
-from yoke.metrics import LATENCY_BUCKETS
+from yoke.metrics import IN_DELIVERY, LATENCY_BUCKETS, STORE_ORIGIN
 from yoke.models import as_utc
 from yoke.retention import BUCKET_FIELD, hour_bucket
 
 log = logging.getLogger(__name__)
 
 REPLICAS = "replicas"
-BEAT_SECONDS = 1.0
+# One round (a beat and a read of the live set) this often: a third of the expiry, so two beats
+# may be late before a replica is taken for gone, and a join or leave is seen within it. At one
+# a second every idle process asked the store for two operations a second for nothing.
+BEAT_SECONDS = 2.0
 # A replica silent this long is gone: its shards go to the others (kill -9 to takeover stays
 # well under 15 s: this, one round, and a subscribe). One on this machine whose process is gone
 # is gone at once (``yoke up`` restarting a killed replica, say).
 EXPIRES_SECONDS = 6.0
 # Documents of replicas gone this long are deleted by whoever sees them (kill -9 leaves one).
 FORGET_SECONDS = 300.0
+# What yoke_store_operations calls the store operations of the rounds.
+OWNERSHIP_ORIGIN = "ownership"
 
 SHARDS_OWNED = Gauge(
     "yoke_shards_owned", "Shard queues this replica consumes (owns), by service.", ["service"]
@@ -209,12 +214,19 @@ class Ownership:
     # --- the loop ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Register, take this replica's shards, and keep them up to date every second."""
-        await self.beat()
-        await self.round()
+        """Register, take this replica's shards, and keep them up to date every round."""
+        origin = STORE_ORIGIN.set(OWNERSHIP_ORIGIN)
+        try:
+            await self.beat()
+            await self.round()
+        finally:
+            STORE_ORIGIN.reset(origin)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
+        # Its own task: its store operations are counted as ownership's, never a delivery's.
+        STORE_ORIGIN.set(OWNERSHIP_ORIGIN)
+        IN_DELIVERY.set(False)
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), timeout=BEAT_SECONDS)

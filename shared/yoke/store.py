@@ -17,7 +17,7 @@ from pymongo.errors import CollectionInvalid, DuplicateKeyError, OperationFailur
 from yoke import tls
 from yoke.failures import Failure
 from yoke.lru import LRUCache
-from yoke.metrics import IN_DELIVERY, STORE_OPERATIONS
+from yoke.metrics import IN_DELIVERY, STORE_OPERATIONS, STORE_ORIGIN
 from yoke.models import Actor, Conversation, Message, Participant, utcnow
 from yoke.outbox import Outbox
 from yoke.retention import BUCKET_FIELD, day_bucket
@@ -63,7 +63,7 @@ class OperationCounter(monitoring.CommandListener):
         self.service = service
 
     def started(self, event: monitoring.CommandStartedEvent) -> None:
-        origin = "delivery" if IN_DELIVERY.get() else "background"
+        origin = "delivery" if IN_DELIVERY.get() else STORE_ORIGIN.get()
         STORE_OPERATIONS.labels(self.service, event.command_name, origin).inc()
 
     def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
