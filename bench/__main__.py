@@ -8,7 +8,8 @@ processes and the turn phases run (:mod:`bench.mesh_bench`): latency, the HTTP g
 the AMQP door (:mod:`bench.gateway`), streaming (:mod:`bench.streaming`), tool rounds inline,
 by a worker and over MCP (:mod:`bench.tool_rounds`), throughput (also with one and with two
 processor replicas), growth, isolation and scale. The table is printed and written to
-``bench/results.json``.
+``bench/results.json``, and so is the before/after table against ``bench/baseline.json``
+(:mod:`bench.compare`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -23,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import bus_hop, raw_relay, report
+from bench import bus_hop, compare, raw_relay, report
 from bench.child import PROFILE_ENV
 from bench.cpu import servers_cpu, servers_delta
 from bench.gateway import GatewayBench
@@ -143,6 +145,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         default=RESULTS,
         help=f"where to write the figures as JSON (default {RESULTS})",
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=compare.BASELINE,
+        help=f"the figures to compare today's with (default {compare.BASELINE})",
     )
     parser.add_argument(
         "--shards",
@@ -271,6 +279,14 @@ def stage_lines(samples: Samples, names: list[str]) -> list[str]:
     return lines
 
 
+def raw_hop_cpu_ms(outcome: Outcome) -> float | None:
+    """CPU per raw hop in the loaded phase, the relay's and the servers' (what a turn's "every
+    process" figure counts, the driver left out on both sides); None when unmeasured."""
+    seconds = outcome.load.relay_cpu + sum(outcome.servers.values())
+    value = outcome.load.cpu_per_event_ms(seconds)
+    return None if math.isnan(value) else round(value, 3)
+
+
 def servers_line(outcome: Outcome) -> str:
     events = outcome.load.events
     parts = [
@@ -347,7 +363,7 @@ async def run(args: argparse.Namespace) -> None:
         progress("removing the vhost and the database")
     hop = raw.serial or raw.load
     results["rawRelay"] = {
-        "load": report.run_figures(raw.load),
+        "load": {**report.run_figures(raw.load), "cpuMsPerEvent": raw_hop_cpu_ms(raw)},
         "serial": report.run_figures(raw.serial),
     }
     if bus is not None:
@@ -369,6 +385,9 @@ async def run(args: argparse.Namespace) -> None:
         print(summary(bus.load, raw.load))
     print()
     print(report.render(results))
+    results["comparison"], before_after = compare.comparison(results, args.baseline)
+    print()
+    print(before_after)
     report.write(results, args.results)
     print(f"\nfigures written to {args.results}")
     if busy:

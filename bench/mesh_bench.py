@@ -13,10 +13,12 @@ import math
 import os
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import costs
 from bench.cpu import servers_cpu
 from bench.history import prefill
 from bench.sandbox import Sandbox, queued_messages
@@ -102,6 +104,12 @@ class MeshBench:
         """CPU seconds so far: each service, each local server, and this process."""
         return {**self.services.cpu(), **servers_cpu(), DRIVER: time.process_time()}
 
+    async def counts(self) -> Counter[str]:
+        """Store operations and deliveries so far, from each service's /metrics."""
+        return await costs.read_counts(
+            (name, process.port) for name, process in self.services.processes.items()
+        )
+
     def cpu_per_turn(self, before: dict[str, float], turns: int) -> dict[str, float]:
         after = self.cpu()
         return rounded(
@@ -164,11 +172,15 @@ class MeshBench:
         (forum,), _ = await self.join_forums(1, "latency")
         if args.turn_warmup:
             await self.turns.closed_loop("turn warmup", [forum], args.turn_warmup, self.progress)
+        counted = await self.counts()
         before = self.cpu()
         run = await self.turns.closed_loop("turn latency", [forum], args.turns, self.progress)
+        cpu = self.cpu_per_turn(before, run.turns)
+        await self.quiet("turn latency")  # the last turn's tail deliveries counted too
         figures = {
             **run.summary(),
-            "cpuMsPerTurn": self.cpu_per_turn(before, run.turns),
+            "cpuMsPerTurn": cpu,
+            "perTurn": costs.per_turn(counted, await self.counts(), run.turns),
             "stages": self.turns.stages(run),
         }
         self.tracker.forget()
@@ -180,11 +192,18 @@ class MeshBench:
         self.progress(f"throughput: joining {args.forums} forums")
         forums, _ = await self.join_forums(args.forums, "throughput")
         await self.quiet("throughput joins")
+        counted = await self.counts()
         before = self.cpu()
         run = await self.turns.closed_loop(
             f"throughput ({args.forums} forums)", forums, args.forum_turns, self.progress
         )
-        figures = {**run.summary(), "cpuMsPerTurn": self.cpu_per_turn(before, run.turns)}
+        cpu = self.cpu_per_turn(before, run.turns)
+        await self.quiet("throughput")
+        figures = {
+            **run.summary(),
+            "cpuMsPerTurn": cpu,
+            "perTurn": costs.per_turn(counted, await self.counts(), run.turns),
+        }
         self.tracker.forget()
         return figures
 

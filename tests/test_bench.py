@@ -109,3 +109,15 @@ def test_the_smallest_bench_measures_every_phase(
     assert len(figures["targets"]) == 5
     assert all(target["pass"] in (True, False) for target in figures["targets"])
     assert "pass" in done.stdout or "miss" in done.stdout  # the table, with its verdicts
+    # Before and after: every measure with the baseline's figure (bench/baseline.json has them
+    # all but the counts, which it predates) and today's, printed as the table's rows.
+    comparison = figures["comparison"]
+    rows = comparison["rows"]
+    assert comparison["baseline"].endswith("baseline.json") and len(rows) == 9, comparison
+    assert all(row["todayValue"] is not None for row in rows), rows
+    assert all(row["baselineValue"] is not None for row in rows[:7]), rows
+    assert "| measure | baseline | today | target | result |" in done.stdout
+    for row in rows:
+        printed = f"| {row['measure']} | {row['baseline']} | {row['today']} | {row['target']} |"
+        assert printed in done.stdout, printed
+    assert figures["turnLatency"]["perTurn"]["deliveries"] > 0  # counted from the services

@@ -11,6 +11,7 @@ import logging
 
 from aio_pika.abc import AbstractIncomingMessage
 
+from yoke import topology
 from yoke.consumer import key_from_header
 from yoke.ids import forwarded_line_id
 from yoke.lru import LRUCache
@@ -24,7 +25,7 @@ from yoke.models import (
 )
 from yoke.runtime.chain import chain_of
 from yoke.runtime.joins import Join, join_id, participant_id
-from yoke.runtime.service import Service
+from yoke.runtime.service import Service, delivery_headers
 from yoke.store import Store
 
 log = logging.getLogger(__name__)
@@ -102,10 +103,13 @@ class Egress:
                 extra={"conversationId": line.conversation_id, "messageId": line.id},
             )
             return
-        await self.forward_backlog(join, line.conversation_id)
-        await self.post_to_forum(join, line)
+        route = join_route()
+        await self.forward_backlog(join, line.conversation_id, route)
+        await self.post_to_forum(join, line, route)
 
-    async def forward_backlog(self, join: Join, monologue_id: str) -> None:
+    async def forward_backlog(
+        self, join: Join, monologue_id: str, route: dict[str, str] | None = None
+    ) -> None:
         """Replies still in flight from the monologue a compaction left go out first.
 
         Their events travel on another shard, perhaps another replica's, and may arrive after
@@ -118,7 +122,7 @@ class Egress:
         chain = chain_of(participant) if participant else []
         link = next((x for x in chain if x.to_monologue_id == monologue_id), None)
         if link is not None:
-            await self.forward_backlog(join, link.from_monologue_id)
+            await self.forward_backlog(join, link.from_monologue_id, route)
             pending: list[Message] = []
             # The swap ended the old monologue: nothing is written to it after this check.
             for line in reversed(await self.store.history(link.from_monologue_id)):
@@ -128,7 +132,7 @@ class Egress:
                     break
                 pending.append(line)
             for line in reversed(pending):
-                await self.post_to_forum(join, line)
+                await self.post_to_forum(join, line, route)
         self._settled[monologue_id] = True
 
     async def forward_notice(self, notice: Message) -> None:
@@ -158,7 +162,9 @@ class Egress:
             )
         )
 
-    async def post_to_forum(self, join: Join, line: Message) -> None:
+    async def post_to_forum(
+        self, join: Join, line: Message, route: dict[str, str] | None = None
+    ) -> None:
         await self.service.poster.post(
             Message(
                 id=forward_id(line),
@@ -173,8 +179,21 @@ class Egress:
                     agent_hops=line.meta.agent_hops + 1,
                 ),
                 usage=line.usage,
-            )
+            ),
+            route=route,
         )
+
+
+def join_route() -> dict[str, str]:
+    """What the processor said of the join on the monologue line (follow-up wanted, and the
+    configuration's version), said again on its forum line: egress never reads the join's
+    configuration itself."""
+    headers = delivery_headers()
+    return {
+        name: str(headers[name])
+        for name in (topology.FOLLOWED_HEADER, topology.CONFIG_VERSION_HEADER)
+        if name in headers
+    }
 
 
 def forward_id(line: Message) -> str:

@@ -34,6 +34,7 @@ from pydantic import Field
 from pymongo import ASCENDING
 from pymongo.asynchronous.collection import AsyncCollection
 
+from yoke import topology
 from yoke.ids import derive_id
 from yoke.lru import LRUCache
 from yoke.metrics import (
@@ -54,15 +55,18 @@ from yoke.models import (
 )
 from yoke.retention import BUCKET_FIELD, Rule, day_bucket
 from yoke.runtime.chain import carry_tail
-from yoke.runtime.join_config import FollowUpConfig, JoinConfig, load_join_config
+from yoke.runtime.join_config import (
+    FollowUpConfig,
+    JoinConfig,
+    VersionedConfigs,
+    load_join_config,
+)
 from yoke.runtime.joins import ensure_participant, join_id, participant_id
 from yoke.runtime.posting import Poster
+from yoke.runtime.service import delivery_headers
 from yoke.store import PROCEDURES, Store
 
 log = logging.getLogger(__name__)
-
-# A join's configuration is read again after this long (a re-join takes effect by then).
-CONFIG_SECONDS = 10.0
 
 FOLLOWUPS = "followups"
 INSTRUCTION = "follow-up"
@@ -183,6 +187,8 @@ class FollowUps:
         # Kinds never change: a conversation is a forum or a monologue, an actor keeps its kind.
         self._conversation_kinds: LRUCache[str, str] = LRUCache()
         self._actor_kinds: LRUCache[str, str] = LRUCache()
+        # Read once per version: an agent line says its join configuration's.
+        self._configs = VersionedConfigs(store)
         self._ready: asyncio.Task[None] | None = None
 
     async def ready(self) -> None:
@@ -212,7 +218,8 @@ class FollowUps:
             await self.cancel_pending(line.conversation_id, line.seq, "a person answered")
         elif author_kind == "agent" and line.role == "agent":
             await self.ready()
-            await self.schedule(line)
+            version = delivery_headers().get(topology.CONFIG_VERSION_HEADER)
+            await self.schedule(line, str(version) if version else None)
 
     async def _conversation_kind(self, conversation_id: str) -> str:
         return await _kind(self._conversation_kinds, self.store.conversations, conversation_id)
@@ -220,24 +227,18 @@ class FollowUps:
     async def _actor_kind(self, actor_id: str) -> str:
         return await _kind(self._actor_kinds, self.store.actors, actor_id)
 
-    async def _join_config(self, key: str) -> JoinConfig | None:
-        """The join's configuration, read at most every CONFIG_SECONDS per join (an agent that
-        talks fast does not cost a read per line; a new join is read at once)."""
-        cached = self.store.memo.get(f"followup-config:{key}")
-        now = time.monotonic()
-        if isinstance(cached, tuple) and now - cached[0] < CONFIG_SECONDS:
-            found: JoinConfig | None = cached[1]
-            return found
-        config = await load_join_config(self.store, key)
-        self.store.memo[f"followup-config:{key}"] = (now, config)
-        return config
+    async def _join_config(self, key: str, version: str | None) -> JoinConfig | None:
+        """The join's configuration of ``version`` (the one its line says), read once per
+        version: an agent that talks fast costs no read per line, a re-join is read at once."""
+        return await self._configs.get(key, version)
 
-    async def schedule(self, line: Message) -> FollowUp | None:
-        """Schedule a nudge about the agent's forum line, if its join asks for follow-ups."""
+    async def schedule(self, line: Message, version: str | None = None) -> FollowUp | None:
+        """Schedule a nudge about the agent's forum line, if its join asks for follow-ups
+        (``version``: of the join configuration the line was written with, if known)."""
         if utcnow() - as_utc(line.created_at) > self.decided_for:
             return None
         key = join_id(line.author_actor_id, line.conversation_id)
-        config = await self._join_config(key)
+        config = await self._join_config(key, version)
         if config is None or config.follow_up is None:
             return None
         # The agent spoke again: its earlier schedule in this forum is superseded.

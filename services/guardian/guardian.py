@@ -34,6 +34,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
+from yoke import topology
 from yoke.errors import Stopping
 from yoke.ids import derive_id, new_id
 from yoke.llm.base import InferenceRequest
@@ -66,10 +67,10 @@ from yoke.runtime.join_config import (
     LlmPolicy,
     NoProgressPolicy,
     RulePolicy,
-    load_join_config,
+    VersionedConfigs,
 )
 from yoke.runtime.joins import join_id
-from yoke.runtime.service import Service
+from yoke.runtime.service import Service, delivery_headers
 from yoke.safe_regex import compile_safe, search
 from yoke.settings import Settings
 from yoke.store import Store
@@ -93,8 +94,6 @@ TRANSCRIPT_LINES = 20
 # Lines kept per monologue, and monologues kept, in the read-back cache.
 RECENT_LINES = 64
 RECENT_MONOLOGUES = 2000
-# How long a join's configuration is trusted before it is read again (a join may change it).
-CONFIG_TTL_SECONDS = 2.0
 MAX_SHOWN_CHARS = 1000
 
 
@@ -281,7 +280,8 @@ class Guardian:
         self.checked_for = timedelta(days=service.settings.retention_decision_days)
         self._kinds: LRUCache[str, str] = LRUCache()
         self._watched: LRUCache[str, Watched] = LRUCache()
-        self._configs: LRUCache[str, tuple[float, GuardianConfig | None]] = LRUCache()
+        # Read once per version: a guarded line says its join configuration's.
+        self._configs = VersionedConfigs(service.store)
         self._patterns: LRUCache[str, re.Pattern[str] | None] = LRUCache(1000)
         self._ready = False
         self._ready_lock = asyncio.Lock()
@@ -296,7 +296,8 @@ class Guardian:
         watched = await self.watched(line.conversation_id)
         if watched is None:
             return
-        config = await self.config_of(watched.join_key)
+        version = delivery_headers().get(topology.CONFIG_VERSION_HEADER)
+        config = await self.config_of(watched.join_key, str(version) if version else None)
         if config is None or not config.policies:
             return
         await self.ready()
@@ -338,20 +339,15 @@ class Guardian:
                 return found
         return None
 
-    async def config_of(self, join_key: str) -> GuardianConfig | None:
-        cached = self._configs.get(join_key)
-        now = time.monotonic()
-        if cached is not None and now - cached[0] < CONFIG_TTL_SECONDS:
-            return cached[1]
+    async def config_of(self, join_key: str, version: str | None = None) -> GuardianConfig | None:
+        """The join's guardian configuration of ``version`` (its line's), read once per version."""
         try:
-            join_config = await load_join_config(self.store, join_key)
+            join_config = await self._configs.get(join_key, version)
         except ValidationError as error:
             # Written by something other than a join: the guardian stays off, and says why.
             log.warning("join %s has an invalid configuration: %s", join_key, error)
             join_config = None
-        config = join_config.guardian if join_config is not None else None
-        self._configs[join_key] = (now, config)
-        return config
+        return join_config.guardian if join_config is not None else None
 
     async def active_monologue(self, watched: Watched) -> str | None:
         """Where the join's processor answers now (a compaction moves it); None once left."""

@@ -27,6 +27,7 @@ from yoke.metrics import COMMANDS, LINES_RATE_LIMITED
 from yoke.models import (
     MAX_ID_CHARS,
     Actor,
+    AgentForumJoined,
     Message,
     MessageMeta,
     RejectCode,
@@ -41,6 +42,7 @@ from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.runtime.approvals import Approvals
 from yoke.runtime.chain import carry_tail, copy_target
 from yoke.runtime.instances import INGESTION, IngestionConfig, IngestionState
+from yoke.runtime.join_config import FollowedForums
 from yoke.runtime.joins import ensure_participant_id
 from yoke.runtime.open_calls import OpenCalls
 from yoke.runtime.service import Service
@@ -170,6 +172,8 @@ class Door:
             "bridge": LineLimit(self.store, settings.bridge_lines_per_minute),
             "token": LineLimit(self.store, settings.token_lines_per_minute),
         }
+        # People's lines reach the follow-up service only in forums where a join has it.
+        self.followed = FollowedForums(self.store)
 
     def key(self, message: AbstractIncomingMessage) -> str:
         return command_key(message, self.max_body_bytes)
@@ -251,6 +255,7 @@ class Door:
         # The mesh sets its own meta (hops, routing, causality): a command's are dropped, so a
         # wrong type there cannot fail the write.
         extra = {k: v for k, v in (command.meta or {}).items() if k not in _MESH_META_KEYS}
+        followed = await self.followed.followed(forum.id)
         stored, created = await self.service.poster.post_new(
             Message(
                 id=message_id,
@@ -260,7 +265,8 @@ class Door:
                 role="user",
                 parts=[TextPart(text=command.text)],
                 meta=MessageMeta.model_validate({**extra, "agentHops": 0}),
-            )
+            ),
+            route={topology.FOLLOWED_HEADER: "yes"} if followed else None,
         )
         return SubmitReply(status="accepted", message_id=stored.id, duplicate=not created)
 
@@ -440,6 +446,12 @@ INGESTION_ACTOR = ActorDefinition(
 
 def register(service: Service) -> None:
     door = Door(service)
+
+    async def joined(event: AgentForumJoined) -> None:
+        # On the forum's shard, whose commands this process handles: its next line reads anew.
+        door.followed.forget(event.forum_id)
+
+    service.on_event(AgentForumJoined, joined)
     service.on_intake(topology.COMMANDS_EXCHANGE, topology.SUBMIT_COMMAND, door.key, door.handle)
     results = ToolResultDoor(service)
     service.on_intake(

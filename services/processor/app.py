@@ -127,6 +127,10 @@ def carried_meta(context: Context, trigger: Message) -> MessageMeta:
 async def step(context: Context, trigger: Message) -> None:
     if context.config.guarded:  # the agent's lines are the guardian's to see
         context.route[topology.GUARDED_HEADER] = "yes"
+    if context.config.followed:  # egress routes their forum lines to follow-up
+        context.route[topology.FOLLOWED_HEADER] = "yes"
+    if context.config.config_version:  # read once per version by those who read it
+        context.route[topology.CONFIG_VERSION_HEADER] = context.config.config_version
     calls = [part for part in trigger.parts if isinstance(part, ToolCallPart)]
     stop = IN_FLIGHT.stop_after(trigger.conversation_id, trigger.seq)
     if stop is not None or stopped_round(context.state, trigger):

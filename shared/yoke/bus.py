@@ -225,6 +225,9 @@ class Bus:
         for legacy in topology.LEGACY_SHARD_BINDINGS:
             # Earlier versions bound the shards to yoke.events directly: every event twice.
             await exchange.unbind(events, routing_key=legacy)
+        for stale in topology.LEGACY_INTERESTS.get(service, ()):
+            if stale not in interests:
+                await exchange.unbind(route, routing_key="", arguments={"x-match": "all", **stale})
         for wanted in interests:
             await exchange.bind(route, routing_key="", arguments={"x-match": "all", **wanted})
         names = []

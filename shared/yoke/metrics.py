@@ -160,6 +160,11 @@ DOOM_LOOPS = Counter(
 )
 NOTICES = Counter("yoke_notices", "Notices left in monologues, by reason.", ["reason"])
 COMPACTIONS = Counter("yoke_compactions", "Monologues compacted into a fresh one.")
+# yoke.runtime.join_config: a join's configuration is read once per version, not per line.
+JOIN_CONFIG_READS = Counter(
+    "yoke_join_config_reads",
+    "Join configurations read from the store (a first, or a new version).",
+)
 FOLLOWUPS_SCHEDULED = Counter(
     "yoke_followups_scheduled", "Follow-ups scheduled after an agent's forum line."
 )

@@ -58,6 +58,13 @@ ROLE_HEADER = "yoke-role"
 CALLS_HEADER = "yoke-calls"
 # Set by the processor on lines of joins that have a guardian: only those reach it.
 GUARDED_HEADER = "yoke-guarded"
+# Set on forum lines of joins that have follow-up (the agent's, by egress from what the processor
+# set on its monologue line; people's, by the door, when some join of the forum has it): only
+# those reach the follow-up service.
+FOLLOWED_HEADER = "yoke-followed"
+# The version of the join configuration the processor stepped with (not bound on): whoever reads
+# the configuration for such a line reads it once per version (yoke.runtime.join_config).
+CONFIG_VERSION_HEADER = "yoke-config-version"
 
 # One binding of a service's route exchange: header values an event must all carry.
 Interest = dict[str, str]
@@ -87,6 +94,15 @@ LEGACY_SHARD_BINDINGS = (
 )
 
 
+# Route bindings of earlier versions, by service: unbound at start (each delivered more).
+LEGACY_INTERESTS: dict[str, tuple[Interest, ...]] = {
+    # Follow-up took every forum line; now only those of joins that have it (FOLLOWED_HEADER).
+    "followup": (
+        {EVENT_HEADER: "conversation.message.posted", KIND_HEADER: "forum", TYPE_HEADER: "message"},
+    ),
+}
+
+
 def route_exchange(service: str) -> str:
     """The headers exchange that picks, from yoke.events, what a service acts on."""
     return f"yoke.{service}.route"
@@ -100,6 +116,7 @@ def interest(event_type: str, **headers: str) -> Interest:
         "role": ROLE_HEADER,
         "calls": CALLS_HEADER,
         "guarded": GUARDED_HEADER,
+        "followed": FOLLOWED_HEADER,
     }
     return {EVENT_HEADER: event_type, **{names[key]: value for key, value in headers.items()}}
 

@@ -61,6 +61,11 @@ class ProcessorConfig(WireModel):
     model_give_up_seconds: float | None = Field(default=None, gt=0)
     # The join has a guardian: the agent's lines are routed to it (else it is not bothered).
     guarded: bool = False
+    # The join has follow-up: the forum lines of the agent's text are routed to it.
+    followed: bool = False
+    # The version of the join configuration this config holds (lines say it: whoever reads
+    # the configuration for them reads it once per version).
+    config_version: str | None = None
     # What a line arriving while a step is pending does (the agent's default, or the join's).
     while_busy: WhileBusy = "queue"
     # Tools whose calls wait for a person's decision (the agent's, or the join's).
@@ -77,13 +82,21 @@ class ProcessorConfig(WireModel):
         (a join configured again may have taken it away), else the join's own."""
         return state.model if state.model in self.allowed() else self.model
 
-    def with_join(self, join: JoinConfig | None) -> ProcessorConfig:
-        """This config with what the join sets; None fields of the join keep the defaults."""
+    def with_join(self, join: JoinConfig | None, version: str | None = None) -> ProcessorConfig:
+        """This config with what the join sets (of ``version``); None fields of the join keep
+        the defaults."""
         if join is None:
             return self
         tunables = {name: getattr(join, name) for name in JOIN_TUNABLES}
         update = {name: value for name, value in tunables.items() if value is not None}
-        return self.model_copy(update={**update, "guarded": join.guardian is not None})
+        return self.model_copy(
+            update={
+                **update,
+                "guarded": join.guardian is not None,
+                "followed": join.follow_up is not None,
+                "config_version": version,
+            }
+        )
 
 
 # JoinConfig fields that are the processor's (the rest belongs to follow-up and guardian).
@@ -127,12 +140,12 @@ async def load_processor_config(store: Store, document: dict[str, Any]) -> Proce
         and cached[0] == version
         and now - cached[2] < CONFIG_CACHE_SECONDS
     ):
-        return config.with_join(cached[1])
+        return config.with_join(cached[1], version)
     found = await load_versioned_join_config(store, key)
     join = found[1] if found is not None else None
     if found is not None and found[0]:
         store.memo[f"join-config:{key}"] = (found[0], join, now)
-    return config.with_join(join)
+    return config.with_join(join, found[0] if found is not None else None)
 
 
 class Progress(WireModel):

@@ -9,12 +9,15 @@ document with one writer: docs/architecture.md, invariant 8).
 from __future__ import annotations
 
 import re
+import time
 from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
 from yoke.ids import new_id
 from yoke.llm.base import ScriptedOutput
+from yoke.lru import LRUCache
+from yoke.metrics import JOIN_CONFIG_READS
 from yoke.models import WireModel
 from yoke.runtime.catalog import matches
 from yoke.safe_regex import compile_safe
@@ -203,6 +206,7 @@ async def load_versioned_join_config(
     store: Store, join_key: str
 ) -> tuple[str | None, JoinConfig] | None:
     """The join's configuration and the version its last save gave it."""
+    JOIN_CONFIG_READS.inc()
     document = await store.db[JOIN_CONFIGS].find_one({"_id": join_key})
     if document is None:
         return None
@@ -224,3 +228,69 @@ async def save_join_config(store: Store, join_key: str, config: JoinConfig) -> s
         upsert=True,
     )
     return version
+
+
+# --- reading it on the hot path: once per version ---------------------------------------------
+
+
+class VersionedConfigs:
+    """Join configurations memoized by the version their line says (topology.
+    CONFIG_VERSION_HEADER, set by the processor from the one it steps with): a service reads
+    a join's configuration once per version, never per line; a line without a version (an
+    outbox republish) reads it again."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._known: LRUCache[str, tuple[str, JoinConfig | None]] = LRUCache()
+
+    async def get(self, join_key: str, version: str | None) -> JoinConfig | None:
+        known = self._known.get(join_key)
+        if version and known is not None and known[0] == version:
+            return known[1]
+        found = await load_versioned_join_config(self.store, join_key)
+        config = found[1] if found is not None else None
+        saved = found[0] if found is not None else None
+        if saved:
+            self._known[join_key] = (saved, config)
+        return config
+
+
+# A forum's "some join follows up here" is read again after this long whatever it heard (a
+# shard handed away and back may have missed a join's change meanwhile).
+FOLLOWED_SECONDS = 60.0
+
+
+class FollowedForums:
+    """Whether some join of a forum has follow-up: the door routes people's lines there to the
+    follow-up service only then (topology.FOLLOWED_HEADER).
+
+    Read once per forum and kept until the forum's ``agent.forum.joined`` (every join and
+    re-join publishes it, on the forum's shard: the one whose commands this process handles)
+    says a join changed, or FOLLOWED_SECONDS pass.
+    """
+
+    def __init__(self, store: Store, instances: str = "ingestion") -> None:
+        self.store = store
+        self.instances = instances
+        self._known: LRUCache[str, tuple[float, bool]] = LRUCache()
+
+    async def followed(self, forum_id: str) -> bool:
+        known = self._known.get(forum_id)
+        now = time.monotonic()
+        if known is not None and now - known[0] < FOLLOWED_SECONDS:
+            return known[1]
+        keys = [
+            str(document["instanceId"])
+            for document in await self.store.states_watching(self.instances, forum_id)
+        ]
+        followed = False
+        if keys:
+            JOIN_CONFIG_READS.inc()
+            cursor = self.store.db[JOIN_CONFIGS].find({"_id": {"$in": keys}}, {"followUp": 1})
+            followed = any(document.get("followUp") for document in await cursor.to_list())
+        self._known[forum_id] = (now, followed)
+        return followed
+
+    def forget(self, forum_id: str) -> None:
+        """A join of the forum changed: its next line reads again."""
+        self._known.pop(forum_id, None)

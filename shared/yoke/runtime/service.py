@@ -12,7 +12,8 @@ import gc
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from contextvars import ContextVar
 from typing import TypeVar
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -58,6 +59,16 @@ _BROKER_HEADERS = frozenset(
 
 # Headers only the mesh sets (routing, dead-letter reasons, the verified user).
 _MESH_HEADER_PREFIXES = ("x-yoke-", "yoke-")
+
+
+# The routing headers of the event being handled: what its publisher said of it beyond its body
+# (a forwarded line passes on its join's, topology.FOLLOWED_HEADER and CONFIG_VERSION_HEADER).
+_DELIVERY_HEADERS: ContextVar[Mapping[str, object]] = ContextVar("yoke_delivery_headers")
+
+
+def delivery_headers() -> Mapping[str, object]:
+    """The headers of the event this task handles (empty outside a handler)."""
+    return _DELIVERY_HEADERS.get({})
 
 
 def parse_envelope(message: AbstractIncomingMessage) -> Envelope:
@@ -389,6 +400,7 @@ class Service:
             await handle(message)
             return
         envelope = parse_envelope(message)
+        _DELIVERY_HEADERS.set(message.headers or {})
         handler = self._event_handlers.get(envelope.type)
         if handler is None:
             return  # routed here for a handler this process does not have: nothing to do
@@ -433,4 +445,4 @@ def run_service(name: str, register: Callable[[Service], None]) -> None:
         sys.exit(EXIT_MISCONFIGURED)
 
 
-__all__ = ["Malformed", "Service", "parse_envelope", "run_service", "topology"]
+__all__ = ["Malformed", "Service", "delivery_headers", "parse_envelope", "run_service", "topology"]
