@@ -39,9 +39,17 @@ env:
 run: env services
 	@$(PY) -m yoke.cli.demo
 
+# Two passes, one command: the test modules spread over TEST_WORKERS processes (pytest-xdist, a
+# module's tests together in one so its mesh starts once), then the `serial` ones alone (see
+# pyproject's markers). A pass that PYTEST_ARGS leaves empty (pytest's 5) is no failure.
+TEST_WORKERS ?= 2
 test: services browser $(VENV)/.plugins
 	-@deploy/local/monitoring.sh install  # (without it only tests/test_monitoring.py fails)
-	@$(PY) -m pytest $(PYTEST_ARGS)
+	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS); \
+	parallel=$$?; [ $$parallel -eq 5 ] && parallel=0; \
+	$(PY) -m pytest -m serial $(PYTEST_ARGS); \
+	serial=$$?; [ $$serial -eq 5 ] && serial=0; \
+	exit $$(( parallel != 0 || serial != 0 ))
 
 # Prometheus (Debian's package) on 127.0.0.1:9090 scraping the mesh `make run` / `yoke up` runs.
 monitoring: install

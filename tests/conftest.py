@@ -36,6 +36,41 @@ DEFAULT_MONGODB_URL = "mongodb://127.0.0.1:27017/yoke"
 os.environ.setdefault("YOKE_SHARDS", "2")
 
 
+# The modules that take longest (make test's durations), started first when workers share the
+# modules out (make test: pytest -n): a long one started last would leave the other workers idle
+# at the end. Then the other end-to-end modules (marked slow), then the rest. Only the order
+# changes, the same in every worker (xdist requires it).
+LONGEST_MODULES = (
+    "test_cluster.py",
+    "test_turn_cost.py",
+    "test_event_bus.py",
+    "test_scale_out.py",
+    "test_mesh.py",
+    "test_bench.py",
+    "test_egress_replicas.py",
+    "test_agent_inference.py",
+    "test_compaction_crash.py",
+    "test_approvals_restart.py",
+    "test_monitoring.py",
+    "test_mcp_tools.py",
+    "test_tls.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # By module, never by test: a module's tests stay together (its module fixtures, a mesh
+    # among them, are made once) and in their order.
+    rank: dict[Path, tuple[int, int]] = {}
+    for item in items:
+        name = item.path.name
+        if name in LONGEST_MODULES:
+            found = (0, LONGEST_MODULES.index(name))
+        else:
+            found = (1 if item.get_closest_marker("slow") else 2, 0)
+        rank[item.path] = min(rank.get(item.path, found), found)
+    items.sort(key=lambda item: rank[item.path])  # stable
+
+
 def _answers(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=1):

@@ -33,6 +33,8 @@ def _through(url: str, port: int) -> str:
 
 
 @pytest.mark.slow
+# It stops and restarts the shared RabbitMQ and FerretDB: nothing else may run meanwhile.
+@pytest.mark.serial
 async def test_every_line_is_answered_once_and_in_order_through_bounded_chaos(
     servers: tuple[str, str, str], tmp_path: Path
 ) -> None:

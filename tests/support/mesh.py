@@ -53,8 +53,15 @@ class Mesh:
     async def start_all(self) -> None:
         for name in SERVICES:
             self.start(name)
-        for process in self.processes.values():
-            await process.wait_healthy()
+        try:
+            for process in self.processes.values():
+                await process.wait_healthy()
+        except BaseException:
+            # Nothing stops a mesh whose start failed: left running, its processes would
+            # outlive the test (and its vhost) and load everything after it.
+            for process in self.processes.values():
+                process.kill()
+            raise
 
     async def restart(self, name: str) -> ServiceProcess:
         self.processes[name].kill()

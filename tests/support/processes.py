@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import socket
@@ -16,10 +17,39 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
+# A port handed out is bound by whoever asked only later (often a child process). Under
+# pytest-xdist each worker (PYTEST_XDIST_WORKER=gwN) takes ports in turn from a block of its own
+# below the kernel's ephemeral range (net.ipv4.ip_local_port_range, 32768-60999 by default): no
+# other worker, and no connection's ephemeral source port, can be given the same one meanwhile.
+# A lone process (no worker) asks the kernel, as before.
+PORT_BLOCKS_START = 20000
+PORT_BLOCK_SIZE = 1000
+PORT_BLOCKS = 12
+_next_in_block = itertools.count()
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port() -> int:
+    """A local TCP port nobody listens on, and that no other test process is given."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return int(probe.getsockname()[1])
+    start = PORT_BLOCKS_START + int(worker[2:]) % PORT_BLOCKS * PORT_BLOCK_SIZE
+    for _ in range(PORT_BLOCK_SIZE):
+        port = start + next(_next_in_block) % PORT_BLOCK_SIZE
+        if _bindable(port):
+            return port
+    raise RuntimeError(f"no free port left in {start}-{start + PORT_BLOCK_SIZE - 1}")
 
 
 async def eventually(

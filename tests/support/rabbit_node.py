@@ -38,6 +38,8 @@ from typing import Any
 
 import httpx
 
+from tests.support.processes import free_port
+
 RABBITMQ_BIN = Path(os.environ.get("YOKE_RABBITMQ_BIN", "/usr/lib/rabbitmq/bin"))
 DEFAULT_PLUGINS = (
     "rabbitmq_consistent_hash_exchange",
@@ -56,22 +58,19 @@ def require() -> None:
         )
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _free_ports(count: int) -> list[int]:
-    """Distinct free ports (held open together so no two are the same)."""
-    probes = [socket.socket() for _ in range(count)]
-    try:
-        for probe in probes:
-            probe.bind(("127.0.0.1", 0))
-        return [int(probe.getsockname()[1]) for probe in probes]
-    finally:
-        for probe in probes:
-            probe.close()
+    """Distinct free ports (free_port never hands out one twice while it may still be in use)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        # The kernel's way: held open together so no two are the same.
+        probes = [socket.socket() for _ in range(count)]
+        try:
+            for probe in probes:
+                probe.bind(("127.0.0.1", 0))
+            return [int(probe.getsockname()[1]) for probe in probes]
+        finally:
+            for probe in probes:
+                probe.close()
+    return [free_port() for _ in range(count)]
 
 
 def _answers_amqp(port: int) -> bool:
