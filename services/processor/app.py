@@ -668,7 +668,7 @@ async def report_activity(context: Context, state: Literal["thinking", "tool", "
     )
     try:
         await asyncio.wait_for(
-            context.poster.bus.publish_event(
+            context.poster.bus.publish_hint(
                 Envelope.wrap(context.effect_id("activity", state), activity),
                 activity.key,
                 {topology.KIND_HEADER: "forum"},

@@ -20,6 +20,7 @@ from aio_pika.abc import (
     AbstractIncomingMessage,
     AbstractQueue,
     AbstractRobustConnection,
+    HeadersType,
 )
 from aiormq.exceptions import AMQPError, ChannelNotFoundEntity, DeliveryError
 
@@ -108,6 +109,17 @@ async def ensure_forum_exchange(url: str) -> None:
         await connection.close()
 
 
+def _event_headers(
+    envelope: Envelope, key: str, headers: Mapping[str, str] | None
+) -> dict[str, str]:
+    """An event's headers: the caller's, with the shard key and type the routes select on."""
+    return {
+        **(headers or {}),
+        topology.CONVERSATION_HEADER: key,
+        topology.EVENT_HEADER: envelope.type,
+    }
+
+
 class Bus:
     """One robust AMQP connection: a confirming publisher channel plus consumer channels."""
 
@@ -124,6 +136,9 @@ class Bus:
         # Worker tools' call queues declared by this process (bounded by the catalog).
         self._tool_queues: set[str] = set()
         self.subscriptions: list[Subscription] = []
+        # yoke.events on a channel without confirms, for ephemeral events (publish_hint).
+        self._hints: AbstractExchange | None = None
+        self._opening_hints = asyncio.Lock()
 
     async def connect(self, *, declare: bool = True) -> None:
         """``declare=False``: a user that may not configure the core exchanges (the gateway's)."""
@@ -374,15 +389,52 @@ class Bus:
         await self.publish(
             topology.EVENTS_EXCHANGE,
             topology.routing_key(envelope.type, key),
-            envelope.model_dump_json().encode(),
+            envelope.to_json(),
             message_id=envelope.id,
-            headers={
-                **(headers or {}),
-                topology.CONVERSATION_HEADER: key,
-                topology.EVENT_HEADER: envelope.type,
-            },
+            headers=_event_headers(envelope, key, headers),
             expiration=expiration,
         )
+
+    async def publish_hint(
+        self,
+        envelope: Envelope,
+        key: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        expiration: float | None = None,
+    ) -> None:
+        """Publish an ephemeral event (``agent.activity``, ``agent.delta``: hints for live
+        views, never stored) like :meth:`publish_event`, but transient and on a channel without
+        confirms: the step that sends it waits for no round trip and the broker writes nothing.
+
+        Raises when the channel is lost (the caller drops the hint: losing one is fine). One
+        channel carries them all, so a process's hints reach a queue in the order it sent them;
+        they go ahead of the confirmed events published after them, which are routed later.
+        """
+        exchange = await self._hint_exchange()
+        hint_headers: HeadersType = {**_event_headers(envelope, key, headers)}
+        message = aio_pika.Message(
+            envelope.to_json(),
+            message_id=envelope.id,
+            headers=hint_headers,
+            content_type="application/json",
+            delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
+            expiration=expiration,
+        )
+        # Not mandatory: a hint nobody listens for (no stream open) is dropped by the broker,
+        # not returned to be dropped here.
+        await exchange.publish(
+            message, routing_key=topology.routing_key(envelope.type, key), mandatory=False
+        )
+
+    async def _hint_exchange(self) -> AbstractExchange:
+        """``yoke.events`` on the hints' channel (opened on first use: most processes send none)."""
+        if self._hints is None:
+            async with self._opening_hints:
+                if self._hints is None:
+                    channel = await self.connection.channel(publisher_confirms=False)
+                    self._hints = await channel.get_exchange(topology.EVENTS_EXCHANGE, ensure=False)
+        return self._hints
 
     async def reply(self, reply_to: str, correlation_id: str | None, body: bytes) -> None:
         """Answer a request on its ``reply_to`` queue through the default exchange."""

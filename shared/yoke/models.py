@@ -11,6 +11,7 @@ import math
 from datetime import UTC, datetime
 from typing import Annotated, Any, ClassVar, Literal, Self
 
+import orjson
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, JsonValue, field_validator
 from pydantic.alias_generators import to_camel
 
@@ -364,7 +365,29 @@ class Envelope(WireModel):
 
     @classmethod
     def wrap(cls, event_id: str, payload: EventPayload) -> Envelope:
-        return cls(id=event_id, type=payload.TYPE, payload=payload.to_wire())
+        """The envelope of a payload its model has checked already: not validated a second
+        time (JSON-ready by ``to_wire``), which was a third of a publish's encoding."""
+        return cls.model_construct(
+            id=event_id, type=payload.TYPE, occurred_at=utcnow(), payload=payload.to_wire()
+        )
+
+    def to_json(self) -> bytes:
+        """The envelope as it goes on the wire: orjson, about a quarter of ``model_dump_json``'s
+        time on a posted line's envelope (which stays for what orjson refuses: an int past 64
+        bits)."""
+        try:
+            return orjson.dumps(
+                {
+                    "id": self.id,
+                    "type": self.type,
+                    "version": self.version,
+                    "occurredAt": self.occurred_at,
+                    "payload": self.payload,
+                },
+                option=orjson.OPT_UTC_Z,
+            )
+        except orjson.JSONEncodeError:
+            return self.model_dump_json().encode()
 
     def parse(self) -> EventPayload:
         """The typed payload; raises ``ValueError`` for an unknown type, naming it."""

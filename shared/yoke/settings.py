@@ -52,6 +52,8 @@ class Settings(BaseSettings):
     max_text_bytes: int = Field(default=65536, ge=1)
     log_format: Literal["json", "text"] | None = None
     log_level: str = "INFO"
+    # The services' event loop: uvloop (less CPU per delivery) or the standard library's.
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     # How long a written message may stay unpublished before the outbox sweep republishes it.
     outbox_grace_seconds: float = Field(default=3.0, gt=0)
     prefetch: int = Field(default=64, ge=1)

@@ -127,7 +127,7 @@ class Draft:
         )
         try:
             await asyncio.wait_for(
-                self.bus.publish_event(
+                self.bus.publish_hint(
                     Envelope.wrap(derive_id("delta", self.message_id, str(self.index)), delta),
                     delta.key,
                     {topology.KIND_HEADER: topology.PUBLIC_KIND},
