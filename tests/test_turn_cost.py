@@ -26,7 +26,7 @@ from yoke.ids import derive_id
 from yoke.models import Message, TextPart
 from yoke.runtime.joins import create_agent, create_forum, join_conversation, join_id
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store import Store, bucket_key, bucket_of
 
 pytestmark = pytest.mark.slow
 
@@ -163,14 +163,7 @@ def _history_line(conversation_id: str, index: int) -> Message:
 
 async def _fill(store: Store, poster: Poster, forum_id: str, lines: int) -> None:
     """History written straight to the store: people's lines, as if long answered."""
-    semaphore = asyncio.Semaphore(8)
-
-    async def write(index: int) -> None:
-        async with semaphore:
-            await poster.post(_history_line(forum_id, index))
-
-    for start in range(0, lines, 200):
-        await asyncio.gather(*(write(i) for i in range(start, min(start + 200, lines))))
+    await _write_lines(store, forum_id, lines)
 
 
 async def _rows_per_turn(
@@ -182,12 +175,15 @@ async def _rows_per_turn(
         _psql(f"ANALYZE {schema}.{table}")
     await _turn(client, store, forum_id, agent_id, "settle")
     await _settled(mesh)
+    # Not waited for (the fewest below leaves out the first sample if it has the settling
+    # turn's last reads): each wait takes over 10 s.
+    published = _rows_read(schema)
     samples = []
     for index in range(3):
-        before = _rows_read(schema)
         await _turn(client, store, forum_id, agent_id, f"measured {index}")
-        await _settled(mesh)
-        delta = await _rows_read_since(schema, before)
+        await _settled(mesh)  # nothing has moved for 1 s
+        now = await _rows_read_since(store, Counter(), reads_ended_ago=1.0)
+        delta, published = now - published, now
         counted = _turn_rows(delta)
         print(f"rows read by table: {dict(delta)}")
         samples.append(counted)
@@ -195,29 +191,66 @@ async def _rows_per_turn(
     return min(samples)
 
 
-# PostgreSQL 15 flushes a busy backend's table statistics at most once a second, an idle
-# one's only after 10 s idle: counts are final once they have not moved for longer than that.
-STATISTICS_QUIET_SECONDS = 11
+# When PostgreSQL 15 publishes a backend's table statistics (pgstat_report_stat, pgstat.c): at
+# the end of one of its transactions unless it published less than PGSTAT_MIN_INTERVAL (1 s)
+# before, and else from a timer PGSTAT_IDLE_INTERVAL (10 s) after it went idle. So whatever a
+# backend read up to a moment T is published once it has ended a transaction 1 s or more after
+# T (either that end publishes, or one less than 1 s before it, after T, did), or has been idle
+# for longer than 10 s. Waiting for that, backend by backend (10.5-12 s after the reads),
+# replaces waiting for counts that had not moved for 11 s, which an idle backend's timer
+# publishing a few seconds in started again (12 to 20 s a sample).
+STATISTICS_IDLE_SECONDS = 10.5
 
 
-async def _rows_read_since(schema: str, before: Counter[str]) -> Counter[str]:
-    """Rows read per table since ``before``, once PostgreSQL has published all of them."""
-    delta = _rows_read(schema) - before
-    quiet_since = time.monotonic()
-    deadline = quiet_since + 60
-    while time.monotonic() - quiet_since < STATISTICS_QUIET_SECONDS and time.monotonic() < deadline:
-        await asyncio.sleep(1)
-        now = _rows_read(schema) - before
-        if _turn_rows(now) != _turn_rows(delta):
-            quiet_since = time.monotonic()
-        delta = now
-    return delta
+def _backends_holding_reads(since: str) -> set[int]:
+    """FerretDB's backends that may hold statistics of reads made before ``since`` (a time 1 s
+    after them) that they have not published yet."""
+    out = _psql(
+        "SELECT pid FROM pg_stat_activity WHERE datname = 'ferretdb' "
+        "AND backend_type = 'client backend' AND pid <> pg_backend_pid() "
+        f"AND backend_start < '{since}' AND NOT (state = 'idle' AND (state_change >= '{since}' "
+        f"OR state_change < clock_timestamp() - interval '{STATISTICS_IDLE_SECONDS} seconds'))"
+    )
+    return {int(pid) for pid in out.split()}
+
+
+async def _rows_read_since(
+    store: Store, before: Counter[str], *, reads_ended_ago: float = 0.0
+) -> Counter[str]:
+    """Rows read per table since ``before``, once PostgreSQL has published every read made
+    until now (the caller's reads are over: a turn ``_settled``, or its own lookups done)."""
+    schema = store.db.name
+    await asyncio.sleep(max(0.0, 1.0 - reads_ended_ago))  # ``since`` is 1 s after the reads
+    since = _psql("SELECT clock_timestamp()").strip()
+    pending: set[int] | None = None
+    deadline = time.monotonic() + 60
+    while True:
+        # A backend once clear stays clear: what it read before ``since`` is published.
+        holding = _backends_holding_reads(since)
+        pending = holding if pending is None else pending & holding
+        if not pending:
+            return _rows_read(schema) - before
+        if time.monotonic() > deadline:
+            raise AssertionError(f"backends {pending} never published their statistics")
+        await asyncio.sleep(0.5)
 
 
 async def _write_lines(store: Store, conversation_id: str, count: int) -> None:
-    """Lines 1..count, one at a time (seqs 1..count: nobody else writes there)."""
-    for index in range(1, count + 1):
-        await store.insert_message(_history_line(conversation_id, index))
+    """Lines 1..count of a conversation nobody else writes, as if long answered: their events
+    long handled, so none is published, and no writer's outbox holds them.
+
+    In batches: the documents ``Store.insert_message`` makes, without a round trip per line
+    (a line at a time took minutes on a loaded machine, 8 at once racing for each seq 4.5
+    times longer still)."""
+    assert await store.last_seq(conversation_id) == 0, f"{conversation_id} is not new"
+    for start in range(1, count + 1, 500):
+        documents = []
+        for seq in range(start, min(start + 500, count + 1)):
+            line = _history_line(conversation_id, seq).model_copy(update={"seq": seq})
+            document = line.to_document()
+            document["convBucket"] = bucket_key(conversation_id, bucket_of(seq))
+            documents.append(document)
+        await store.messages.insert_many(documents)
 
 
 @pytest.mark.skipif(not _local_ferretdb(), reason="needs the local FerretDB's PostgreSQL")
@@ -241,7 +274,7 @@ async def test_a_line_looked_up_by_seq_reads_only_itself(
         for statistics in ("older than the conversation", "fresh"):
             if statistics == "fresh":
                 _psql(f"ANALYZE {schema}.{table}")
-            before = await _rows_read_since(schema, Counter())  # the writes' reads published
+            before = await _rows_read_since(store, Counter())  # the writes' reads published
             lookups = 0
             for seq in range(100, 1000, 50):
                 found = await store.message_at(conversation, seq)
@@ -253,7 +286,7 @@ async def test_a_line_looked_up_by_seq_reads_only_itself(
             finally:
                 await fresh.close()
             lookups += 2 * 10 + 2  # at most: galloping and bisecting up to 1,000
-            rows = (await _rows_read_since(schema, before))[table]
+            rows = (await _rows_read_since(store, before))[table]
             print(f"statistics {statistics}: {rows} rows read for at most {lookups} lookups")
             assert rows <= lookups, f"{rows} rows for {lookups} lookups (statistics {statistics})"
     finally:
@@ -286,12 +319,54 @@ async def test_rows_read_for_a_turn_do_not_grow_with_the_forum(
     # YOKE_CONTEXT_LINES lines), so the step reads a full window either way.
     for length, monologue_length in ((50, 300), (2000, 2000)):
         forum = await create_forum(store, f"length {length}")
-        await _fill(store, poster, forum.id, length)
         agent = await create_agent(store, "echo")
         monologue = derive_id("monologue", join_id(agent.id, forum.id))
-        await _fill(store, poster, monologue, monologue_length)
+        await asyncio.gather(
+            _fill(store, poster, forum.id, length),
+            _fill(store, poster, monologue, monologue_length),
+        )
         await join_conversation(store, poster, agent.id, forum.id)
         results[length] = await _rows_per_turn(mesh, store, client, forum.id, agent.id, schema)
     print(f"rows read per turn: {results}")
     # Rows read in buckets of 128 lines: the window may straddle one bucket more or less.
     assert results[2000] <= results[50] * 1.6 + 20, results
+
+
+# --- a step in a long monologue reads past its tail only ------------------------------------
+
+
+async def _documents_read(mesh: Mesh, service: str) -> Counter[str]:
+    """Documents the store returned to ``service`` while it handled deliveries, by command."""
+    read: Counter[str] = Counter()
+    for family in text_string_to_metric_families(await mesh.processes[service].metrics()):
+        for sample in family.samples:
+            if (
+                sample.name == "yoke_store_documents_read_total"
+                and sample.labels.get("origin") == "delivery"
+            ):
+                read[sample.labels["command"]] += int(sample.value)
+    return read
+
+
+async def test_a_step_in_a_long_monologue_reads_only_the_lines_past_its_tail(
+    mesh: Mesh, store: Store, poster: Poster, client: Client
+) -> None:
+    """The processor keeps the tails of the monologues it steps (yoke.runtime.tails): once a
+    monologue's window is in memory, a turn reads the lines written since its last step (the
+    copied forum line), never the window again (YOKE_CONTEXT_LINES lines: 200)."""
+    forum = await create_forum(store, "tail")
+    agent = await create_agent(store, "echo")
+    monologue = derive_id("monologue", join_id(agent.id, forum.id))
+    await _fill(store, poster, monologue, 250)
+    await join_conversation(store, poster, agent.id, forum.id)
+    await _turn(client, store, forum.id, agent.id, "the first step reads its window")
+    await _settled(mesh)
+    before = await _documents_read(mesh, "processor")
+    for index in range(2):
+        await _turn(client, store, forum.id, agent.id, f"a step at the tail's head {index}")
+    await _settled(mesh)
+    read = await _documents_read(mesh, "processor") - before
+    print(f"documents the processor read for two turns in a 250-line monologue: {dict(read)}")
+    # Per turn: the instance's state, the join's configuration when its version is re-read,
+    # the line past the tail. A window read again would be 200.
+    assert 2 <= sum(read.values()) <= 12, dict(read)

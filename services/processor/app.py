@@ -76,6 +76,7 @@ from yoke.runtime.instances import (
 from yoke.runtime.mcp_hosting import McpHosting
 from yoke.runtime.open_calls import OpenCall, OpenCalls, open_call_id, round_results_id
 from yoke.runtime.service import Service
+from yoke.runtime.tails import Tails
 from yoke.tools.base import Tool
 from yoke.tools.catalog import CatalogEntry
 
@@ -90,10 +91,14 @@ LOOP_WINDOW = 10
 LOOP_LINES = 4 * LOOP_WINDOW
 # An activity event never holds a step up longer than this (it is a courtesy to live views).
 ACTIVITY_PUBLISH_SECONDS = 2.0
+# A tail holds this many lines beyond a window, for steps whose window ends short of its head.
+TAIL_MARGIN = 32
 # An open MCP call's deadline is its tool's timeout plus this.
 OPEN_CALL_GRACE_SECONDS = 1.0
 
 _dispatch: ToolDispatch | None = None
+# Where a step's window comes from when register() set no tails up (tests driving steps).
+NO_TAILS = Tails(0, 1)
 # This process's model calls in flight and the stops seen for them (fed by notice_arrival).
 IN_FLIGHT = InFlight()
 
@@ -267,7 +272,8 @@ async def context_window(context: Context, trigger: Message) -> list[Message]:
     most the last ``YOKE_CONTEXT_LINES`` lines (docs/architecture.md, invariant 11: a step
     reads as much at the 5,000th line as at the 50th; compaction carries the older lines as a
     summary)."""
-    return await context.store.history(
+    return await tails_of(context).history(
+        context.store,
         trigger.conversation_id,
         after_seq=max(
             0,
@@ -284,12 +290,35 @@ async def step_window(context: Context, trigger: Message) -> list[Message]:
     line at once), as many lines back as :func:`context_window` reads."""
     if context.config.while_busy == "queue":
         return await context_window(context, trigger)
-    head = max(trigger.seq, await context.store.last_seq(trigger.conversation_id))
-    return await context.store.history(
+    tails = tails_of(context)
+    head = await tails.last_seq(context.store, trigger.conversation_id, at_least=trigger.seq)
+    return await tails.history(
+        context.store,
         trigger.conversation_id,
         after_seq=max(0, context.state.context_from_seq - 1, head - context.settings.context_lines),
         up_to_seq=head,
     )
+
+
+def tails_of(context: Context) -> Tails:
+    """This process's conversation tails (yoke.runtime.tails): a step reads past them only."""
+    tails: Tails | None = getattr(context.poster, "tails", None)  # a poster of tests' has none
+    return tails if tails is not None else NO_TAILS  # an empty Tails is falsy (it has a len)
+
+
+async def step_keeping_tail(context: Context, trigger: Message) -> None:
+    """:func:`step`, with the trigger joining its conversation's tail (its event says it is
+    stored); a tail the step leaves in doubt (it failed, or the join moved to a new monologue)
+    is forgotten."""
+    tails = tails_of(context)
+    tails.saw(trigger)
+    try:
+        await step(context, trigger)
+    except BaseException:
+        tails.drop(trigger.conversation_id, "failed")
+        raise
+    if context.repointed:
+        tails.drop(trigger.conversation_id, "compacted")
 
 
 def answered_already(config: ProcessorConfig, state: ProcessorState, line: Message) -> bool:
@@ -710,7 +739,8 @@ async def run_tool_round(context: Context, trigger: Message, calls: list[ToolCal
     """Run the round: what answers now goes in one results line; the rest waits in the store
     and each of those calls gets a line of its own when it ends."""
     dispatch = tool_dispatch()
-    earlier = await context.store.history(  # enough lines to hold the last LOOP_WINDOW calls
+    earlier = await tails_of(context).history(  # enough to hold the last LOOP_WINDOW calls
+        context.store,
         trigger.conversation_id,
         after_seq=max(0, trigger.seq - 1 - LOOP_LINES),
         up_to_seq=trigger.seq - 1,
@@ -1021,7 +1051,7 @@ PROCESSOR_ACTOR = ActorDefinition(
     config_schema=ProcessorConfig,
     state_schema=ProcessorState,
     trigger=is_step_trigger,
-    handle=step,
+    handle=step_keeping_tail,
     # The join's tunables live in its own document (updated by a later join): read per step.
     load_config=load_processor_config,
     notice_meta=failure_meta,
@@ -1050,6 +1080,12 @@ def register(service: Service) -> None:
     # An approved call runs in its conversation's lane, on the replica owning that shard.
     service.on_event(ToolCallApproved, run_approved_call)
     service.on_arrival(notice_arrival)
+    # The newest lines of the monologues it steps, so that a step reads only what is new; a
+    # shard gained may bring conversations another process stepped meanwhile: all forgotten.
+    tails = service.poster.tails = Tails(
+        service.settings.tail_cache_conversations, service.settings.context_lines + TAIL_MARGIN
+    )
+    service.on_handover(lambda: tails.clear("handover"))
     # Monologue lines that start a step: user lines, and the agent's tool calls. Its plain text
     # lines go to egress only (the runtime moves the watermark past them as it writes them).
     ActorRuntime(

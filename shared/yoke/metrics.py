@@ -45,6 +45,22 @@ STORE_OPERATIONS = Counter(
     "dead-writer sweep; background: the rest, start-up, health).",
     ["service", "command", "origin"],
 )
+STORE_DOCUMENTS_READ = Counter(
+    "yoke_store_documents_read",
+    "Documents MongoDB returned (find and getMore batches), by service, command and origin.",
+    ["service", "command", "origin"],
+)
+# yoke.runtime.tails: what a processor step's window took from memory and from the store.
+TAIL_LINES = Counter(
+    "yoke_tail_lines",
+    "Lines of step windows, by where they came from (tail: this process's memory; store).",
+    ["source"],
+)
+TAIL_DROPS = Counter(
+    "yoke_tail_drops",
+    "Conversation tails forgotten, by reason (handover, failed, compacted, gap).",
+    ["reason"],
+)
 DEAD_LETTERS = Counter(
     "yoke_dead_letters",
     "Deliveries dead-lettered, by service and reason (malformed, failed).",

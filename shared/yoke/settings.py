@@ -62,6 +62,8 @@ class Settings(BaseSettings):
     retry_backoff_seconds: float = Field(default=0.2, ge=0)
     # Lines of its monologue a processor step reads at most (the model's context window).
     context_lines: int = Field(default=200, ge=2)
+    # Conversations whose newest lines a processor keeps (~0.5 MB each at 200 lines); 0: none.
+    tail_cache_conversations: int = Field(default=256, ge=0)
     # Longest wait between retries while a dependency (store, broker) is unavailable.
     retry_cap_seconds: float = Field(default=5.0, gt=0)
 

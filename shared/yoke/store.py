@@ -17,7 +17,7 @@ from pymongo.errors import CollectionInvalid, DuplicateKeyError, OperationFailur
 from yoke import tls
 from yoke.failures import Failure
 from yoke.lru import LRUCache
-from yoke.metrics import IN_DELIVERY, STORE_OPERATIONS, STORE_ORIGIN
+from yoke.metrics import IN_DELIVERY, STORE_DOCUMENTS_READ, STORE_OPERATIONS, STORE_ORIGIN
 from yoke.models import Actor, Conversation, Message, Participant, utcnow
 from yoke.outbox import Outbox
 from yoke.retention import BUCKET_FIELD, day_bucket
@@ -67,7 +67,15 @@ class OperationCounter(monitoring.CommandListener):
         STORE_OPERATIONS.labels(self.service, event.command_name, origin).inc()
 
     def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
-        pass
+        # What a read returned (``yoke_store_documents_read``): a window read whole shows here.
+        cursor = event.reply.get("cursor")
+        if isinstance(cursor, dict):
+            batch = cursor.get("firstBatch", cursor.get("nextBatch"))
+            if batch:
+                origin = "delivery" if IN_DELIVERY.get() else STORE_ORIGIN.get()
+                STORE_DOCUMENTS_READ.labels(self.service, event.command_name, origin).inc(
+                    len(batch)
+                )
 
     def failed(self, event: monitoring.CommandFailedEvent) -> None:
         pass

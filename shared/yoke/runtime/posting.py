@@ -18,6 +18,7 @@ from yoke.ids import derive_id
 from yoke.metrics import MESSAGES_POSTED, OUTBOX_REPUBLISHED
 from yoke.models import Envelope, EventPayload, Message, MessagePosted
 from yoke.outbox import OutboxSweep
+from yoke.runtime.tails import Tails
 from yoke.store import Store
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,8 @@ class Poster:
         self.store = store
         self.bus = bus
         self.service = service
+        # A processor's conversation tails (yoke.runtime.tails): what it writes joins them.
+        self.tails: Tails | None = None
 
     async def post(self, message: Message, *, route: Mapping[str, str] | None = None) -> Message:
         """Store ``message`` under the next seq and publish it; idempotent by message id.
@@ -45,6 +48,8 @@ class Poster:
     ) -> tuple[Message, bool]:
         """:meth:`post`, also saying whether this call wrote it (``False``: it existed)."""
         stored, created = await self.store.insert_message(message)
+        if self.tails is not None:
+            self.tails.saw(stored)
         # Also when it was written before (a redelivered effect): its event may never have gone
         # out if its writer died in between, and publishing it again now, before anything that
         # follows it, keeps the conversation's order. Consumers take an event once.

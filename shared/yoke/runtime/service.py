@@ -107,6 +107,7 @@ class Service:
         self.lane_key: Callable[[AbstractIncomingMessage], str] = key_from_header
         self._intakes: list[tuple[str, str, Route]] = []
         self._arrivals: list[Callable[[str, AbstractIncomingMessage], None]] = []
+        self._handovers: list[Callable[[], None]] = []
         self._commands: dict[str, Callable[[AbstractIncomingMessage], Awaitable[None]]] = {}
         # Which shards this replica consumes (None until started, or with no shards at all).
         self.ownership: Ownership | None = None
@@ -173,6 +174,12 @@ class Service:
         busy, before it waits there behind the work in progress (synchronous, and it must not
         hold the delivery up: say, to cancel a model call the new line makes moot)."""
         self._arrivals.append(look)
+
+    def on_handover(self, changed: Callable[[], None]) -> None:
+        """Call ``changed()`` whenever this process starts consuming a shard queue (gained, or
+        consumed again after its consumer was lost): what another consumer did meanwhile is
+        unknown here, so memory about its conversations is to be forgotten."""
+        self._handovers.append(changed)
 
     def background(self, name: str, work: Work) -> None:
         """Run ``work()`` for the service's lifetime: from the moment it consumes (work that
@@ -300,6 +307,8 @@ class Service:
         return task
 
     def _shard_consumer(self, queue: str, gate: Gate) -> OnMessage:
+        for changed in self._handovers:  # a shard gained (Ownership subscribes with this)
+            changed()
         peek = self._peek if self._arrivals else None
         return self.dispatcher.on_message(
             Route(queue, self.lane_key, self._handle_event, gate, peek)
@@ -383,6 +392,8 @@ class Service:
                         log.warning("consuming %s again (%s)", subscription.queue_name, problem)
                         try:
                             await self.bus.resubscribe(subscription)
+                            for changed in self._handovers:
+                                changed()
                             suspects.discard(subscription.queue_name)
                         except Exception as error:
                             log.warning(
