@@ -14,7 +14,7 @@ import aio_pika
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.followup.scheduler import FOLLOWUPS, schedule_id
+from services.followup.scheduler import FOLLOWUPS, PENDING_GAUGE_SECONDS, schedule_id
 from tests.support.mesh import Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
 from yoke import topology
@@ -193,3 +193,31 @@ async def test_the_follow_up_route_of_an_earlier_version_is_unbound(
     # One queue, in order: a routed unfollowed line would have come before the followed one.
     assert unfollowed not in received
     assert received == [old, wanted]
+
+
+async def _background_operations(mesh: Mesh, service: str) -> int:
+    """Store operations of ``service`` not made while handling a delivery (its scheduler's)."""
+    text = await mesh.processes[service].metrics()
+    return sum(
+        int(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "yoke_store_operations_total"
+        and sample.labels.get("origin") == "background"
+    )
+
+
+async def test_with_nothing_pending_the_follow_up_scheduler_asks_the_store_little(
+    mesh: Mesh, store: Store
+) -> None:
+    await store.db[FOLLOWUPS].delete_many({})  # this module's: nothing is pending anywhere
+    # Its next count of what is pending (every PENDING_GAUGE_SECONDS) finds nothing.
+    await asyncio.sleep(PENDING_GAUGE_SECONDS + 1)
+    before = await _background_operations(mesh, "followup")
+    started = asyncio.get_running_loop().time()
+    await asyncio.sleep(2 * PENDING_GAUGE_SECONDS)  # the measure is of time passing idle
+    seconds = asyncio.get_running_loop().time() - started
+    rate = (await _background_operations(mesh, "followup") - before) / seconds
+    # It polled every due second twice a second (about 6 queries a second for nothing); now a
+    # count every PENDING_GAUGE_SECONDS, and health's pings.
+    assert rate <= 1.0, rate

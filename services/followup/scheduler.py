@@ -16,7 +16,9 @@ that is not done finishes it.
 The scheduler never scans: FerretDB 1.x pushes down only top-level equality, so each schedule
 carries the integer second it is due in (rounded up) and the minute of that second, and a
 poll asks for the seconds that have elapsed since the last one, one equality query each. On
-start it looks back over the last hour by minute. Nothing is saved per poll.
+start it looks back over the last hour by minute. Nothing is saved per poll, and while nothing is
+pending anywhere (counted every PENDING_GAUGE_SECONDS) and nothing was scheduled here since, no
+second is asked for at all.
 """
 
 from __future__ import annotations
@@ -190,6 +192,8 @@ class FollowUps:
         # Read once per version: an agent line says its join configuration's.
         self._configs = VersionedConfigs(store)
         self._ready: asyncio.Task[None] | None = None
+        # A schedule written here since the scheduler last counted what is pending.
+        self._scheduled_here = False
 
     async def ready(self) -> None:
         """The collection, indexes and the nudges' author, once per process."""
@@ -272,6 +276,7 @@ class FollowUps:
             due_minute=second // 60,
         )
         if await self.store.insert_if_absent(self.schedules, schedule.to_document()):
+            self._scheduled_here = True  # the scheduler polls again from now on
             FOLLOWUPS_SCHEDULED.inc()
         return schedule
 
@@ -442,13 +447,24 @@ class FollowUps:
         await _until_done(lambda: self._look_back(now), stopping)
         cursor = math.floor(now)  # every second up to here is handled
         counted = 0.0
+        pending = 1  # not counted yet: poll
         while not stopping.is_set():
             now = clock()
             try:
-                cursor = await self._poll(cursor, now)
                 if now - counted >= PENDING_GAUGE_SECONDS:
-                    FOLLOWUPS_PENDING.set(await self.schedules.count_documents({}))
+                    # Cleared before the count: a schedule written after it sets it again.
+                    self._scheduled_here = False
+                    pending = await self.schedules.count_documents({})
+                    FOLLOWUPS_PENDING.set(pending)
                     counted = now
+                if pending or self._scheduled_here:
+                    cursor = await self._poll(cursor, now)
+                else:
+                    # Nothing pending anywhere at the last count and nothing written here since:
+                    # no second's query. Another replica's schedule is counted within
+                    # PENDING_GAUGE_SECONDS (its writer, polling, fires it on time); if that
+                    # replica is gone, the seconds since the count are polled then.
+                    cursor = max(cursor, math.floor(counted))
             except Exception:
                 log.exception("follow-up poll failed; trying again")
             with contextlib.suppress(TimeoutError):
