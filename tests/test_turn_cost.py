@@ -30,8 +30,8 @@ from yoke.store import Store, bucket_key, bucket_of
 
 pytestmark = pytest.mark.slow
 
-MAX_STORE_OPERATIONS = 15
-MAX_DELIVERIES = 8
+MAX_STORE_OPERATIONS = 13
+MAX_DELIVERIES = 6
 
 
 async def _counts(mesh: Mesh) -> Counter[str]:
