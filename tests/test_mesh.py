@@ -28,10 +28,12 @@ pytestmark = pytest.mark.slow
 
 
 # The routing headers of a forum line (topology.posted_headers): who reads those receives it.
+# A line of a forum where some join has follow-up: ingestion and follow-up both read it.
 FORUM_LINE_HEADERS: dict[str, str | int] = {
     topology.EVENT_HEADER: "conversation.message.posted",
     topology.KIND_HEADER: "forum",
     topology.TYPE_HEADER: "message",
+    topology.FOLLOWED_HEADER: "yes",
 }
 
 
