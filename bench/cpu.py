@@ -17,14 +17,16 @@ SERVERS = {"beam.smp": "rabbitmq", "ferretdb": "ferretdb", "postgres": "postgres
 
 
 def process_cpu(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` so far (NaN when unreadable)."""
+    """User + system CPU seconds of ``pid`` and of its children it has reaped, so far (NaN when
+    unreadable): PostgreSQL's backends exit between two readings, and what they spent stays
+    counted in the postmaster's cutime/cstime (a sum of the living alone went negative)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return math.nan
     # The command name is parenthesised and may hold spaces: split after its closing paren.
     fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
+    return sum(int(field) for field in fields[11:15]) / TICKS
 
 
 def servers_cpu() -> dict[str, float]:
