@@ -36,7 +36,6 @@ from pydantic import Field
 from pymongo import ASCENDING
 from pymongo.asynchronous.collection import AsyncCollection
 
-from yoke import topology
 from yoke.ids import derive_id
 from yoke.lru import LRUCache
 from yoke.metrics import (
@@ -59,13 +58,12 @@ from yoke.retention import BUCKET_FIELD, Rule, day_bucket
 from yoke.runtime.chain import carry_tail
 from yoke.runtime.join_config import (
     FollowUpConfig,
-    JoinConfig,
     VersionedConfigs,
+    delivered_version,
     load_join_config,
 )
 from yoke.runtime.joins import ensure_participant, join_id, participant_id
 from yoke.runtime.posting import Poster
-from yoke.runtime.service import delivery_headers
 from yoke.store import PROCEDURES, Store
 
 log = logging.getLogger(__name__)
@@ -222,8 +220,7 @@ class FollowUps:
             await self.cancel_pending(line.conversation_id, line.seq, "a person answered")
         elif author_kind == "agent" and line.role == "agent":
             await self.ready()
-            version = delivery_headers().get(topology.CONFIG_VERSION_HEADER)
-            await self.schedule(line, str(version) if version else None)
+            await self.schedule(line, delivered_version())
 
     async def _conversation_kind(self, conversation_id: str) -> str:
         return await _kind(self._conversation_kinds, self.store.conversations, conversation_id)
@@ -231,18 +228,14 @@ class FollowUps:
     async def _actor_kind(self, actor_id: str) -> str:
         return await _kind(self._actor_kinds, self.store.actors, actor_id)
 
-    async def _join_config(self, key: str, version: str | None) -> JoinConfig | None:
-        """The join's configuration of ``version`` (the one its line says), read once per
-        version: an agent that talks fast costs no read per line, a re-join is read at once."""
-        return await self._configs.get(key, version)
-
     async def schedule(self, line: Message, version: str | None = None) -> FollowUp | None:
         """Schedule a nudge about the agent's forum line, if its join asks for follow-ups
         (``version``: of the join configuration the line was written with, if known)."""
         if utcnow() - as_utc(line.created_at) > self.decided_for:
             return None
         key = join_id(line.author_actor_id, line.conversation_id)
-        config = await self._join_config(key, version)
+        # Read once per version: an agent that talks fast costs no read per line.
+        config = await self._configs.get(key, version)
         if config is None or config.follow_up is None:
             return None
         # The agent spoke again: its earlier schedule in this forum is superseded.

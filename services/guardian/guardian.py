@@ -34,7 +34,6 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
-from yoke import topology
 from yoke.errors import Stopping
 from yoke.ids import derive_id, new_id
 from yoke.llm.base import InferenceRequest
@@ -68,9 +67,10 @@ from yoke.runtime.join_config import (
     NoProgressPolicy,
     RulePolicy,
     VersionedConfigs,
+    delivered_version,
 )
 from yoke.runtime.joins import join_id
-from yoke.runtime.service import Service, delivery_headers
+from yoke.runtime.service import Service
 from yoke.safe_regex import compile_safe, search
 from yoke.settings import Settings
 from yoke.store import Store
@@ -296,8 +296,7 @@ class Guardian:
         watched = await self.watched(line.conversation_id)
         if watched is None:
             return
-        version = delivery_headers().get(topology.CONFIG_VERSION_HEADER)
-        config = await self.config_of(watched.join_key, str(version) if version else None)
+        config = await self.config_of(watched.join_key, delivered_version())
         if config is None or not config.policies:
             return
         await self.ready()

@@ -56,6 +56,11 @@ def bucket_key(conversation_id: str, bucket: int) -> str:
     return f"{conversation_id}/{bucket}"
 
 
+def _origin() -> str:
+    """What a store operation is for: a delivery, or the background task it runs in."""
+    return "delivery" if IN_DELIVERY.get() else STORE_ORIGIN.get()
+
+
 class OperationCounter(monitoring.CommandListener):
     """Counts every command this process sends (``yoke_store_operations``): what a turn costs."""
 
@@ -63,8 +68,7 @@ class OperationCounter(monitoring.CommandListener):
         self.service = service
 
     def started(self, event: monitoring.CommandStartedEvent) -> None:
-        origin = "delivery" if IN_DELIVERY.get() else STORE_ORIGIN.get()
-        STORE_OPERATIONS.labels(self.service, event.command_name, origin).inc()
+        STORE_OPERATIONS.labels(self.service, event.command_name, _origin()).inc()
 
     def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
         # What a read returned (``yoke_store_documents_read``): a window read whole shows here.
@@ -72,8 +76,7 @@ class OperationCounter(monitoring.CommandListener):
         if isinstance(cursor, dict):
             batch = cursor.get("firstBatch", cursor.get("nextBatch"))
             if batch:
-                origin = "delivery" if IN_DELIVERY.get() else STORE_ORIGIN.get()
-                STORE_DOCUMENTS_READ.labels(self.service, event.command_name, origin).inc(
+                STORE_DOCUMENTS_READ.labels(self.service, event.command_name, _origin()).inc(
                     len(batch)
                 )
 

@@ -14,12 +14,14 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
+from yoke import topology
 from yoke.ids import new_id
 from yoke.llm.base import ScriptedOutput
 from yoke.lru import LRUCache
 from yoke.metrics import JOIN_CONFIG_READS
 from yoke.models import WireModel
 from yoke.runtime.catalog import matches
+from yoke.runtime.service import delivery_headers
 from yoke.safe_regex import compile_safe
 from yoke.store import Store
 from yoke.tools.catalog import TOOL_NAME, is_tool_pattern
@@ -231,6 +233,13 @@ async def save_join_config(store: Store, join_key: str, config: JoinConfig) -> s
 
 
 # --- reading it on the hot path: once per version ---------------------------------------------
+
+
+def delivered_version() -> str | None:
+    """The join configuration's version the line being handled says it was written with
+    (topology.CONFIG_VERSION_HEADER), if any."""
+    version = delivery_headers().get(topology.CONFIG_VERSION_HEADER)
+    return str(version) if version else None
 
 
 class VersionedConfigs:
