@@ -84,6 +84,29 @@ class OperationCounter(monitoring.CommandListener):
         pass
 
 
+ID_KEY, SEQ_KEY = "_id", "seq"
+
+
+def duplicate_key(error: DuplicateKeyError) -> str | None:
+    """Which unique key a message insert hit: :data:`ID_KEY`, :data:`SEQ_KEY`, or ``None``
+    when the server does not say.
+
+    MongoDB names it (``keyPattern``, and the index in ``errmsg``); FerretDB 1.24 answers only
+    ``E11000 duplicate key error collection: <db>.<collection>``, so there the caller must
+    look the id up to know.
+    """
+    details = error.details or {}
+    pattern = details.get("keyPattern")
+    if isinstance(pattern, Mapping) and pattern:
+        return SEQ_KEY if SEQ_KEY in pattern else ID_KEY if ID_KEY in pattern else None
+    message = str(details.get("errmsg", ""))
+    if "index: conv_seq" in message:
+        return SEQ_KEY
+    if "index: _id_" in message:
+        return ID_KEY
+    return None
+
+
 class SeqConflict(Exception):
     """Another writer took the seq this insert tried; read the newest and try again."""
 
@@ -331,7 +354,8 @@ class Store:
         Returns the stored message and whether this call wrote it (``False``: a message with
         this id already existed, as when a redelivered event repeats an effect). The seq is
         owned by whoever inserts it first under the unique ``(conversationId, seq)`` index; a
-        lost race costs one more insert at the next seq (updates are not atomic on FerretDB).
+        lost race costs one more insert at the next seq (updates are not atomic on FerretDB),
+        and where the server does not say which key was taken (FerretDB) a lookup of the id.
         """
         conversation_id = message.conversation_id
         if not self.outbox.registered:
@@ -345,9 +369,11 @@ class Store:
             self.outbox.stamp(document, stored)
             try:
                 await self.messages.insert_one(document)
-            except DuplicateKeyError:
-                # The seq is taken, or (a repeated effect) the id: which, the server won't say.
-                if conflicts == 2:
+            except DuplicateKeyError as error:
+                # The id (a repeated effect: the line is written) or the seq (another line took
+                # it): told apart on every try, or a taken id would be read as seqs taken one
+                # after another, and the head cache would run ahead of the store (a hole).
+                if duplicate_key(error) != SEQ_KEY:
                     existing = await self.get_message(message.id)
                     if existing is not None:
                         return existing, False
