@@ -1,4 +1,4 @@
-"""A tool: a name, a description, a pydantic input model and the coroutine that runs it."""
+"""A tool: a name, a description, a pydantic input model and the function that runs it."""
 
 from __future__ import annotations
 
@@ -19,10 +19,13 @@ class ToolContext:
 
 @dataclass(frozen=True)
 class Tool:
+    """``run`` is a sync function or a coroutine function answering the model's text; a
+    plugin's runs on a thread of its own under ``timeout`` (docs/tools.md, "Plugins")."""
+
     name: str
     description: str
     input_model: type[BaseModel]
-    run: Callable[[Any, ToolContext], Awaitable[str]]
+    run: Callable[[Any, ToolContext], Awaitable[str] | str]
     timeout: float = 30.0
     # Polling tools may be called with the same arguments again and again on purpose.
     repeat_safe: bool = False

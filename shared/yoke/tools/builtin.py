@@ -27,6 +27,12 @@ class CalculatorInput(BaseModel):
     expression: str = Field(max_length=200, description="Arithmetic, e.g. (2 + 3) * 4 / 5")
 
 
+# The largest integer the calculator makes (about 1,233 decimal digits). The calculator runs on
+# the event loop, so its work is bounded before it is done: a result's size is estimated before
+# each ``*`` and ``**`` (``(((9**99)**99)**99)**99`` would be a 36 MiB integer, minutes of CPU).
+MAX_BITS = 4096
+
+
 _OPERATORS: dict[type[ast.AST], Callable[..., float]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -40,6 +46,25 @@ _OPERATORS: dict[type[ast.AST], Callable[..., float]] = {
 }
 
 
+def _bits(value: float) -> int:
+    """An integer's size; a float's is fixed (it overflows instead of growing)."""
+    return abs(value).bit_length() if isinstance(value, int) else 0
+
+
+def _check_size(op: ast.operator, left: float, right: float) -> None:
+    """Refuse a product or power whose result would pass :data:`MAX_BITS`, before making it."""
+    if isinstance(op, ast.Mult):
+        bits = _bits(left) + _bits(right)
+    elif isinstance(op, ast.Pow) and isinstance(right, int) and right > 0:
+        bits = _bits(left) * right
+    else:
+        return  # + - / // % make nothing much larger than their operands
+    if bits > MAX_BITS:
+        raise ValueError(
+            f"the result would be too large (about {bits} bits; the most is {MAX_BITS} bits)"
+        )
+
+
 def _evaluate(node: ast.AST) -> float:
     if isinstance(node, ast.Expression):
         return _evaluate(node.body)
@@ -49,6 +74,7 @@ def _evaluate(node: ast.AST) -> float:
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > 100:
             raise ValueError("exponent too large")
+        _check_size(node.op, left, right)
         return _OPERATORS[type(node.op)](left, right)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
         return _OPERATORS[type(node.op)](_evaluate(node.operand))
@@ -57,7 +83,11 @@ def _evaluate(node: ast.AST) -> float:
 
 async def _calculate(arguments: CalculatorInput, _: ToolContext) -> str:
     value = _evaluate(ast.parse(arguments.expression, mode="eval"))
-    return str(int(value) if float(value).is_integer() else value)
+    if isinstance(value, int):
+        return str(value)
+    if not isinstance(value, float):  # (-8) ** 0.5 is a complex number
+        raise ValueError("the result is not a real number")
+    return str(int(value) if value.is_integer() else value)
 
 
 class WaitInput(BaseModel):
