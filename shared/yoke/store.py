@@ -355,11 +355,26 @@ class Store:
         this id already existed, as when a redelivered event repeats an effect). The seq is
         owned by whoever inserts it first under the unique ``(conversationId, seq)`` index; a
         lost race costs one more insert at the next seq (updates are not atomic on FerretDB),
-        and where the server does not say which key was taken (FerretDB) a lookup of the id.
+        and from the second on, where the server does not say which key was taken (FerretDB),
+        a lookup of the id.
         """
-        conversation_id = message.conversation_id
         if not self.outbox.registered:
             await self.outbox.register(self.db["writers"])
+        # Pending before the insert, so a heartbeat during a slow one covers it (invariant 2).
+        began = self.outbox.writing(message.id)
+        try:
+            stored, created = await self._insert_next(message)
+        except BaseException:
+            self.outbox.not_written(message.id, began)
+            raise
+        if created:
+            self.outbox.written(stored)
+        else:
+            self.outbox.not_written(message.id, began)
+        return stored, created
+
+    async def _insert_next(self, message: Message) -> tuple[Message, bool]:
+        conversation_id = message.conversation_id
         known = self._last_seq.get(conversation_id)
         candidate = (known if known is not None else await self.last_seq(conversation_id)) + 1
         for conflicts in range(1, 10_001):
@@ -371,9 +386,13 @@ class Store:
                 await self.messages.insert_one(document)
             except DuplicateKeyError as error:
                 # The id (a repeated effect: the line is written) or the seq (another line took
-                # it): told apart on every try, or a taken id would be read as seqs taken one
-                # after another, and the head cache would run ahead of the store (a hole).
-                if duplicate_key(error) != SEQ_KEY:
+                # it): told apart on every try but the first, or a taken id would be read as
+                # seqs taken one after another and the head cache run ahead of the store (a
+                # hole). The first is not looked into where the server does not say (FerretDB):
+                # the next seq is tried, and nothing is learnt of the head from it, so the
+                # common conflict (a head one line stale) costs no lookup.
+                key = duplicate_key(error)
+                if key == ID_KEY or (key is None and conflicts > 1):
                     existing = await self.get_message(message.id)
                     if existing is not None:
                         return existing, False
@@ -384,7 +403,6 @@ class Store:
                     candidate = await self.last_seq(conversation_id) + 1
                 continue
             self.observe_seq(conversation_id, candidate)
-            self.outbox.written(stored)
             return stored, True
         raise SeqConflict(f"could not allocate a seq in conversation {conversation_id}")
 
