@@ -2,18 +2,24 @@
 
 Seqs: two writers of one line id (every processor's reaper ends the same overdue call in the same
 second) leave the conversation dense and no writer's head cache ahead of the store.
+
+Outbox: a line whose insert is slow, with a heartbeat during it and a crash after it, is still
+published again by another process's sweep (invariant 2).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import timedelta
+from typing import Any
 
 import pytest
 from pymongo.errors import DuplicateKeyError
 
 from yoke.ids import new_id
-from yoke.models import Message, TextPart
+from yoke.models import Message, TextPart, utcnow
+from yoke.outbox import OutboxSweep
 from yoke.store import ID_KEY, SEQ_KEY, Store, duplicate_key
 
 
@@ -77,6 +83,50 @@ async def test_two_writers_of_one_line_id_leave_seqs_dense_and_no_head_ahead(
     head = stored[-1].seq
     caches = [store._last_seq.get(conversation) or 0 for store in writers]
     assert max(caches) == head and all(cache <= head for cache in caches), caches
+
+
+class _BeatsDuringInsert:
+    """A messages collection whose inserts are slow enough for a heartbeat to land meanwhile."""
+
+    def __init__(self, messages: Any, beat: Callable[[], Awaitable[None]]) -> None:
+        self._messages = messages
+        self._beat = beat
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._messages, name)
+
+    async def insert_one(self, document: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        await self._beat()
+        return await self._messages.insert_one(document, *args, **kwargs)
+
+
+async def test_a_line_whose_insert_outlived_a_heartbeat_is_published_after_a_crash(
+    writers: tuple[Store, Store],
+) -> None:
+    crashing, surviving = writers
+    heartbeats = crashing.db["writers"]
+    crashing.messages = _BeatsDuringInsert(  # type: ignore[assignment]
+        crashing.messages, lambda: crashing.outbox.beat(heartbeats)
+    )
+    # Made a while before it is stored (a slow insert, or a line built before a slow step).
+    line = _line("forum-slow-insert", "made a while ago").model_copy(
+        update={"created_at": utcnow() - timedelta(seconds=30)}
+    )
+    stored, made = await crashing.insert_message(line)
+    assert made
+    # The crash: no publish, no more heartbeats (close leaves an unconfirmed writer in place).
+    await crashing.outbox.close(heartbeats)
+
+    published: list[Message] = []
+
+    async def publish(message: Message) -> None:
+        published.append(message)
+
+    sweep = OutboxSweep(
+        surviving.outbox, surviving.db["writers"], surviving.messages, publish, lambda _: None
+    )
+    assert await sweep.finish_dead_writers(silent_for=0) == 1
+    assert [(m.id, m.seq) for m in published] == [(stored.id, stored.seq)]
 
 
 @pytest.mark.parametrize(

@@ -4,14 +4,16 @@ docs/architecture.md, invariant 2: a message is stored before its event is publi
 between must not lose the event. Recording "published" on every message would cost an update per
 message (a read-modify-write on FerretDB), so instead:
 
-- each process is a *writer* with an id of its own; every message it stores carries that id
-  and an *outbox slot* (writer and minute, a field read by equality);
-- the writer keeps its not-yet-confirmed messages in memory, publishes them again itself if
-  a publish keeps failing, and every :data:`BEAT_SECONDS` stores a heartbeat: "alive, and
-  everything I wrote before T is published";
+- each process is a *writer* with an id of its own; every message it stores carries that id,
+  the moment its insert began (``outboxAt``) and an *outbox slot* (writer and that minute, a
+  field read by equality);
+- the writer keeps its not-yet-confirmed messages in memory, from *before* their insert
+  (so a heartbeat during a slow insert already counts it), publishes them again itself if a
+  publish keeps failing, and every :data:`BEAT_SECONDS` stores a heartbeat: "alive, and
+  everything I began writing before T is published";
 - every :data:`SWEEP_SECONDS`, each process's *outbox sweep* claims (a unique insert) any
-  writer whose heartbeat stopped and publishes again what that writer stored from T on, read
-  slot by slot; then forgets it.
+  writer whose heartbeat stopped and publishes again what that writer began storing from T
+  on, read slot by slot; then forgets it.
 
 A republished event is the same event (its id derives from the message): consumers dedupe.
 """
@@ -95,7 +97,11 @@ class Outbox:
     def __init__(self, service: str) -> None:
         self.service = service
         self.writer = new_id()
+        # Stored, event not confirmed yet: what this writer publishes again itself.
         self.unconfirmed: dict[str, Message] = {}
+        # When each message's insert began, from then until its event is confirmed: what
+        # every heartbeat's ``settledBefore`` is the oldest of.
+        self._since: dict[str, datetime] = {}
         _WRITERS.add(self)
         OUTBOX_UNPUBLISHED.labels(service).set_function(lambda: unpublished(service))
         OUTBOX_OLDEST_UNPUBLISHED_SECONDS.labels(service).set_function(
@@ -159,27 +165,46 @@ class Outbox:
             with contextlib.suppress(Exception):
                 await writers.delete_one({"_id": self.writer})
 
+    def writing(self, message_id: str) -> bool:
+        """An insert of ``message_id`` begins: from now on every heartbeat covers it.
+
+        ``False`` if this writer already had it pending (then :meth:`not_written` leaves it).
+        """
+        if message_id in self._since:
+            return False
+        self._since[message_id] = _now()
+        return True
+
     def stamp(self, document: Doc, message: Message) -> None:
-        """Mark a document about to be stored as this writer's, in its outbox slot."""
+        """Mark a document about to be stored as this writer's, in its outbox slot: that of
+        the moment its insert began (what a dead writer's sweep reads from)."""
+        since = self._since.get(message.id) or _now()
         document["writer"] = self.writer
-        document["outbox"] = slot_of(self.writer, message.created_at)
+        document["outboxAt"] = since
+        document["outbox"] = slot_of(self.writer, since)
 
     def written(self, message: Message) -> None:
+        self._since.setdefault(message.id, _now())
         self.unconfirmed[message.id] = message
+
+    def not_written(self, message_id: str, began: bool) -> None:
+        """The insert :meth:`writing` announced stored nothing (the id existed, or it failed)."""
+        if began and message_id not in self.unconfirmed:
+            self._since.pop(message_id, None)
 
     def confirmed(self, message_id: str) -> None:
         self.unconfirmed.pop(message_id, None)
+        self._since.pop(message_id, None)
 
     def settled_before(self) -> datetime:
-        """Everything this writer stored before this moment is published."""
-        pending = [message.created_at for message in self.unconfirmed.values()]
-        return min(pending, default=_now())
+        """Everything this writer began storing before this moment is published."""
+        return min(self._since.values(), default=_now())
 
     def overdue(self, grace: float) -> list[Message]:
         """Own messages unconfirmed for longer than ``grace`` seconds (a failed publish)."""
         cutoff = _now() - timedelta(seconds=grace)
         return sorted(
-            (m for m in self.unconfirmed.values() if m.created_at <= cutoff),
+            (m for m in self.unconfirmed.values() if self._since.get(m.id, m.created_at) <= cutoff),
             key=lambda m: (m.conversation_id, m.seq),
         )
 
@@ -249,7 +274,8 @@ class OutboxSweep:
         for minute in range(first, last + 1):
             for document in await self.messages.find({"outbox": f"{name}:{minute}"}).to_list():
                 message = Message.from_document(document)
-                if message.created_at >= since:
+                # (Lines stored before ``outboxAt`` existed were slotted by ``createdAt``.)
+                if as_utc(document.get("outboxAt") or message.created_at) >= since:
                     found.append(message)
         found.sort(key=lambda m: (m.conversation_id, m.seq))
         for message in found:
