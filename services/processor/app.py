@@ -93,7 +93,7 @@ LOOP_LINES = 4 * LOOP_WINDOW
 ACTIVITY_PUBLISH_SECONDS = 2.0
 # A tail holds this many lines beyond a window, for steps whose window ends short of its head.
 TAIL_MARGIN = 32
-# An open MCP call's deadline is its tool's timeout plus this.
+# An open in-process or MCP call's deadline is its tool's timeout plus this.
 OPEN_CALL_GRACE_SECONDS = 1.0
 
 _dispatch: ToolDispatch | None = None
@@ -750,8 +750,9 @@ async def run_tool_round(context: Context, trigger: Message, calls: list[ToolCal
     meta = carried_meta(context, trigger)
 
     def make_open(call: ToolCallPart, entry: CatalogEntry) -> OpenCall:
-        # An MCP call's own timeout speaks first; a worker's deadline is the tool's timeout.
-        grace = OPEN_CALL_GRACE_SECONDS if entry.source == "mcp" else 0.0
+        # An in-process or MCP call's own timeout speaks first; a worker's deadline is the
+        # tool's timeout.
+        grace = 0.0 if entry.source == "worker" else OPEN_CALL_GRACE_SECONDS
         return OpenCall(
             id=open_call_id(context.instance_id, trigger.id, call.call_id),
             tool=call.name,

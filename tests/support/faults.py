@@ -5,7 +5,9 @@
 
 wraps the named function (``before:`` or ``after:``, then ``module:qualname``) so that the
 process dies with ``os._exit(70)`` the first time it is called (``before``) or returns
-(``after``): no cleanup, no acks, no flushing, as with a kill -9 at exactly that point. Then it
+(``after``): no cleanup, no acks, no flushing, as with a kill -9 at exactly that point; or
+(``raise:``) makes its first call raise a transient store error (the store unreachable for a
+moment: the step is retried) and lets every later call through. Then it
 runs the given module as ``__main__`` with the remaining arguments. Product modules carry no
 hooks of their own: the fault is put in from outside, before the service imports anything.
 """
@@ -29,12 +31,29 @@ def die(spec: str) -> None:
     os._exit(EXIT_CODE)
 
 
+class Once:
+    """Whether the ``raise:`` fault has fired (it fires on the first call only)."""
+
+    fired = False
+
+
+def fail_once(spec: str) -> None:
+    if not Once.fired:
+        Once.fired = True
+        os.write(2, f"fault injected: {spec}\n".encode())
+        from pymongo.errors import AutoReconnect
+
+        raise AutoReconnect(f"fault injected: {spec}")
+
+
 def install(spec: str) -> None:
     """Make the function ``spec`` names fatal; raise if it names nothing (a typo must fail)."""
     when, _, target = spec.partition(":")
     module_name, _, qualname = target.partition(":")
-    if when not in ("before", "after") or not module_name or not qualname:
-        raise SystemExit(f"{VARIABLE} must look like before|after:module:qualname, not {spec!r}")
+    if when not in ("before", "after", "raise") or not module_name or not qualname:
+        raise SystemExit(
+            f"{VARIABLE} must look like before|after|raise:module:qualname, not {spec!r}"
+        )
     owner: Any = importlib.import_module(module_name)
     *path, name = qualname.split(".")
     for attribute in path:
@@ -51,6 +70,9 @@ def install(spec: str) -> None:
         async def wrapper(*args: Any, **kwargs: Any) -> Any:
             if when == "before":
                 die(spec)
+            if when == "raise":
+                fail_once(spec)
+                return await original(*args, **kwargs)
             result = await original(*args, **kwargs)
             die(spec)
             return result
@@ -60,6 +82,9 @@ def install(spec: str) -> None:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if when == "before":
                 die(spec)
+            if when == "raise":
+                fail_once(spec)
+                return original(*args, **kwargs)
             result = original(*args, **kwargs)
             die(spec)
             return result

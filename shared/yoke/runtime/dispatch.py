@@ -2,9 +2,14 @@
 
 - ``builtin`` and ``plugin`` tools run here, in the step, under their own timeout (they are
   this process's code, and most answer in microseconds).
-- ``mcp`` calls run here for up to :data:`INLINE_SECONDS`; one still running then becomes an
+- ``mcp`` calls run here for up to :data:`INLINE_SECONDS`; one still running then stays an
   open call (:mod:`yoke.runtime.open_calls`) that the call itself ends when it returns, so a
   slow server never holds the step.
+- either runs once per call id (docs/architecture.md, invariant 15): its open call, inserted
+  before it starts (a unique insert), is its claim, and its end is recorded before the step
+  writes its result. A retried step reuses the end, leaves a call still running here alone,
+  and ends a claim a crash left unfinished with an error result that says so
+  (:data:`yoke.runtime.open_calls.CUT_SHORT`), never running it again.
 - ``worker`` calls are always open calls: recorded with their deadline, published to the
   tool's queue, and the step ends.
 - a call of a tool the join gates (``approval``) runs nowhere yet: it is an open call awaiting a
@@ -20,17 +25,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
 from yoke.bus import Bus
-from yoke.metrics import TOOL_CALL_SECONDS, TOOL_CALLS, tool_label
+from yoke.metrics import TOOL_CALLS, tool_label
 from yoke.models import ToolCallPart, ToolCallRequest, ToolResultPart
 from yoke.runtime.catalog import LocalTools, ToolCatalog
 from yoke.runtime.join_config import ApprovalConfig
-from yoke.runtime.open_calls import OpenCall, OpenCalls
+from yoke.runtime.open_calls import CallEnd, OpenCall, OpenCalls, cut_short_text
 from yoke.tools.base import ToolContext
 from yoke.tools.catalog import CatalogEntry
 from yoke.tools.run import run_tool_call
@@ -67,6 +72,16 @@ def outcome_of(result: ToolResultPart) -> str:
     return "error" if result.is_error else "ok"
 
 
+def result_of(call: ToolCallPart, end: CallEnd) -> ToolResultPart:
+    return ToolResultPart(
+        call_id=call.call_id, name=call.name, output=end.output, is_error=end.is_error
+    )
+
+
+# What a run gives: its output and whether it is an error.
+Outcome = tuple[str, bool]
+
+
 class ToolDispatch:
     """Runs a round's calls, inline or as open calls; one per service process."""
 
@@ -84,6 +99,10 @@ class ToolDispatch:
         self.bus = bus
         self.mcp = mcp
         self._background: set[asyncio.Task[None]] = set()
+        # This process, as the runner its claims name (a claim naming another is not running).
+        self.runner = uuid.uuid4().hex
+        # The calls this process runs whose end is not recorded yet, by call id.
+        self._running: dict[str, asyncio.Future[Outcome]] = {}
 
     async def run_round(
         self,
@@ -131,14 +150,10 @@ class ToolDispatch:
         elif approval is not None and approval.gates(call.name):
             await self._await_approval(make_open(call, entry), approval)
             return None
-        elif entry.source in ("builtin", "plugin"):
-            started = time.monotonic()
-            result = await run_tool_call(
-                call, self.local.runnable, ToolContext(key, conversation_id)
-            )
-            TOOL_CALL_SECONDS.labels(entry.source).observe(time.monotonic() - started)
-        elif entry.source == "mcp":
-            return await self._mcp(call, entry, make_open)
+        elif entry.source == "mcp" and self.mcp is None:
+            result = error_result(call, f"{call.name}: this process does not host MCP servers")
+        elif entry.source in ("builtin", "plugin", "mcp"):
+            return await self._run_once(call, entry, key, conversation_id, make_open)
         else:
             await self._to_worker(call, entry, make_open)
             return None
@@ -174,20 +189,25 @@ class ToolDispatch:
 
     async def run_approved(self, call_id: str) -> None:
         """Run a call a person approved (``tool.call.approved``), in the lane of its
-        conversation: a built-in or plugin tool here and now under its own timeout, an MCP
-        call in the background, a worker's published to its queue.
+        conversation: a built-in, plugin or MCP call in the background here (its result line
+        comes when it ends), a worker's published to its queue.
 
-        Redelivered, it runs an in-process tool again (as a redelivered step would, with the
-        same idempotency key) but never sends an MCP or worker call twice; a call that ended
-        meanwhile (a stop) or was not approved is left alone."""
+        Resumable, and once per call (invariant 15): redelivered after the call was marked
+        approved, a worker's call is published again (a worker may see a call again after a
+        crash, with its idempotency key), one still running here is left alone, and any other
+        in-process or MCP call was cut short by a crash: it ends with an error result, never
+        run again. A call that ended meanwhile (a stop) or was not approved is left alone."""
         call = await self.open_calls.get(call_id)
         if call is None or call.state == "running":
             return
-        local = call.source in ("builtin", "plugin")
-        if call.state == "approved" and not local:
-            return  # handed to what runs it already; its deadline is the bound
         decision = await self.open_calls.get_decision(call_id)
         if decision is None or decision.decision != "approve":
+            return
+        if call.state == "approved" and call.source != "worker":
+            if call.runner != self.runner or call_id not in self._running:
+                await self.open_calls.end(
+                    call, outcome="failed", output=cut_short_text(call.tool), is_error=True
+                )
             return
         entry = (await self.catalog.resolve([call.tool])).get(call.tool)
         if entry is None:
@@ -198,89 +218,155 @@ class ToolDispatch:
                 is_error=True,
             )
             return
-        grace = 0.0 if entry.source == "worker" else APPROVED_GRACE_SECONDS
-        approved = await self.open_calls.mark_approved(
-            call, deadline_after(entry.timeout_seconds + grace)
-        )
-        if entry.source in ("builtin", "plugin"):
-            part = ToolCallPart(call_id=call.model_call_id, name=call.tool, input=call.input)
-            result = await run_tool_call(
-                part, self.local.runnable, ToolContext(call.idempotency_key, call.conversation_id)
-            )
+        if call.state == "approved":  # a worker's, marked but perhaps not sent: send it
+            await self._publish_call(call, entry)
+            return
+        if entry.source == "mcp" and self.mcp is None:
             await self.open_calls.end(
-                approved, outcome="answered", output=result.output, is_error=result.is_error
+                call,
+                outcome="failed",
+                output=f"{call.tool}: this process does not host MCP servers",
+                is_error=True,
             )
+            return
+        grace = 0.0 if entry.source == "worker" else APPROVED_GRACE_SECONDS
+        local = entry.source in ("builtin", "plugin")
+        approved = await self.open_calls.mark_approved(
+            call,
+            deadline_after(entry.timeout_seconds + grace),
+            runner=None if entry.source == "worker" else self.runner,
+        )
+        if local:
+            part = ToolCallPart(call_id=call.model_call_id, name=call.tool, input=call.input)
+            context = ToolContext(call.idempotency_key, call.conversation_id)
+            self._in_background(approved, self._run_local(part, context))
         elif entry.source == "mcp":
-            if self.mcp is None:
-                await self.open_calls.end(
-                    approved,
-                    outcome="failed",
-                    output=f"{call.tool}: this process does not host MCP servers",
-                    is_error=True,
-                )
-                return
-            running = asyncio.ensure_future(
-                self.mcp.call(call.tool, dict(call.input), entry.timeout_seconds)
+            assert self.mcp is not None
+            self._in_background(
+                approved, self.mcp.call(call.tool, dict(call.input), entry.timeout_seconds)
             )
-            self._in_background(approved, running)
         else:
             await self._publish_call(approved, entry)
 
     # --- MCP --------------------------------------------------------------------------------
 
-    async def _mcp(
-        self, call: ToolCallPart, entry: CatalogEntry, make_open: OpenCallMaker
+    async def _run_once(
+        self,
+        call: ToolCallPart,
+        entry: CatalogEntry,
+        key: str,
+        conversation_id: str,
+        make_open: OpenCallMaker,
     ) -> ToolResultPart | None:
-        if self.mcp is None:
-            return error_result(call, f"{call.name}: this process does not host MCP servers")
-        started = time.monotonic()
-        mcp = self.mcp
-        running = asyncio.ensure_future(
-            mcp.call(call.name, dict(call.input), entry.timeout_seconds)
-        )
-        done, _ = await asyncio.wait({running}, timeout=INLINE_SECONDS)
-        if done:
-            output, is_error = running.result()
-            result = ToolResultPart(
-                call_id=call.call_id, name=call.name, output=output, is_error=is_error
+        """An in-process or MCP call of a round, run once whatever retries the step: ``None``
+        when it waits in the store (an MCP call past the inline bound: its own line comes)."""
+        opened = make_open(call, entry).model_copy(update={"runner": self.runner})
+        end = await self.open_calls.get_end(opened.id)
+        if end is not None:  # a retried step: it ran
+            return result_of(call, end) if end.in_round else None
+        if not await self.open_calls.open(opened):
+            return await self._claimed_before(call, opened)
+        if entry.source == "mcp":
+            assert self.mcp is not None
+            running = asyncio.ensure_future(
+                self.mcp.call(call.name, dict(call.input), entry.timeout_seconds)
             )
-            TOOL_CALLS.labels(tool_label(call.name), "mcp", outcome_of(result)).inc()
-            TOOL_CALL_SECONDS.labels("mcp").observe(time.monotonic() - started)
-            return result
-        if len(self._background) >= MAX_BACKGROUND_CALLS:
-            running.cancel()
-            return error_result(call, f"{call.name}: too many slow MCP calls in flight here")
-        opened = make_open(call, entry)
-        await self.open_calls.open(opened)
-        self._in_background(opened, running)
-        return None
+        else:
+            running = asyncio.ensure_future(
+                self._run_local(call, ToolContext(key, conversation_id))
+            )
+        self._running[opened.id] = running
+        return await self._inline(call, opened, running)
 
-    def _in_background(self, opened: OpenCall, running: asyncio.Future[tuple[str, bool]]) -> None:
-        task = asyncio.create_task(self._finish_mcp(opened, running))
+    async def _run_local(self, call: ToolCallPart, context: ToolContext) -> Outcome:
+        result = await run_tool_call(call, self.local.runnable, context)
+        return result.output, result.is_error
+
+    async def _inline(
+        self, call: ToolCallPart, opened: OpenCall, running: asyncio.Future[Outcome]
+    ) -> ToolResultPart | None:
+        """Wait for the run in the step (an MCP call up to :data:`INLINE_SECONDS`), and record
+        its end in the round; one still running goes on in the background."""
+        bound = INLINE_SECONDS if opened.source == "mcp" else None
+        done, _ = await asyncio.wait({running}, timeout=bound)
+        if not done:
+            if len(self._background) >= MAX_BACKGROUND_CALLS:
+                running.cancel()
+                return await self._end_in_round(
+                    call, opened, f"{call.name}: too many slow MCP calls in flight here", True
+                )
+            self._in_background(opened, running)
+            return None
+        output, is_error = running.result()
+        return await self._end_in_round(call, opened, output, is_error)
+
+    async def _end_in_round(
+        self, call: ToolCallPart, opened: OpenCall, output: str, is_error: bool
+    ) -> ToolResultPart | None:
+        _, end = await self.open_calls.end(
+            opened, outcome="answered", output=output, is_error=is_error, in_round=True
+        )
+        self._running.pop(opened.id, None)
+        return result_of(call, end) if end.in_round else None
+
+    async def _claimed_before(self, call: ToolCallPart, opened: OpenCall) -> ToolResultPart | None:
+        """A retried step found the call's claim: running here still (or run, its end not yet
+        recorded), or left unfinished by a crash: then it ends, cut short, and never reruns."""
+        running = self._running.get(opened.id)
+        stored = await self.open_calls.get(opened.id)
+        if stored is None:  # ended meanwhile
+            end = await self.open_calls.get_end(opened.id)
+            if end is not None:
+                return result_of(call, end) if end.in_round else None
+            stored = opened
+        if stored.runner == self.runner and running is not None:
+            if any(task.get_name() == opened.id for task in self._background):
+                return None  # its own line comes
+            return await self._inline(call, stored, running)
+        log.warning(
+            "%s was cut short by a crash: ended with an error, not run again",
+            call.name,
+            extra={"conversationId": stored.conversation_id, "messageId": stored.call_line_id},
+        )
+        _, end = await self.open_calls.end(
+            stored,
+            outcome="failed",
+            output=cut_short_text(call.name),
+            is_error=True,
+            in_round=True,
+        )
+        return result_of(call, end) if end.in_round else None
+
+    def _in_background(self, opened: OpenCall, running: Awaitable[Outcome]) -> None:
+        """The call goes on after the step; it ends itself, in a result line of its own."""
+        future = asyncio.ensure_future(running)
+        self._running[opened.id] = future
+        task = asyncio.create_task(self._finish(opened, future), name=opened.id)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _finish_mcp(
-        self, opened: OpenCall, running: asyncio.Future[tuple[str, bool]]
-    ) -> None:
+    async def _finish(self, opened: OpenCall, running: asyncio.Future[Outcome]) -> None:
         try:
-            output, is_error = await running
-        except Exception as error:  # the host never raises; belt and braces
-            output, is_error = f"{opened.tool} failed: {error}", True
-        for delay in (0.5, 1, 2, 4, 8):
             try:
-                await self.open_calls.end(
-                    opened, outcome="answered", output=output, is_error=is_error
-                )
-                return
-            except Exception as error:  # the store away: try again, the deadline is the bound
-                log.warning(
-                    "could not end the MCP call %s yet: %r",
-                    opened.tool,
-                    error,
-                    extra={"conversationId": opened.conversation_id},
-                )
-                await asyncio.sleep(delay)
+                output, is_error = await running
+            except Exception as error:  # the host never raises; belt and braces
+                output, is_error = f"{opened.tool} failed: {error}", True
+            for delay in (0.5, 1, 2, 4, 8):
+                try:
+                    await self.open_calls.end(
+                        opened, outcome="answered", output=output, is_error=is_error
+                    )
+                    return
+                except Exception as error:  # the store away: again; the deadline is the bound
+                    log.warning(
+                        "could not end the call %s yet: %r",
+                        opened.tool,
+                        error,
+                        extra={"conversationId": opened.conversation_id},
+                    )
+                    await asyncio.sleep(delay)
+        finally:
+            self._running.pop(opened.id, None)
 
     # --- workers ----------------------------------------------------------------------------
 

@@ -106,6 +106,9 @@ class OpenCall(Document):
     state: CallState = "running"
     # Set on a gated call: how long a person had to decide (the error text's N).
     approval_timeout_seconds: float | None = None
+    # The process running an in-process or MCP call (its claim, invariant 15): a claim found
+    # unfinished and not running here was cut short by a crash, and is ended, never run again.
+    runner: str | None = None
 
     @property
     def idempotency_key(self) -> str:
@@ -126,6 +129,9 @@ class CallEnd(Document):
     # Who ended it: the worker's RabbitMQ user, a person's name, or None (the mesh).
     by: str | None = None
     ended_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    # Ended within its round's step: the result goes in the round's results line (a retried
+    # step reuses it), never in a line of its own.
+    in_round: bool = False
 
 
 class CallDecision(Document):
@@ -197,10 +203,18 @@ class OpenCalls:
         output: str,
         is_error: bool,
         by: str | None = None,
+        in_round: bool = False,
     ) -> tuple[bool, CallEnd]:
-        """End ``call`` unless something ended it first; returns (this ended it, the end)."""
+        """End ``call`` unless something ended it first; returns (this ended it, the end).
+        ``in_round``: the step running it writes the result, in its round's results line."""
         end = CallEnd(
-            id=call.id, tool=call.tool, outcome=outcome, output=output, is_error=is_error, by=by
+            id=call.id,
+            tool=call.tool,
+            outcome=outcome,
+            output=output,
+            is_error=is_error,
+            by=by,
+            in_round=in_round,
         )
         if not await self.store.insert_if_absent(self.ends, end.to_document()):
             existing = await self.get_end(call.id)
@@ -220,9 +234,13 @@ class OpenCalls:
         )
         return True, end
 
-    async def finish(self, call: OpenCall, end: CallEnd) -> Message:
-        """Write the result line of an ended call (idempotent), then forget the open call."""
-        line = await self.poster.post(
+    async def finish(self, call: OpenCall, end: CallEnd) -> None:
+        """Write the result line of an ended call (idempotent; none for a call ended in its
+        round, whose step writes it), then forget the open call."""
+        if end.in_round:
+            await self.calls.delete_one({"_id": call.id})
+            return
+        await self.poster.post(
             Message(
                 id=result_line_id(call.id),
                 conversation_id=call.conversation_id,
@@ -241,7 +259,6 @@ class OpenCalls:
             route=call.route,
         )
         await self.calls.delete_one({"_id": call.id})
-        return line
 
     # --- the door: a worker's answer --------------------------------------------------------
 
@@ -400,12 +417,17 @@ class OpenCalls:
             )
             await self._publish_forum(decided, derive_id("approval-decided", call.id))
 
-    async def mark_approved(self, call: OpenCall, deadline: datetime) -> OpenCall:
-        """The approved call handed to what runs it: its deadline is now the tool's own.
+    async def mark_approved(
+        self, call: OpenCall, deadline: datetime, runner: str | None = None
+    ) -> OpenCall:
+        """The approved call handed to what runs it (``runner``, for an in-process or MCP
+        call): its deadline is now the tool's own.
 
         An update, safe because only the lane of the call's conversation writes an approved
         call; a call ended meanwhile is not brought back (no upsert)."""
-        approved = call.model_copy(update={"state": "approved", "deadline": deadline})
+        approved = call.model_copy(
+            update={"state": "approved", "deadline": deadline, "runner": runner}
+        )
         await self.calls.replace_one({"_id": call.id}, approved.to_document())
         return approved
 
@@ -506,7 +528,7 @@ class OpenCalls:
         OVERDUE_TOOL_CALLS.set(len(overdue) + len(expired))
         self._reapplied = {k: v for k, v in self._reapplied.items() if k in seen}
         for call in overdue:
-            await self.end(call, outcome="timeout", output=timeout_text(call), is_error=True)
+            await self.end(call, outcome="timeout", output=overdue_text(call), is_error=True)
         for call in expired:
             won, record = await self.decide(call, "expired")
             if not won:  # decided meanwhile: see that it is carried out
@@ -556,6 +578,22 @@ def metric_outcome(end: CallEnd) -> str:
 
 def timeout_text(call: OpenCall) -> str:
     return f"{call.tool} gave no answer within {call.timeout_seconds:g} s"
+
+
+def overdue_text(call: OpenCall) -> str:
+    """A call past its deadline: a worker's is late; an in-process or MCP call's own timeout
+    would have ended it, so what ran it stopped."""
+    if call.source == "worker":
+        return timeout_text(call)
+    return f"{timeout_text(call)}: {CUT_SHORT}"
+
+
+# How a call cut short by a crash ends (invariant 15: never run a second time).
+CUT_SHORT = "the run was cut short by a restart of the process running it; it was not run again"
+
+
+def cut_short_text(tool: str) -> str:
+    return f"{tool}: {CUT_SHORT}"
 
 
 def no_decision_text(call: OpenCall) -> str:
