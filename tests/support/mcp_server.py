@@ -94,6 +94,18 @@ def env(name: str) -> str:
     return os.environ.get(name, "<unset>")
 
 
+def append_line(path: str, line: str) -> None:
+    with open(path, "a") as file:
+        file.write(line + "\n")
+
+
+async def count(path: str, key: str, seconds: float = 0) -> str:
+    """Appends ``key`` to the file ``path`` (a line a run: a test counts runs), then sleeps."""
+    append_line(path, key)
+    await asyncio.sleep(seconds)
+    return f"counted {key}"
+
+
 def pid() -> int:
     """This process's id, so a test can tell a restarted server from the first one."""
     return os.getpid()
@@ -129,7 +141,8 @@ async def add_tool(ctx: Context) -> str:
 def build_server() -> MCPServer[Any]:
     """Built only when served: constructing an MCPServer configures the root logger."""
     server: MCPServer[Any] = MCPServer("yoke-test", log_level="WARNING")
-    for tool in (echo, add, slow, hang, crash, fail, picture, resources, structured, env, pid):
+    tools = (echo, add, slow, hang, crash, fail, picture, resources, structured, env, pid, count)
+    for tool in tools:
         server.add_tool(tool)
     server.add_tool(long_named, name=LONG_NAME)
     server.add_tool(dotted, name="dotted.name")
