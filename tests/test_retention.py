@@ -238,6 +238,35 @@ async def test_the_sweep_removes_what_expired_and_keeps_what_is_live(mongodb_url
         await store.close()
 
 
+async def test_a_bucket_whose_first_batch_is_live_still_sweeps_what_lies_behind_it(
+    mongodb_url: str,
+) -> None:
+    """Each round reads one batch of a bucket, from where the last round's left off: live
+    records at its front never hide the expired ones behind them, and a round's work stays
+    bounded by the batch."""
+    store = Store(mongodb_url)
+    await store.ensure_indexes()
+    try:
+        await store.create_collections(PROCEDURES)
+        old = days_ago(2)
+        live = [decision(f"d-firing-{i}", bucket=old, done=False) for i in range(3)]
+        done = [decision(f"d-done-{i}", bucket=old, done=True) for i in range(5)]
+        for document in (*live, *done):  # one at a time: the live ones come first
+            await store.db[PROCEDURES].insert_one(document)
+        rule = decision_rule(1)
+        sweep = Sweep(store, [rule], lookback_days=3, batch=3)
+        swept = [(await sweep.sweep_once())[rule.name] for _ in range(4)]
+        ids = [str(d["_id"]) for d in (*live, *done)]
+        assert await ids_in(store, PROCEDURES, ids) == {str(d["_id"]) for d in live}, swept
+        assert sum(swept) == len(done) and max(swept) <= 3, swept
+        # A restarted sweep goes on from the stored progress; the live ones stay for good.
+        again = Sweep(store, [rule], lookback_days=3, batch=3)
+        assert (await again.sweep_once())[rule.name] == 0
+        assert await ids_in(store, PROCEDURES, ids) == {str(d["_id"]) for d in live}
+    finally:
+        await store.close()
+
+
 async def test_a_restart_after_a_long_outage_sweeps_what_expired_meanwhile(
     mongodb_url: str,
 ) -> None:

@@ -12,7 +12,9 @@ The bucket is written with the record (no extra operation) and the sweep runs be
 service's work, never on the path of a turn. Rounds look only at the buckets expired since the
 owner's last round (and at those that still held live records): that progress is stored in
 :data:`PROGRESS`, so a restart after an outage of any length goes on from it; an owner's very
-first round looks back ``lookback_days``.
+first round looks back ``lookback_days``. A round reads at most ``batch`` records of a bucket
+with a ``live`` check, from where the last round's read left off (past the live records it
+kept), so live records at a bucket's front never hide the expired ones behind them.
 """
 
 from __future__ import annotations
@@ -113,10 +115,11 @@ class Sweep:
         self.lookback_days = lookback_days
         self.batch = batch
         # Per rule: the first bucket not yet expired at the last round, and the expired
-        # buckets that still held live records (looked at again every round). Stored in
+        # buckets that still held live records (looked at again every round), each with how
+        # many live records the next round skips (where the last read stopped). Stored in
         # :data:`PROGRESS` too, so a restart (after an outage of any length) goes on from there.
         self._swept_to: dict[str, int] = {}
-        self._kept: dict[str, set[int]] = {}
+        self._kept: dict[str, dict[int, int]] = {}
         self._loaded: set[str] = set()
         self._indexed: set[str] = set()
 
@@ -153,7 +156,10 @@ class Sweep:
         found = await self.store.db[PROGRESS].find_one({"_id": self._progress_id(rule)})
         if found is not None:
             self._swept_to[rule.name] = int(found["sweptTo"])
-            self._kept[rule.name] = {int(index) for index in found.get("kept") or []}
+            offsets = found.get("offsets") or {}
+            self._kept[rule.name] = {
+                int(index): int(offsets.get(str(index), 0)) for index in found.get("kept") or []
+            }
         self._loaded.add(rule.name)
 
     async def _save(self, rule: Rule) -> None:
@@ -162,7 +168,8 @@ class Sweep:
         document = {
             "_id": self._progress_id(rule),
             "sweptTo": self._swept_to[rule.name],
-            "kept": sorted(self._kept[rule.name]),
+            "kept": sorted(kept := self._kept[rule.name]),
+            "offsets": {str(index): skip for index, skip in kept.items() if skip},
         }
         try:
             await self.store.db[PROGRESS].replace_one(
@@ -175,7 +182,7 @@ class Sweep:
         first_kept = rule.first_kept(now)
         lookback = self.lookback_days * (24 if rule.unit == "hour" else 1)
         start = self._swept_to.get(rule.name, first_kept - lookback)
-        wanted = set(range(start, first_kept)) | self._kept.get(rule.name, set())
+        wanted = set(range(start, first_kept)) | set(self._kept.get(rule.name, {}))
         return sorted(wanted), first_kept
 
     async def sweep_rule(self, rule: Rule, now: datetime | None = None) -> int:
@@ -184,23 +191,30 @@ class Sweep:
         await self._load(rule)
         collection = self.store.db[rule.collection]
         buckets, first_kept = self._candidates(rule, now or _now())
-        before = (self._swept_to.get(rule.name), self._kept.get(rule.name))
-        kept: set[int] = set()
+        skips = self._kept.get(rule.name, {})
+        before = (self._swept_to.get(rule.name), dict(skips))
+        kept: dict[int, int] = {}
         deleted = 0
         for index in buckets:
             query = {BUCKET_FIELD: _name(rule.unit, index), **rule.where}
             if rule.live is None:
                 deleted += (await collection.delete_many(query)).deleted_count
                 continue
-            documents = await collection.find(query).limit(self.batch).to_list()
+            # One batch, past the live records the last round kept at the bucket's front (the
+            # store's natural order: what is deleted moves the rest up, what stays keeps its
+            # place), so they cannot stall the sweep of what lies behind them.
+            skip = skips.get(index, 0)
+            documents = await collection.find(query).skip(skip).limit(self.batch).to_list()
             alive = 0
             for document in documents:
                 if await rule.live(document):
                     alive += 1
                     continue
                 deleted += (await collection.delete_one({"_id": document["_id"]})).deleted_count
-            if alive or len(documents) >= self.batch:  # more to see in this bucket next round
-                kept.add(index)
+            if len(documents) >= self.batch:  # more behind: the next round reads on from here
+                kept[index] = skip + alive
+            elif alive or skip:  # the end: the next round looks at the bucket from its start
+                kept[index] = 0
         self._swept_to[rule.name] = first_kept
         self._kept[rule.name] = kept
         if before != (first_kept, kept):
