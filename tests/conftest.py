@@ -22,6 +22,7 @@ from pymongo import AsyncMongoClient
 from tests.support.broker import fresh_vhost
 from tests.support.fake_openai import FakeOpenAI
 from tests.support.mesh import JoinFactory, Mesh, running_mesh
+from tests.support.unprivileged import stdio_servers_need_root
 from tests.support.webhook_receiver import Receiver
 from yoke.bus import Bus
 from yoke.client import Client
@@ -34,6 +35,10 @@ DEFAULT_MONGODB_URL = "mongodb://127.0.0.1:27017/yoke"
 
 # Quorum queues cost disk syncs to create: the suite runs every service with two shards.
 os.environ.setdefault("YOKE_SHARDS", "2")
+# The test servers' interpreter may be one the unprivileged stdio user cannot run (this machine's
+# lives in /root): then stdio MCP servers keep root, but for the tests that say otherwise.
+if stdio_servers_need_root():
+    os.environ.setdefault("YOKE_MCP_STDIO_USER", "root")
 
 
 # The modules that take longest (make test's durations), started first when workers share the

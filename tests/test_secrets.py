@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import shlex
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from services.gateway.webhooks import WebhookWorker
 from tests.support.cli import run_yoke
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import ServiceProcess, eventually, free_port
+from tests.support.unprivileged import python_for
 from yoke import topology
 from yoke.client import Client
 from yoke.ids import new_id
@@ -43,6 +46,7 @@ from yoke.provisioning import (
     with_passwords,
 )
 from yoke.redact import redact
+from yoke.runtime.catalog import ToolCatalog
 from yoke.runtime.health import HealthServer
 from yoke.runtime.joins import create_forum
 from yoke.runtime.posting import Poster
@@ -161,7 +165,12 @@ def amqp_url(users: Users) -> str:
 
 @pytest.fixture(scope="module")
 def mesh_env() -> dict[str, str]:
-    return {"OPENAI_API_KEY": OPENAI_KEY, "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
+    # Empty: stdio MCP servers run as the default user, whatever conftest keeps for others.
+    return {
+        "OPENAI_API_KEY": OPENAI_KEY,
+        "OPENAI_BASE_URL": "http://127.0.0.1:9/v1",
+        "YOKE_MCP_STDIO_USER": "",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -453,3 +462,53 @@ async def test_provisioning_says_when_the_operator_is_refused(
         await import_definitions(wrong, {"users": [], "permissions": []}, deadline=5)
     assert "refused (401)" in str(refused.value)
     assert_no_secret(str(refused.value), "the provisioning error")
+
+
+# --- secrets out of reach of the programs the mesh starts ------------------------------------
+
+
+async def test_a_stdio_mcp_server_can_read_none_of_the_mesh_secrets(
+    store: Store, client: Client, new_join: JoinFactory, mesh: Mesh
+) -> None:
+    """The processor (as root here, with the services' password in its YOKE_AMQP_URL and an
+    OpenAI key) starts a hostile server, which reads every ancestor's environ, cmdline and
+    memory and every other /proc/*/environ of the test's processes: it finds no secret, and
+    still does its work (a HOME of its own it can write)."""
+    python = python_for()
+    assert python is not None, "no Python the unprivileged stdio user can run"
+    command = shlex.join([python, str(ROOT / "tests/support/snooping_mcp_server.py")])
+    code, _, err = await run_yoke(
+        mesh.env, "tools", "add-mcp", "snooping", "--command", command, "--timeout", "60",
+        "--env", f"SNOOP_NEEDLES={TAG}", "--env", f"SNOOP_TOP={os.getpid()}",
+    )  # fmt: skip
+    assert code == 0, err
+
+    async def listed() -> bool:
+        entry = (await ToolCatalog(store).entries(fresh=True)).get("snooping__snoop")
+        return entry is not None and entry.ready
+
+    await eventually(listed, timeout=90, what="snooping__snoop in the catalog", interval=0.3)
+    script = [
+        ScriptedOutput(tool_calls=[ScriptedCall(name="snooping__snoop")]),
+        ScriptedOutput(text="snooped"),
+    ]
+    forum_id, join = await new_join(
+        model="fixture-script", tools=["snooping__snoop"], script=script
+    )
+    await say(client, forum_id, "look around")
+    await lines_until(store, forum_id, lambda lines: len(agent_lines(lines)) == 1, timeout=120)
+    (answer,) = [
+        part
+        for line in await store.history(join.monologue_id)
+        for part in line.parts
+        if isinstance(part, ToolResultPart)
+    ]
+    assert not answer.is_error, answer.output
+    assert_no_secret(answer.output, "what a stdio MCP server could read")
+    seen = json.loads(answer.output)
+    assert seen["found"] == [], seen["found"]
+    assert seen["ancestors"][0] == mesh.processes["processor"].pid
+    assert f"{seen['ancestors'][0]}/cmdline" in seen["read"]  # it did look
+    assert seen["homeWritable"], seen
+    if os.geteuid() == 0:
+        assert seen["uid"] != 0

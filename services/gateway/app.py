@@ -53,6 +53,7 @@ from services.gateway.stream import BindTimeout, ForumStream, Hub
 from services.gateway.webhooks import WebhookWorker
 from yoke.client import STOP_LINE, Client
 from yoke.errors import EXIT_MISCONFIGURED, describe_validation_error, is_transient
+from yoke.hardening import make_undumpable
 from yoke.ids import new_id
 from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
 from yoke.logs import configure_logging
@@ -809,6 +810,7 @@ class _Server(uvicorn.Server):
 
 def main() -> None:
     """``python -m services.gateway``: serve on ``YOKE_GATEWAY_PORT`` until SIGTERM."""
+    make_undumpable()  # as every service (yoke.hardening)
     settings = Settings()
     configure_logging("gateway", settings.log_format, settings.log_level)
     # Bound here, not by uvicorn: a port that is taken is a configuration problem, and exit 78

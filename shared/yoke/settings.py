@@ -82,6 +82,9 @@ class Settings(BaseSettings):
     # this many lines / bytes wait in one, the oldest dropped first.
     bridge_queue_max_length: int = Field(default=10_000, ge=1)
     bridge_queue_max_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+    # Who a stdio MCP server runs as when the processor runs as root (yoke.tools.stdio_user):
+    # unset, nobody; "root" keeps root, and lets the server read the mesh's secrets.
+    mcp_stdio_user: str | None = None
 
     # The HTTP gateway (services/gateway): its API, console, /healthz and /metrics.
     gateway_port: int = Field(default=8080, ge=0, le=65535)

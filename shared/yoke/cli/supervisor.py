@@ -16,6 +16,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from yoke.errors import EXIT_MISCONFIGURED
+from yoke.hardening import make_undumpable
 
 # The services that consume shard queues (resharded, scaled, health-checked on metrics ports):
 # settings' list, re-exported for those who start the mesh.
@@ -108,6 +109,8 @@ async def run(
     grace: float = 30.0,
     replicas: dict[str, int] | None = None,
 ) -> int:
+    # Its environment is every service's: none of the programs they start may read it.
+    make_undumpable()
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -23,6 +23,7 @@ from yoke import metrics, topology
 from yoke.bus import Bus, OnMessage
 from yoke.consumer import Dispatcher, Gate, Malformed, Route, event_type_of, key_from_header
 from yoke.errors import EXIT_MISCONFIGURED, Misconfigured, RetryPolicy, describe_validation_error
+from yoke.hardening import make_undumpable
 from yoke.logs import configure_logging
 from yoke.metrics import EVENT_LAG_SECONDS
 from yoke.models import Envelope, EventPayload, MessagePosted, utcnow
@@ -445,6 +446,8 @@ def loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def run_service(name: str, register: Callable[[Service], None]) -> None:
     """Entry point of ``python -m services.<name>``."""
+    # Before anything is read: the stdio MCP servers it starts must not read its secrets.
+    make_undumpable()
     settings = Settings()
     configure_logging(name, settings.log_format, settings.log_level)
     metrics.initialize(name, settings.prices)

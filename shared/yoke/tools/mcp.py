@@ -30,6 +30,8 @@ Why it is shaped this way:
 - **Stdio servers get no secrets.** Their environment is an allow-list of harmless basics
   (:data:`INHERITED_ENV`) plus the server's own ``env``; nothing else of this process's
   environment (``YOKE_*``, ``OPENAI_API_KEY``, broker and store URLs) reaches them.
+  Nor can they read it from ``/proc``: this process is not dumpable (:mod:`yoke.hardening`),
+  and when it is root they run as an unprivileged user (:mod:`yoke.tools.stdio_user`).
 - **Bounded** (invariant 14): at most :data:`MAX_TOOLS` tools in :data:`MAX_LIST_PAGES` pages
   per listing, at most ``max_calls_in_flight`` calls per connection, no queue anywhere.
 
@@ -72,6 +74,7 @@ from yoke.tools.catalog import (
     mcp_tool_name,
     name_problem,
 )
+from yoke.tools.stdio_user import server_command
 
 log = logging.getLogger(__name__)
 
@@ -336,10 +339,10 @@ class McpConnection:
     def _transport(self) -> AbstractAsyncContextManager[Any]:
         server = self.server
         if server.command is not None:
+            # As an unprivileged user when this process is root (yoke.tools.stdio_user).
+            command = server_command(server.command)
             parameters = StdioServerParameters(
-                command=server.command[0],
-                args=server.command[1:],
-                env=server_environment(server),
+                command=command[0], args=command[1:], env=server_environment(server)
             )
             # errlog is read now, not at import: the server's stderr joins this process's own.
             return stdio_client(parameters, errlog=sys.stderr)
