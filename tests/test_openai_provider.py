@@ -152,3 +152,20 @@ def test_steps_share_one_client_and_its_connections(monkeypatch: pytest.MonkeyPa
     settings = Settings()
     first, second = OpenAIProvider("gpt-a", settings), OpenAIProvider("gpt-b", settings)
     assert first.client is second.client
+
+
+async def test_nul_and_lone_surrogates_in_a_models_answer_come_out_storable(
+    fake: FakeOpenAI,
+) -> None:
+    unstorable = "a\x00b\ud800c"
+    arguments = json.dumps({"expression": unstorable, unstorable: [unstorable]})
+    fake.script(completion(f"text {unstorable}", [("call-n", "calculator", arguments)]))
+    pieces: list[str] = []
+    asked = request(human("hi"))
+    asked.on_text = pieces.append
+    result = await provider().infer(asked)
+    stored = "a\ufffdb\ufffdc"
+    assert result.text == f"text {stored}"
+    assert "".join(pieces) == result.text
+    [call] = result.tool_calls
+    assert call.input == {"expression": stored, stored: [stored]}

@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import logging
 from abc import ABC, abstractmethod
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 from aio_pika.abc import AbstractIncomingMessage
-from pydantic import ValidationError
+from pydantic import BeforeValidator, ValidationError
 
 from yoke import topology
 from yoke.consumer import Malformed
@@ -47,6 +47,7 @@ from yoke.runtime.joins import ensure_participant_id
 from yoke.runtime.open_calls import OpenCalls
 from yoke.runtime.service import Service
 from yoke.speakers import DoorUsers, ForeignNamespace, token_namespace
+from yoke.text import storable_input
 
 log = logging.getLogger(__name__)
 
@@ -336,6 +337,13 @@ class CallDoor(ABC):
         """What ``user`` may do with this command, done: the reply to send back."""
 
 
+class _WorkerAnswer(SubmitToolResult):
+    """A worker's output is outside text (a binary file read as text, say): U+0000 and lone
+    surrogates become U+FFFD here, once, instead of refusing the answer."""
+
+    output: Annotated[str, BeforeValidator(storable_input)]
+
+
 class ToolResultDoor(CallDoor):
     """Takes a worker's answer (``tool.result.submit``): it must come from the user of the
     call's tool."""
@@ -349,7 +357,7 @@ class ToolResultDoor(CallDoor):
         self.max_body_bytes = self.max_text_bytes * 2 + 4096
 
     async def submit(self, body: bytes, user: str | None) -> SubmitReply:
-        answer = parse_command(body, self.max_body_bytes, SubmitToolResult)
+        answer = parse_command(body, self.max_body_bytes, _WorkerAnswer)
         if isinstance(answer, SubmitReply):
             return answer
         size = len(answer.output.encode())

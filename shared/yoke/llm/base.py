@@ -15,6 +15,7 @@ from typing import Protocol
 from pydantic import ConfigDict, Field, JsonValue
 
 from yoke.models import Message, TextPart, ToolCallPart, ToolResultPart, Usage, WireModel
+from yoke.text import storable, storable_json
 from yoke.tools.base import ToolSpec
 
 
@@ -38,18 +39,37 @@ class InferenceRequest:
 
     def streamed(self, piece: str) -> None:
         if self.on_text is not None and piece:
-            self.on_text(piece)
+            self.on_text(storable(piece))
 
 
 @dataclass
 class InferenceResult:
+    """What a model answered, made storable as it is made (``yoke.text.storable``): every
+    provider's output enters the mesh here, and a U+0000 or a lone surrogate in it would make
+    the line it becomes fail to store on every attempt."""
+
     text: str | None = None
     tool_calls: list[ToolCallPart] = field(default_factory=list)
     usage: Usage | None = None
 
+    def __post_init__(self) -> None:
+        if self.text is not None:
+            self.text = storable(self.text)
+        self.tool_calls = [_storable_call(call) for call in self.tool_calls]
+
     @property
     def empty(self) -> bool:
         return not self.text and not self.tool_calls
+
+
+def _storable_call(call: ToolCallPart) -> ToolCallPart:
+    made = ToolCallPart(
+        call_id=storable(call.call_id),
+        name=storable(call.name),
+        input=storable_json(call.input),
+        input_error=None if call.input_error is None else storable(call.input_error),
+    )
+    return call if made == call else made
 
 
 class Provider(Protocol):

@@ -61,6 +61,7 @@ from yoke.models import (
 )
 from yoke.runtime.posting import Poster
 from yoke.store import Store
+from yoke.text import storable
 from yoke.tools.catalog import ToolSource
 
 log = logging.getLogger(__name__)
@@ -295,7 +296,7 @@ class OpenCalls:
             )
             return self._after_end(end, tool, user)
         won, end = await self.end(
-            call, outcome="answered", output=output, is_error=is_error, by=user
+            call, outcome="answered", output=storable(output), is_error=is_error, by=user
         )
         if won:
             return SubmitReply(status="accepted", message_id=result_line_id(call.id))

@@ -66,6 +66,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 
+from yoke.text import storable
 from yoke.tools.catalog import (
     MCP_SEPARATOR,
     MCP_SERVER_NAME,
@@ -199,7 +200,8 @@ def result_text(result: types.CallToolResult) -> str:
     )
     if result.structured_content is not None and not has_text:
         parts.append(json.dumps(result.structured_content, ensure_ascii=False, default=str))
-    return "\n\n".join(parts)
+    # Outside text: a binary file read as text holds NULs the store cannot (yoke.text).
+    return storable("\n\n".join(parts))
 
 
 def describe(error: BaseException) -> str:
