@@ -293,10 +293,13 @@ async def test_add_worker_registers_a_tool_its_queue_and_user_and_remove_drops_t
     worker_name: str,
     tmp_path: Path,
 ) -> None:
+    # As JSON Schema tools write it: keys no MongoDB-wire store takes as field names.
     schema = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
         "type": "object",
-        "properties": {"city": {"type": "string"}},
+        "properties": {"city": {"$ref": "#/$defs/city"}, "geo.lat": {"type": "number"}},
         "required": ["city"],
+        "$defs": {"city": {"type": "string", "$comment": "a name"}},
     }
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(schema))
@@ -340,7 +343,8 @@ async def test_add_worker_registers_a_tool_its_queue_and_user_and_remove_drops_t
     assert (row["origin"], row["description"]) == (worker_name, "The weather in a city.")
     document = await own_store.db[CATALOG].find_one({"_id": worker_name})
     assert document is not None
-    assert CatalogEntry.from_document(document).timeout_seconds == 5
+    stored = CatalogEntry.from_document(document)
+    assert (stored.timeout_seconds, stored.input_schema) == (5, schema)
     assert again[0] == 1 and "in the catalog already" in again[2], again
     for taken, (code, out, err) in (("lookup_order", plugin), ("clock", builtin)):
         assert code == 1 and out == "", (taken, err)
@@ -360,6 +364,26 @@ async def test_add_worker_registers_a_tool_its_queue_and_user_and_remove_drops_t
     assert await own_store.db[CATALOG].find_one({"_id": worker_name}) is None
     assert not await user_exists(management, topology.tool_user(worker_name))
     assert topology.tool_queue(worker_name) not in await management.queues()
+
+
+async def test_a_catalog_entry_stored_in_the_old_shape_still_reads(own_store: Store) -> None:
+    # Before schemas were stored as JSON text, they were stored as a document of their own.
+    schema = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+    await own_store.db[CATALOG].insert_one(
+        {
+            "_id": "old_tool",
+            "description": "Stored by an older mesh.",
+            "inputSchema": schema,
+            "source": "worker",
+            "origin": "old_tool",
+            "timeoutSeconds": 9.0,
+            "status": "ready",
+        }
+    )
+    entry = (await ToolCatalog(own_store).entries(fresh=True))["old_tool"]
+    assert (entry.input_schema, entry.json_schema(), entry.timeout_seconds) == (schema, schema, 9)
+    # Written again, it reads back the same.
+    assert CatalogEntry.from_document(entry.to_document()) == entry
 
 
 # --- 5. plugin tools in a turn -----------------------------------------------------------

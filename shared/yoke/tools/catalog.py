@@ -7,13 +7,21 @@ worker). The processor, join validation (``yoke agent create``, ``yoke join``) a
 ``yoke tools list`` all read this one catalog (the guardian's runner has only its own
 ``steer`` tool). Two sources offering one name: the first registered keeps it (a unique
 insert decides), the other is listed ``unavailable``.
+
+A tool's input schema is stored as JSON text (``inputSchemaJson``), not as a document: JSON
+Schema's own keys (``$schema``, ``$ref``, ``$defs``) and a server's property names (``a.b``, a
+NUL) are not all storable as field names, and FerretDB refuses a key that starts with ``$`` or
+holds a dot. As text (ASCII, every control character escaped) any schema a server sends is
+stored and read back key for key; an entry written as a document before (``inputSchema``) still
+reads.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import Field
 
@@ -55,6 +63,27 @@ class CatalogEntry(Document):
 
     def json_schema(self) -> dict[str, Any]:
         return self.input_schema
+
+    def to_document(self) -> dict[str, Any]:
+        document = super().to_document()
+        document[SCHEMA_FIELD] = json.dumps(document.pop(OLD_SCHEMA_FIELD), separators=(",", ":"))
+        return document
+
+    @classmethod
+    def from_document(cls, document: dict[str, Any]) -> Self:
+        text = document.get(SCHEMA_FIELD)
+        if isinstance(text, str):
+            fields = {key: value for key, value in document.items() if key != SCHEMA_FIELD}
+            try:
+                document = {**fields, OLD_SCHEMA_FIELD: json.loads(text)}
+            except json.JSONDecodeError as error:
+                raise ValueError(f"catalog entry {document.get('_id')!r}: {error}") from error
+        return super().from_document(document)
+
+
+# Where an entry's schema is stored, as JSON text; and where it was, as a document.
+SCHEMA_FIELD = "inputSchemaJson"
+OLD_SCHEMA_FIELD = "inputSchema"
 
 
 class McpServer(Document):
