@@ -7,7 +7,6 @@ import asyncio
 import base64
 import os
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -17,7 +16,7 @@ import httpx
 import mcp.types as types
 import pytest
 
-from tests.support.mcp_server import LONG_NAME, PIXEL_PNG
+from tests.support.mcp_server import LONG_NAME, PIXEL_PNG, STDIO_COMMAND
 from tests.support.processes import ROOT, eventually, free_port
 from yoke.tools.catalog import CatalogEntry, McpServer
 from yoke.tools.mcp import (
@@ -28,7 +27,7 @@ from yoke.tools.mcp import (
     server_environment,
 )
 
-STDIO = [sys.executable, "-m", "tests.support.mcp_server", "--transport", "stdio"]
+STDIO = STDIO_COMMAND
 TOKEN = "Bearer not-a-real-token"
 
 
@@ -325,6 +324,23 @@ async def test_calls_beyond_the_bound_are_refused_at_once(http_server: HttpServe
             return await connection.call("echo", {"text": "room"}, 5) == ("room", False)
 
         await eventually(room_again, timeout=10, what="the bound to have room again")
+
+
+async def test_calls_waiting_for_a_connection_count_against_the_bound() -> None:
+    # Nothing listens there: every call waits for a connection that does not come.
+    config = McpServer(id="waiting", url=f"http://127.0.0.1:{free_port()}/mcp")
+    async with connected(config, wait_ready=False, max_calls_in_flight=2) as (connection, _):
+        waiting = [asyncio.create_task(connection.call("echo", {"text": "hi"}, 3)) for _ in "ab"]
+        await asyncio.sleep(0)  # both have started to wait
+        async with asyncio.timeout(0.5):
+            refused = await connection.call("echo", {"text": "one too many"}, 3)
+        assert refused == (
+            "mcp server waiting already has 2 calls under way; try again later",
+            True,
+        )
+        for call in waiting:
+            text, is_error = await call
+            assert is_error and text.startswith("mcp server waiting is not connected ("), text
 
 
 async def test_a_slow_call_within_its_timeout_answers(

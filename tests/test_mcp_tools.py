@@ -37,7 +37,7 @@ import pytest
 
 from tests.support.cli import run_yoke
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env
-from tests.support.mcp_server import LONG_NAME
+from tests.support.mcp_server import LONG_NAME, NUL_DESCRIPTION, RAW_SCHEMA
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import ROOT, eventually, free_port
 from yoke.client import Client
@@ -77,6 +77,8 @@ READY_TOOLS = {
     "env",
     "pid",
     "add_tool",
+    "schematic",
+    "nul_described",
 }
 UNUSABLE_TOOLS = {LONG_NAME, "dotted.name"}
 
@@ -269,6 +271,35 @@ async def test_registered_servers_are_listed_ready_as_name__tool(
             assert row["status"] == "unavailable" and "must match" in row["reason"]
     assert listing[f"{mcp_servers.files}__echo"]["description"] == "Answers with its input."
     assert listing[f"{mcp_servers.web}__echo"]["inputSchema"]["required"] == ["text"]
+    # Its "$schema", "$defs", "$ref", dotted and NUL-holding keys: listed as the server sent them.
+    assert listing[f"{mcp_servers.files}__schematic"]["inputSchema"] == RAW_SCHEMA
+    # A NUL the store cannot hold is replaced, not the reason the listing is lost.
+    described = listing[f"{mcp_servers.files}__nul_described"]["description"]
+    assert described == NUL_DESCRIPTION.replace("\0", "\ufffd") != NUL_DESCRIPTION
+
+
+async def test_the_model_is_offered_a_tools_schema_exactly_as_the_server_sent_it(
+    mcp_servers: Servers,
+    store: Store,
+    client: Client,
+    new_join: JoinFactory,
+    fake_openai: FakeOpenAI,
+) -> None:
+    tool = f"{mcp_servers.web}__schematic"
+    fake_openai.script(
+        completion(None, [("call-schematic", tool, json.dumps({"text": "hi"}))]),
+        completion("it answered"),
+    )
+    forum_id, join = await new_join(model="gpt-test", tools=[tool])
+    await say(client, forum_id, "use the schematic tool")
+    assert await answered(store, forum_id) == ["it answered"]
+
+    [spec] = fake_openai.requests[0]["tools"]
+    assert spec["function"]["name"] == tool
+    assert spec["function"]["parameters"] == RAW_SCHEMA
+    [(_, result)] = results(await store.history(join.monologue_id))
+    assert (result.output, result.is_error) == ("schematic: hi", False)
+    assert fake_openai.rejected == []
 
 
 async def test_a_server_slower_to_start_than_its_call_timeout_is_still_connected(

@@ -5,7 +5,10 @@ operator's ``--command`` server does; ``--transport http --port N`` serves strea
 ``http://127.0.0.1:N/mcp``, and ``--require-header "Name: value"`` makes it refuse (401) every
 request that lacks that header, as an authenticated server would. Its tools misbehave on
 demand (hang, crash mid-call, fail, answer with non-text content) so the host's handling of
-each can be checked against a real peer rather than a stand-in.
+each can be checked against a real peer rather than a stand-in. ``schematic`` is listed with
+:data:`RAW_SCHEMA`, a schema as TypeScript servers write them (``$schema``, ``$defs``,
+``$ref``) with keys no MongoDB-wire store takes as field names; ``--list-gate FILE`` holds
+every ``tools/list`` answer until FILE exists, so a test can act while a listing is under way.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import argparse
 import asyncio
 import base64
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -25,8 +30,12 @@ from mcp.types import (
     ResourceLink,
     TextContent,
     TextResourceContents,
+    Tool,
 )
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+# How a test starts this server over stdio (from the repository root).
+STDIO_COMMAND = [sys.executable, "-m", "tests.support.mcp_server", "--transport", "stdio"]
 
 # A 1x1 transparent PNG: small, and really an image.
 PIXEL_PNG = base64.b64decode(
@@ -138,15 +147,73 @@ async def add_tool(ctx: Context) -> str:
     return "added late"
 
 
-def build_server() -> MCPServer[Any]:
+def schematic(text: str) -> str:
+    """Listed with RAW_SCHEMA (its keys start with $, hold dots and a NUL)."""
+    return f"schematic: {text}"
+
+
+# Sent as the input schema of ``schematic``, key for key (the function's own schema still
+# checks a call's arguments).
+RAW_SCHEMA: dict[str, Any] = {
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "type": "object",
+    "properties": {
+        "text": {"type": "string", "description": "what to say"},
+        "options": {"$ref": "#/$defs/options"},
+    },
+    "required": ["text"],
+    "additionalProperties": False,
+    "$defs": {
+        "options": {
+            "type": "object",
+            "properties": {
+                "a.b": {"type": "string"},
+                "$weird": {"type": "integer", "$comment": "a $-key in a nested schema"},
+                "nul\u0000key": {"type": "boolean"},
+            },
+            "patternProperties": {"^x\\.": {"type": "number"}},
+        }
+    },
+}
+
+
+def nul_described() -> str:
+    """Its description (NUL_DESCRIPTION) holds a character the store cannot."""
+    return "described"
+
+
+NUL_DESCRIPTION = "Holds a NUL (\0) in its description."
+
+
+class TestServer(MCPServer[Any]):
+    """The SDK's server, but listing ``schematic`` with RAW_SCHEMA, and behind ``list_gate``."""
+
+    def __init__(self, list_gate: Path | None) -> None:
+        super().__init__("yoke-test", log_level="WARNING")
+        self.list_gate = list_gate
+
+    async def list_tools(self) -> list[Tool]:
+        # Polled: the file is made by another process, which no Event here can hear.
+        while self.list_gate is not None and not self.list_gate.exists():  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        return [
+            tool.model_copy(update={"input_schema": RAW_SCHEMA})
+            if tool.name == "schematic"
+            else tool
+            for tool in await super().list_tools()
+        ]
+
+
+def build_server(list_gate: Path | None = None) -> MCPServer[Any]:
     """Built only when served: constructing an MCPServer configures the root logger."""
-    server: MCPServer[Any] = MCPServer("yoke-test", log_level="WARNING")
-    tools = (echo, add, slow, hang, crash, fail, picture, resources, structured, env, pid, count)
-    for tool in tools:
+    server = TestServer(list_gate)
+    tools = (echo, add, slow, hang, crash, fail, picture, resources, structured, env, pid)
+    for tool in (*tools, schematic, count):
         server.add_tool(tool)
     server.add_tool(long_named, name=LONG_NAME)
     server.add_tool(dotted, name="dotted.name")
     server.add_tool(add_tool)
+    server.add_tool(nul_described, description=NUL_DESCRIPTION)
     return server
 
 
@@ -175,8 +242,9 @@ def main() -> None:
     parser.add_argument("--transport", choices=["stdio", "http"], default="stdio")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--require-header", default=None, help='"Name: value"')
+    parser.add_argument("--list-gate", type=Path, help="answer tools/list once this file exists")
     args = parser.parse_args()
-    server = build_server()
+    server = build_server(args.list_gate)
     if args.transport == "stdio":
         asyncio.run(server.run_stdio_async())
         return

@@ -26,14 +26,16 @@ Why it is shaped this way:
 - **Nothing is lost when a server is down.** ``on_tools`` is awaited only with a listing the
   server gave (at every connect, and after ``notifications/tools/list_changed``), never with an
   empty list because the server went away: the catalog keeps the entries and calls fail with a
-  text that says why, for the model to read.
+  text that says why, for the model to read. A listing ``on_tools`` failed to record (the
+  store away) is handed to it again at the session's next idle moment (the ping interval).
 - **Stdio servers get no secrets.** Their environment is an allow-list of harmless basics
   (:data:`INHERITED_ENV`) plus the server's own ``env``; nothing else of this process's
   environment (``YOKE_*``, ``OPENAI_API_KEY``, broker and store URLs) reaches them.
   Nor can they read it from ``/proc``: this process is not dumpable (:mod:`yoke.hardening`),
   and when it is root they run as an unprivileged user (:mod:`yoke.tools.stdio_user`).
 - **Bounded** (invariant 14): at most :data:`MAX_TOOLS` tools in :data:`MAX_LIST_PAGES` pages
-  per listing, at most ``max_calls_in_flight`` calls per connection, no queue anywhere.
+  per listing, at most ``max_calls_in_flight`` calls per connection (those waiting for a
+  session while the server starts or reconnects included), no queue anywhere.
 
 What a call's result becomes (:func:`result_text`), content block by content block, joined by
 blank lines: text as it is; an image as ``[image: MIME, N bytes of base64]``; audio as
@@ -152,11 +154,13 @@ def server_problem(server: McpServer) -> str | None:
 def catalog_entry(server: McpServer, tool: types.Tool) -> CatalogEntry:
     """The catalog's view of one of ``server``'s tools; a name the mesh cannot use is listed
     ``unavailable`` with the reason rather than dropped, so the operator sees it."""
-    name = mcp_tool_name(server.id, tool.name)
+    # The name and description are the server's text: made storable (a NUL, a lone surrogate
+    # would fail the whole listing's write); a name so changed is unusable anyway.
+    name = storable(mcp_tool_name(server.id, tool.name))
     reason = name_problem(name)
     return CatalogEntry(
         id=name,
-        description=tool.description or tool.title or "",
+        description=storable(tool.description or tool.title or ""),
         input_schema=tool.input_schema,
         source="mcp",
         origin=server.id,
@@ -270,6 +274,8 @@ class McpConnection:
         self._tools: list[CatalogEntry] = []
         # Calls under way; holding them also keeps asyncio from collecting a cancelled one early.
         self._calls: set[asyncio.Task[tuple[str, bool]]] = set()
+        # Calls waiting for a session (while the server starts or reconnects): bounded too.
+        self._waiting = 0
 
     @property
     def name(self) -> str:
@@ -406,7 +412,7 @@ class McpConnection:
             self._problem = None
             self._ready.set()
             log.info("mcp server %s connected with %d tools", self.name, len(tools))
-            await self._publish(tools)
+            recorded = await self._publish(tools)
             while True:
                 with anyio.move_on_after(self._ping_interval) as idle:
                     await attempt.wake.wait()
@@ -421,8 +427,10 @@ class McpConnection:
                     except TimeoutError as error:
                         raise _Broken("listing the changed tools timed out") from error
                     log.info("mcp server %s now has %d tools", self.name, len(tools))
-                    await self._publish(tools)
+                    recorded = await self._publish(tools)
                 if idle.cancelled_caught:
+                    if not recorded:  # the store was away, or refused it: again now
+                        recorded = await self._publish(tools)
                     await self._ping(session)
 
     def _on_message(self, attempt: _Attempt, message: IncomingMessage) -> None:
@@ -463,13 +471,22 @@ class McpConnection:
             )
         return [catalog_entry(self.server, tool) for tool in list(tools.values())[:MAX_TOOLS]]
 
-    async def _publish(self, tools: list[CatalogEntry]) -> None:
+    async def _publish(self, tools: list[CatalogEntry]) -> bool:
+        """Hand a listing to ``on_tools``; whether it was recorded (if not, the session's next
+        idle moment tries again)."""
         self._tools = tools
         try:
             await self._on_tools(tools)
-        except Exception:
+        except Exception as error:
             # The catalog is the caller's; failing to record it must not drop the session.
-            log.exception("recording the tools of mcp server %s failed", self.name)
+            log.warning(
+                "recording the tools of mcp server %s failed (again in %s): %s",
+                self.name,
+                _seconds(self._ping_interval),
+                describe(error),
+            )
+            return False
+        return True
 
     # The timeout is the call's own contract (an answer, not an exception, when it runs out),
     # which a caller's cancel scope could not give.
@@ -486,13 +503,18 @@ class McpConnection:
         deadline = loop.time() + timeout
         if self._stopped.is_set():
             return self._failed(tool, f"mcp server {self.name} is not connected ({self._why()})")
-        if len(self._calls) >= self._max_calls_in_flight:
+        under_way = len(self._calls) + self._waiting
+        if under_way >= self._max_calls_in_flight:
             return self._failed(
                 tool,
-                f"mcp server {self.name} already has {len(self._calls)} calls under way; "
-                "try again later",
+                f"mcp server {self.name} already has {under_way} calls under way; try again later",
             )
-        if not await self._wait_ready(timeout):
+        self._waiting += 1
+        try:
+            connected = await self._wait_ready(timeout)
+        finally:
+            self._waiting -= 1
+        if not connected:
             return self._failed(tool, f"mcp server {self.name} is not connected ({self._why()})")
         attempt = self._attempt
         if attempt is None or attempt.session is None:
