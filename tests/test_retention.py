@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,8 +26,18 @@ from yoke.client import Client
 from yoke.failures import Failure
 from yoke.models import Message, TextPart
 from yoke.retention import Sweep, core_rules, day_bucket, hour_bucket
+from yoke.runtime import open_calls
 from yoke.runtime.compaction import MonologueSwap, swap_rule
 from yoke.runtime.join_config import FollowUpConfig, GuardianConfig, JoinConfig, RulePolicy
+from yoke.runtime.open_calls import (
+    TOOL_CALL_DECISIONS_COLLECTION,
+    TOOL_CALL_ENDS_COLLECTION,
+    TOOL_CALLS_COLLECTION,
+    CallDecision,
+    CallEnd,
+    OpenCalls,
+    call_rules,
+)
 from yoke.settings import Settings
 from yoke.store import PROCEDURES, Store
 from yoke.webhooks import DEAD_LETTERS, LEASES, DeadLetter
@@ -267,6 +278,46 @@ async def test_a_bucket_whose_first_batch_is_live_still_sweeps_what_lies_behind_
         await store.close()
 
 
+async def test_call_ends_and_decisions_are_swept_by_rule_not_pruned_by_the_reaper(
+    mongodb_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every processor's reaper runs every second: it leaves ends and decisions alone (no range
+    delete, which FerretDB answers by reading the whole collection); the processor's retention
+    rules sweep them by bucket, keeping those whose call is still open."""
+    store = Store(mongodb_url)
+    await store.ensure_indexes()
+    try:
+        old, long_ago = days_ago(8), datetime.now(UTC) - timedelta(days=8)
+        for name in ("done", "open"):
+            end = CallEnd(
+                id=f"call-{name}", tool="t", outcome="answered", output="", is_error=False
+            )
+            made = CallDecision(id=f"call-{name}", tool="t", decision="approve")
+            for collection, document, at in (
+                (TOOL_CALL_ENDS_COLLECTION, end.to_document(), "endedAt"),
+                (TOOL_CALL_DECISIONS_COLLECTION, made.to_document(), "decidedAt"),
+            ):
+                aged = {**document, at: long_ago, "ageBucket": old}
+                await store.db[collection].insert_one(aged)
+        # However long the processor has run (its reaper's clock two hours on).
+        clock = open_calls.time.monotonic
+        monkeypatch.setattr(open_calls, "time", SimpleNamespace(monotonic=lambda: clock() + 7200))
+        await OpenCalls(store, None).reap()  # type: ignore[arg-type]  # no call: nothing to post
+        both = ["call-done", "call-open"]
+        for collection in (TOOL_CALL_ENDS_COLLECTION, TOOL_CALL_DECISIONS_COLLECTION):
+            assert await ids_in(store, collection, both) == set(both), collection
+        # Written with the bucket of their day (by the insert that writes them)...
+        assert end.to_document()["ageBucket"] == made.to_document()["ageBucket"] == day_bucket()
+        # ...and swept by the processor's rules; a call still open keeps its end and decision.
+        await store.db[TOOL_CALLS_COLLECTION].insert_one({"_id": "call-open"})
+        swept = await Sweep(store, call_rules(store, 7), lookback_days=10).sweep_once()
+        assert sorted(swept.values()) == [1, 1], swept
+        for collection in (TOOL_CALL_ENDS_COLLECTION, TOOL_CALL_DECISIONS_COLLECTION):
+            assert await ids_in(store, collection, both) == {"call-open"}, collection
+    finally:
+        await store.close()
+
+
 async def test_a_restart_after_a_long_outage_sweeps_what_expired_meanwhile(
     mongodb_url: str,
 ) -> None:
@@ -361,6 +412,21 @@ class Aged:
                 {"_id": "bg-replica", "service": "retired", "ageBucket": old_hour, "beat": long_ago}
             ],
             "writers": [{"_id": "sweep:bg-writer", "claimedAt": long_ago, "ageBucket": old_hour}],
+            TOOL_CALL_ENDS_COLLECTION: [
+                CallEnd(
+                    id="bg-end",
+                    tool="t",
+                    outcome="answered",
+                    output="",
+                    is_error=False,
+                    age_bucket=old_day,
+                ).to_document()
+            ],
+            TOOL_CALL_DECISIONS_COLLECTION: [
+                CallDecision(
+                    id="bg-decision", tool="t", decision="reject", age_bucket=old_day
+                ).to_document()
+            ],
         }
         self.live: dict[str, list[Doc]] = {
             PROCEDURES: [

@@ -74,7 +74,13 @@ from yoke.runtime.instances import (
     load_processor_config,
 )
 from yoke.runtime.mcp_hosting import McpHosting
-from yoke.runtime.open_calls import OpenCall, OpenCalls, open_call_id, round_results_id
+from yoke.runtime.open_calls import (
+    OpenCall,
+    OpenCalls,
+    call_rules,
+    open_call_id,
+    round_results_id,
+)
 from yoke.runtime.service import Service
 from yoke.runtime.tails import Tails
 from yoke.tools.base import Tool
@@ -1077,7 +1083,9 @@ def register(service: Service) -> None:
     dispatch = _dispatch = ToolDispatch(catalog, local, open_calls, service.bus, hosting.host)
     service.background("tool catalog", lambda: host_tools(hosting, dispatch, service.stopping))
     service.background("tool call deadlines", lambda: open_calls.run_reaper(service.stopping))
-    service.retention.add(swap_rule(service.settings.retention_decision_days))
+    days = service.settings.retention_decision_days
+    for rule in (swap_rule(days), *call_rules(service.store, days)):
+        service.retention.add(rule)
     # An approved call runs in its conversation's lane, on the replica owning that shard.
     service.on_event(ToolCallApproved, run_approved_call)
     service.on_arrival(notice_arrival)

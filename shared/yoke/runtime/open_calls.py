@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import Field, JsonValue
@@ -59,6 +59,7 @@ from yoke.models import (
     ToolResultPart,
     as_utc,
 )
+from yoke.retention import Rule, day_bucket
 from yoke.runtime.posting import Poster
 from yoke.store import Store
 from yoke.text import storable
@@ -71,9 +72,6 @@ TOOL_CALL_ENDS_COLLECTION = "tool_call_ends"
 TOOL_CALL_DECISIONS_COLLECTION = "tool_call_decisions"
 # How often each processor looks for calls past their deadline, and for ends left unfinished.
 REAP_SECONDS = 1.0
-# Ends are kept this long to answer a late or repeated answer (then pruned, hourly).
-END_RETENTION = timedelta(days=7)
-PRUNE_SECONDS = 3600.0
 # A decision whose call still awaits approval this long after it was taken (its decider died
 # half-way, say) is carried out again by the reaper, at most this often per call.
 REAPPLY_SECONDS = 30.0
@@ -133,6 +131,7 @@ class CallEnd(Document):
     # Ended within its round's step: the result goes in the round's results line (a retried
     # step reuses it), never in a line of its own.
     in_round: bool = False
+    age_bucket: str = Field(default_factory=day_bucket)  # yoke.retention: call_rules
 
 
 class CallDecision(Document):
@@ -144,6 +143,7 @@ class CallDecision(Document):
     by: CommandAuthor | None = None
     reason: str | None = None
     decided_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    age_bucket: str = Field(default_factory=day_bucket)  # yoke.retention: call_rules
 
 
 def open_call_id(instance_id: str, call_line_id: str, model_call_id: str) -> str:
@@ -174,7 +174,6 @@ class OpenCalls:
         self.calls = store.db[TOOL_CALLS_COLLECTION]
         self.ends = store.db[TOOL_CALL_ENDS_COLLECTION]
         self.decisions = store.db[TOOL_CALL_DECISIONS_COLLECTION]
-        self._pruned_at = 0.0
         # When the reaper last carried out a decision again, by call (only calls still open).
         self._reapplied: dict[str, float] = {}
 
@@ -543,10 +542,6 @@ class OpenCalls:
                 extra={"conversationId": call.conversation_id},
             )
             await self.carry_out(call, record)
-        if time.monotonic() - self._pruned_at > PRUNE_SECONDS:
-            self._pruned_at = time.monotonic()
-            await self.ends.delete_many({"endedAt": {"$lt": now - END_RETENTION}})
-            await self.decisions.delete_many({"decidedAt": {"$lt": now - END_RETENTION}})
         return still
 
     def _due_again(self, call_id: str, decision: CallDecision, now: datetime) -> bool:
@@ -599,3 +594,18 @@ def cut_short_text(tool: str) -> str:
 
 def no_decision_text(call: OpenCall) -> str:
     return f"no decision within {call.approval_timeout_seconds or 0:g} s"
+
+
+def call_rules(store: Store, days: float) -> list[Rule]:
+    """Ends and decisions, kept ``days`` (``YOKE_RETENTION_DECISION_DAYS``: to answer a late
+    or repeated answer) and while their call is open: the processor's retention sweep owns
+    them, by bucket, in bounded rounds."""
+    calls = store.db[TOOL_CALLS_COLLECTION]
+
+    async def call_open(document: dict[str, Any]) -> bool:
+        return await calls.find_one({"_id": document["_id"]}, {"_id": 1}) is not None
+
+    return [
+        Rule("tool call ends", TOOL_CALL_ENDS_COLLECTION, "day", days, live=call_open),
+        Rule("tool call decisions", TOOL_CALL_DECISIONS_COLLECTION, "day", days, live=call_open),
+    ]
