@@ -319,7 +319,9 @@ async def test_the_console_shows_a_forum_live_and_the_agents_monologue(
     workers_forum_id, _ = await worker_calls(store, client, new_join)
     title = (await store.get_conversation(forum_id)).title  # type: ignore[union-attr]
     await ensure_token_indexes(store)
-    _, secret = await create_token(store, "console", [forum_id, workers_forum_id])
+    _, secret = await create_token(
+        store, "console", [forum_id, workers_forum_id], can_read_monologues=True
+    )
     await asyncio.to_thread(
         use_the_console,
         browser,
@@ -369,7 +371,9 @@ async def test_the_monologue_data_says_where_each_tool_call_stands(
     await lines_until(store, clock_forum, lambda lines: len(agent_lines(lines)) == 1)
     workers_forum, workers_join = await worker_calls(store, client, new_join)
     await ensure_token_indexes(store)
-    _, secret = await create_token(store, "tool-calls-console", [clock_forum, workers_forum])
+    _, secret = await create_token(
+        store, "tool-calls-console", [clock_forum, workers_forum], can_read_monologues=True
+    )
 
     async with httpx.AsyncClient(
         base_url=gateway_url, timeout=30, headers={"Authorization": f"Bearer {secret}"}
@@ -449,8 +453,8 @@ async def test_the_consoles_data_keeps_to_the_tokens_scope(
     mine, my_join = await new_join()
     theirs, their_join = await new_join()
     await ensure_token_indexes(store)
-    _, scoped = await create_token(store, "scoped-console", [mine])
-    _, everything = await create_token(store, "all-console")
+    _, scoped = await create_token(store, "scoped-console", [mine], can_read_monologues=True)
+    _, everything = await create_token(store, "all-console", can_read_monologues=True)
     await ensure_webhook_indexes(store)
     for forum_id in (mine, theirs):
         subscription = await add_webhook(store, forum_id, "http://127.0.0.1:9/unused")
@@ -511,7 +515,7 @@ async def test_the_console_follows_an_agent_across_compactions(
     forum covers them all, and the new one opens with the summary (an instruction line)."""
     forum_id, join = await new_join(compaction_threshold_tokens=40, compaction_keep=2)
     await ensure_token_indexes(store)
-    _, secret = await create_token(store, "compacted-console", [forum_id])
+    _, secret = await create_token(store, "compacted-console", [forum_id], can_read_monologues=True)
     for n in range(8):
         await say(client, forum_id, f"a line long enough to fill the monologue, number {n}")
     await lines_until(store, forum_id, lambda lines: len(agent_lines(lines)) >= 8, timeout=90)

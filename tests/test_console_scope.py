@@ -7,6 +7,7 @@ and every request goes over a real socket to the gateway.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from services.gateway.console import PAGE_HEADERS
+from tests.support.cli import run_yoke
 from tests.support.gateway_process import running_gateway
 from yoke.forum_list import FORUM_LIST, ForumList
 from yoke.ids import new_id
@@ -67,8 +69,8 @@ async def test_a_scoped_token_learns_the_names_of_its_forums_people_only(
     ada = await person(store, mine.id, "Ada")
     bob = await person(store, theirs.id, "Bob")  # a human id can be derived: it is no secret
     await ensure_token_indexes(store)
-    _, scoped = await create_token(store, "names-scoped", [mine.id])
-    _, everything = await create_token(store, "names-all")
+    _, scoped = await create_token(store, "names-scoped", [mine.id], can_read_monologues=True)
+    _, everything = await create_token(store, "names-all", can_read_monologues=True)
     ids = ",".join([ada.id, bob.id, agent.id, "system"])
 
     answer = await get(gateway_url, "/console/api/names", scoped, ids=ids, conversation=mine.id)
@@ -106,7 +108,7 @@ async def test_a_forums_crowd_does_not_grow_what_its_console_view_reads(
     for n in range(30):
         await person(store, forum.id, f"someone {n}")
     await ensure_token_indexes(store)
-    _, secret = await create_token(store, "crowd", [forum.id])
+    _, secret = await create_token(store, "crowd", [forum.id], can_read_monologues=True)
 
     info = (await get(gateway_url, f"/console/api/forums/{forum.id}", secret)).json()
     assert [agent["name"] for agent in info["agents"]] == ["agent-2", "agent-1"]
@@ -191,3 +193,59 @@ async def test_the_forum_list_pages_newest_first_past_five_hundred(
         assert (await ForumList(store).head()) == 505
     finally:
         await store.close()
+
+
+async def test_only_a_token_made_to_read_monologues_sees_an_agents_private_working(
+    gateway_url: str, store: Store, poster: Poster, module_mongodb_url: str
+) -> None:
+    """A token for an app that posts lines reads its forums, never the agents' monologues
+    (their private working: tool inputs and outputs, notices), nor the mesh's dead letters
+    that hold them; ``--can-read-monologues`` is a right of its own, named when the token is
+    made and shown by ``yoke token list``, and a token stored before it existed has it not."""
+    forum = await create_forum(store, "private working")
+    agent = await create_agent(store, "thinker")
+    join = await join_conversation(store, poster, agent.id, forum.id)
+    await ensure_token_indexes(store)
+    _, poster_app = await create_token(store, "posting-app", [forum.id])
+    _, everywhere = await create_token(store, "posting-everywhere")
+    # Stored before the right existed: the field is absent, and the token has not the right.
+    _, old = await create_token(store, "stored-before", [forum.id])
+    await store.db["tokens"].update_one(
+        {"_id": "stored-before"}, {"$unset": {"canReadMonologues": ""}}
+    )
+
+    monologue = f"/console/api/monologues/{join.monologue_id}/messages"
+    info = f"/console/api/forums/{forum.id}"
+    for secret in (poster_app, everywhere, old):
+        refused = await get(gateway_url, monologue, secret)
+        assert refused.status_code == 403, refused.text
+        assert "--can-read-monologues" in refused.json()["error"]
+        names = await get(
+            gateway_url, "/console/api/names", secret, ids=agent.id, conversation=join.monologue_id
+        )
+        assert names.status_code == 403, names.text
+        assert (await get(gateway_url, info, secret)).json()["canReadMonologues"] is False
+        forum_lines = await get(gateway_url, f"/v1/forums/{forum.id}/messages", secret)
+        assert forum_lines.status_code == 200  # the forum itself, as before
+    letters = await get(gateway_url, "/console/api/dead-letters", everywhere)
+    assert letters.status_code == 200 and letters.json()["mesh"] is None
+
+    env = {"YOKE_MONGODB_URL": module_mongodb_url}
+    code, out, err = await run_yoke(
+        env, "token", "create", "--name", "reader", "--forum", forum.id, "--can-read-monologues"
+    )
+    assert code == 0, err
+    reader = out.splitlines()[-1]
+
+    allowed = await get(gateway_url, monologue, reader)
+    assert allowed.status_code == 200, allowed.text
+    assert allowed.json()["forumId"] == forum.id
+    assert (await get(gateway_url, info, reader)).json()["canReadMonologues"] is True
+
+    code, out, err = await run_yoke(env, "token", "list")
+    assert code == 0, err
+    rights = {
+        entry["name"]: entry["canReadMonologues"] for entry in map(json.loads, out.splitlines())
+    }
+    assert rights["reader"] is True
+    assert rights["posting-app"] is False and rights["stored-before"] is False

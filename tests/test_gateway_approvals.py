@@ -66,12 +66,18 @@ def cli_env(amqp_url: str, module_mongodb_url: str) -> dict[str, str]:
 
 
 async def token(
-    store: Store, forums: list[str] | None, *, can_approve: bool = False
+    store: Store,
+    forums: list[str] | None,
+    *,
+    can_approve: bool = False,
+    can_read_monologues: bool = False,
 ) -> tuple[str, str]:
     """A new token's name and secret."""
     await ensure_token_indexes(store)
     name = f"t{new_id()[:10]}"
-    _, secret = await create_token(store, name, forums, can_approve=can_approve)
+    _, secret = await create_token(
+        store, name, forums, can_approve=can_approve, can_read_monologues=can_read_monologues
+    )
     return name, secret
 
 
@@ -386,7 +392,7 @@ async def test_the_console_rejects_an_approval_and_shows_who_and_why(
     new_join: JoinFactory,
 ) -> None:
     forum_id, join = await gated_join(new_join, "never said")
-    name, secret = await token(store, [forum_id], can_approve=True)
+    name, secret = await token(store, [forum_id], can_approve=True, can_read_monologues=True)
     await say(client, forum_id, "add these up")
     await asyncio.to_thread(reject_in_the_console, browser, gateway_url, secret, forum_id)
 

@@ -7,9 +7,11 @@ step) with the token in an ``Authorization`` header. The token is asked once and
 tab's session storage; it is never put in a URL (a stream is read with ``fetch``, since
 ``EventSource`` cannot send a header).
 
-A token's forum scope covers the monologues of the agents joined to those forums: a monologue
-is shown if some forum in scope has an agent whose active monologue, or one of its compaction
-chain, it is. Mesh-wide dead letters (the broker's queue) are shown to all-forums tokens only;
+A token made with ``--can-read-monologues`` reads the monologues of the agents joined to the
+forums in its scope: a monologue is shown if some forum in scope has an agent whose active
+monologue, or one of its compaction chain, it is; any other token gets 403 there (an app that
+posts lines never reads an agent's private working). Mesh-wide dead letters (the broker's
+queue, which holds monologue lines too) are shown to all-forums tokens with that right only;
 webhook dead letters to the tokens whose scope holds their forum.
 
 The forum view draws an agent's line as it is written, from the stream's ``delta`` events
@@ -34,7 +36,14 @@ from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from services.gateway.deps import ApiError, ForumDep, Gateway, TokenDep, gateway
+from services.gateway.deps import (
+    ApiError,
+    ForumDep,
+    Gateway,
+    TokenDep,
+    gateway,
+    require_monologue_reader,
+)
 from services.gateway.tool_calls import ToolCallStates
 from yoke.dead_letters import list_dead_letters
 from yoke.forum_list import ForumList
@@ -190,7 +199,8 @@ async def agents_of(store: Store, forum_id: str, cap: int) -> tuple[list[dict[st
 async def forum_info(request: Request, forum: ForumDep, token: TokenDep) -> JSONResponse:
     """A forum, its head seq and its agents (for the forum view and its monologue panel;
     ``agentsCut`` when there were more than ``YOKE_CONSOLE_MAX_AGENTS``), and whether the
-    token may decide approvals (the view then lists them, with their buttons)."""
+    token may decide approvals (the view then lists them, with their buttons) and read the
+    agents' monologues (else the view offers none)."""
     state = gateway(request)
     agents, cut = await agents_of(state.store, forum.id, state.settings.console_max_agents)
     return JSONResponse(
@@ -200,18 +210,21 @@ async def forum_info(request: Request, forum: ForumDep, token: TokenDep) -> JSON
             "agents": agents,
             "agentsCut": cut,
             "canApprove": token.can_approve,
+            "canReadMonologues": token.can_read_monologues,
         }
     )
 
 
 async def readable_forum(store: Store, token: Token, conversation_id: str) -> str | None:
     """The forum through which the token may read the conversation (a forum in its scope, or
-    the monologue of a join there), or None."""
+    the monologue of a join there, for a token that may read monologues), or None."""
     conversation = await store.get_conversation(conversation_id)
     if conversation is None:
         return None
     if conversation.kind == "forum":
         return conversation.id if token.allows(conversation.id) else None
+    if not token.can_read_monologues:
+        return None
     join = await join_of_monologue(store, conversation_id)
     return join[0] if join is not None and token.allows(join[0]) else None
 
@@ -289,9 +302,11 @@ async def monologue_messages(
     and ``toolCalls``: where each call stands that the page shows or must redraw (see
     :meth:`ToolCallStates.views`), keyed by ``callLineId`` and ``callId``.
 
-    Scope: a monologue belongs to its join's forum; a token that may not use that forum gets
-    403, as does one asking for an id that is not a monologue (nothing is told about it).
+    Scope: only a token made with ``--can-read-monologues`` reads any (else 403); a monologue
+    belongs to its join's forum; a token that may not use that forum gets 403, as does one
+    asking for an id that is not a monologue (nothing is told about it).
     """
+    require_monologue_reader(token, "monologues")
     state = gateway(request)
     store = state.store
     join = await join_of_monologue(store, monologue_id)
@@ -314,7 +329,8 @@ async def monologue_messages(
 
 @router.get("/console/api/dead-letters")
 async def dead_letter_list(request: Request, token: TokenDep) -> JSONResponse:
-    """Webhook dead letters of the forums in scope; the mesh's for all-forums tokens."""
+    """Webhook dead letters of the forums in scope; the mesh's (monologue lines among them)
+    for all-forums tokens that may read monologues."""
     state = gateway(request)
     letters = await dead_letters(state.store, token.forums, limit=DEAD_LETTERS_SHOWN)
     body: dict[str, Any] = {"webhooks": [letter.to_wire() for letter in letters]}
@@ -323,7 +339,7 @@ async def dead_letter_list(request: Request, token: TokenDep) -> JSONResponse:
 
 
 def everything(token: Token) -> bool:
-    return token.forums is None
+    return token.forums is None and token.can_read_monologues
 
 
 async def mesh_dead_letters(amqp_url: str) -> list[dict[str, object]] | str:

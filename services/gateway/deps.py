@@ -138,3 +138,15 @@ async def forum_in_scope(
 
 
 ForumDep = Annotated[Conversation, Depends(forum_in_scope)]
+
+
+def require_monologue_reader(token: Token, what: str) -> None:
+    """403 unless the token was made with ``--can-read-monologues``: an agent's private
+    working (its monologue, tool inputs and outputs, notices) is a right of its own, which a
+    token that only posts lines has not."""
+    if not token.can_read_monologues:
+        raise ApiError(
+            403,
+            "forbidden",
+            f"token {token.id!r} may not read {what} (yoke token create --can-read-monologues)",
+        )

@@ -8,7 +8,10 @@ with it, so one token cannot speak as the people of another, nor a token revoked
 again under the same name as the old one's people or with its idempotency keys. Tokens stored
 before namespaces were random keep their name as namespace. Deciding a tool call's approval
 is a right of its own (``can_approve``): a token that only posts lines, say a website's,
-cannot also let an agent's tool run.
+cannot also let an agent's tool run. So is reading what an agent keeps to itself, its
+monologues (``can_read_monologues``): such a token reads its forums, never the agents' private
+working there. A right absent from a stored token is a right it has not (stored before it
+existed, it never gains it).
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ class TokenError(Exception):
 
 class Token(Document):
     """A stored token: its name (``id``), the secret's hash, its forums (None: all), and whether
-    its callers may decide approvals in those forums."""
+    its callers may decide approvals and read the agents' monologues in those forums."""
 
     hash: str
     forums: list[str] | None = None
     can_approve: bool = False
+    can_read_monologues: bool = False
     created_at: datetime = Field(default_factory=utcnow)
     # None on tokens stored before namespaces were random: their name is their namespace.
     namespace: str | None = None
@@ -82,7 +86,12 @@ async def ensure_token_indexes(store: Store) -> None:
 
 
 async def create_token(
-    store: Store, name: str, forums: list[str] | None = None, *, can_approve: bool = False
+    store: Store,
+    name: str,
+    forums: list[str] | None = None,
+    *,
+    can_approve: bool = False,
+    can_read_monologues: bool = False,
 ) -> tuple[Token, str]:
     """A new token and its secret (the only time the secret exists outside the caller)."""
     if not NAME_PATTERN.match(name):
@@ -93,6 +102,7 @@ async def create_token(
         hash=hash_secret(secret),
         forums=sorted(set(forums)) if forums else None,
         can_approve=can_approve,
+        can_read_monologues=can_read_monologues,
         namespace=new_namespace(name),
     )
     if not await store.insert_if_absent(collection(store), token.to_document()):

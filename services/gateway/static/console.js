@@ -406,7 +406,7 @@ async function forumPage() {
   canApprove = Boolean(info.canApprove);
   const agentNames = new Map(info.agents.map((a) => [a.agentActorId, a.name]));
   for (const agent of info.agents) names.set(agent.agentActorId, agent.name);
-  showAgents(info.agents);
+  showAgents(info.agents, Boolean(info.canReadMonologues));
   if (info.agentsCut) $("agents").append(element("li", "meta", "Only the newest " + info.agents.length + " agents are listed."));
 
   const lines = $("lines");
@@ -518,10 +518,16 @@ async function readStream(url, lastSeq, onOpen, onEvent) {
 
 let monologueTimer = null;
 
-function showAgents(agents) {
+function showAgents(agents, canReadMonologues) {
   const list = $("agents");
   list.replaceChildren();
   if (!agents.length) list.append(element("li", "meta", "No agent has joined this forum."));
+  if (agents.length && !canReadMonologues) {
+    // An agent's private working is a right of its own: the gateway answers 403 without it.
+    for (const agent of agents) list.append(element("li", null, agent.name + (agent.left ? " (left)" : "")));
+    list.append(element("li", "meta", "Monologues are shown to tokens made with yoke token create --can-read-monologues."));
+    return;
+  }
   for (const agent of agents) {
     const item = element("li");
     const button = element("button", "agent-link", agent.name + (agent.left ? " (left)" : ""));
@@ -582,7 +588,7 @@ async function deadLettersPage() {
   const mesh = $("mesh-letters").tBodies[0];
   mesh.replaceChildren();
   if (body.mesh === null) {
-    $("mesh-note").textContent = "Shown to all-forums tokens only.";
+    $("mesh-note").textContent = "Shown to all-forums tokens made with --can-read-monologues only.";
   } else if (typeof body.mesh === "string") {
     $("mesh-note").textContent = body.mesh;
   } else {

@@ -31,10 +31,21 @@ async def _create(store: Store, args: argparse.Namespace) -> None:
         if forum is None or forum.kind != "forum":
             raise TokenError(f"unknown forum {forum_id!r}")
     token, secret = await create_token(
-        store, args.name, forums or None, can_approve=args.can_approve
+        store,
+        args.name,
+        forums or None,
+        can_approve=args.can_approve,
+        can_read_monologues=args.can_read_monologues,
     )
     scope = ", ".join(token.forums) if token.forums else "all forums"
-    rights = "; it may decide approvals" if token.can_approve else ""
+    rights = "".join(
+        f"; it may {right}"
+        for right, has in (
+            ("decide approvals", token.can_approve),
+            ("read the agents' monologues", token.can_read_monologues),
+        )
+        if has
+    )
     print(f"token {token.id} for {scope}{rights}; it is shown only now:")
     print(secret)
 
@@ -45,6 +56,7 @@ async def _list(store: Store, args: argparse.Namespace) -> None:
             "name": token.id,
             "forums": token.forums,
             "canApprove": token.can_approve,
+            "canReadMonologues": token.can_read_monologues,
             "createdAt": token.created_at,
         }
         print(json.dumps(entry, default=str, separators=(",", ":")))
@@ -69,7 +81,8 @@ async def token_revoke(args: argparse.Namespace) -> None:
 
 
 def register(commands: Any) -> None:
-    """``yoke token create --name NAME [--forum ID ...] [--can-approve]``, ``yoke token list``,
+    """``yoke token create --name NAME [--forum ID ...] [--can-approve]
+    [--can-read-monologues]``, ``yoke token list``,
     ``yoke token revoke NAME``."""
     token = commands.add_parser("token", help="the HTTP gateway's tokens").add_subparsers(
         dest="sub", required=True
@@ -89,7 +102,16 @@ def register(commands: Any) -> None:
         action="store_true",
         help="its callers may approve or reject tool calls awaiting a decision in its forums",
     )
-    help = "one JSON line per token: name, forums (null: all), canApprove, createdAt"
+    create.add_argument(
+        "--can-read-monologues",
+        action="store_true",
+        help="its callers may read the monologues of its forums' agents (the console's "
+        "monologue view: their private working, tool inputs and outputs, notices)",
+    )
+    help = (
+        "one JSON line per token: name, forums (null: all), canApprove, canReadMonologues, "
+        "createdAt"
+    )
     token.add_parser("list", help=help, description=help).set_defaults(handler=token_list)
     help = "delete a token: it stops working at once"
     revoke = token.add_parser("revoke", help=help, description=help)
