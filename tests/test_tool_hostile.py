@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shlex
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import aio_pika
@@ -60,25 +62,36 @@ def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
     return openai_env(fake_openai.base_url, give_up_seconds=10)
 
 
+@dataclass(frozen=True)
+class WorkerTool:
+    name: str
+    user: str  # its RabbitMQ user, as ``yoke tools add-worker`` named it
+    url: str  # the module's vhost, as that user
+
+
 @pytest.fixture(scope="module")
 async def worker_tool(
     amqp_url: str, module_mongodb_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[tuple[str, str]]:
-    """A worker tool (name, its user's AMQP URL), registered before the services start (so
-    the processor's first read of the catalog holds it); its user is deleted afterwards."""
+) -> AsyncIterator[WorkerTool]:
+    """A worker tool, registered before the services start (so the processor's first read of
+    the catalog holds it); its user is deleted afterwards."""
     schema = Path(tmp_path_factory.mktemp("tool")) / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"path": {"type": "string"}}}))
     name = f"bin{uuid.uuid4().hex[:8]}"
     env = mesh_service_env(amqp_url, module_mongodb_url)
+    code, out, err = await run_yoke(
+        env, "tools", "add-worker", name, "--schema", str(schema),
+        "--description", "reads a file", "--timeout", str(WAIT), timeout=CLI_SECONDS,
+    )  # fmt: skip
+    assert code == 0, err
+    *_, said, password = out.splitlines()
+    found = re.search(r"RabbitMQ user (\S+) with the password", said)
+    assert found is not None, out
+    user = found.group(1)
     try:
-        code, out, err = await run_yoke(
-            env, "tools", "add-worker", name, "--schema", str(schema),
-            "--description", "reads a file", "--timeout", str(WAIT), timeout=CLI_SECONDS,
-        )  # fmt: skip
-        assert code == 0, err
-        yield name, as_user(amqp_url, topology.tool_user(name), out.splitlines()[-1])
+        yield WorkerTool(name, user, as_user(amqp_url, user, password))
     finally:
-        await delete_user(management_of(amqp_url), topology.tool_user(name))
+        await delete_user(management_of(amqp_url), user)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +100,7 @@ async def mesh(
     module_mongodb_url: str,
     mesh_env: dict[str, str],
     tmp_path_factory: pytest.TempPathFactory,
-    worker_tool: tuple[str, str],
+    worker_tool: WorkerTool,
 ) -> AsyncIterator[Mesh]:
     """The five services, the processor with ``cpu_hog`` installed beside it."""
     plugins = plugin_path(Path(tmp_path_factory.mktemp("plugins")))
@@ -199,11 +212,11 @@ async def test_an_mcp_tool_answering_with_nuls_is_stored_once_and_answered(
 
 
 async def test_a_workers_answer_with_nul_and_a_lone_surrogate_is_stored_once_and_answered(
-    store: Store, client: Client, new_join: JoinFactory, worker_tool: tuple[str, str]
+    store: Store, client: Client, new_join: JoinFactory, worker_tool: WorkerTool
 ) -> None:
-    tool, url = worker_tool
+    tool = worker_tool.name
     forum_id, join = await new_join(model="fixture-script", tools=[tool], script=reads_a_file(tool))
-    connection = await aio_pika.connect(url)
+    connection = await aio_pika.connect(worker_tool.url)
     try:
         channel = await connection.channel()
         replies: asyncio.Queue[bytes] = asyncio.Queue()
@@ -227,7 +240,7 @@ async def test_a_workers_answer_with_nul_and_a_lone_surrogate_is_stored_once_and
             aio_pika.Message(
                 body.encode(),
                 content_type="application/json",
-                user_id=topology.tool_user(tool),
+                user_id=worker_tool.user,
                 reply_to="amq.rabbitmq.reply-to",
             ),
             routing_key=topology.TOOL_RESULT_COMMAND,
