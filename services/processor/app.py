@@ -70,6 +70,7 @@ from yoke.runtime.instances import (
     ProcessorConfig,
     ProcessorState,
     Progress,
+    RoundMark,
     StopMark,
     load_processor_config,
 )
@@ -79,6 +80,7 @@ from yoke.runtime.open_calls import (
     OpenCalls,
     call_rules,
     open_call_id,
+    result_line_id,
     round_results_id,
 )
 from yoke.runtime.service import Service
@@ -183,13 +185,15 @@ async def step(context: Context, trigger: Message) -> None:
         )
         return
     transcript = await step_window(context, trigger)
-    if round_pending_after(transcript, trigger) or await results_on_their_way(context, transcript):
+    seen = await with_recorded_round(context, transcript)
+    if round_pending_after(seen, trigger) or await results_on_their_way(context, seen):
         log.info(
             "not answering yet: the step after the pending tool results answers this line",
             extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
         )
-        await tell_of_awaited_approvals(context, trigger, transcript)
+        await tell_of_awaited_approvals(context, trigger, seen)
         return
+    context.state.open_round = None  # no round holds this line back: none is open
     upto_trigger = [line for line in transcript if line.seq <= trigger.seq]
     if await compact(context, trigger, upto_trigger):  # then answered in the new monologue
         return
@@ -206,6 +210,9 @@ async def answer_tool_results(context: Context, trigger: Message) -> None:
         return
     transcript = await step_window(context, trigger)
     round_index = call_line_index(transcript, trigger)
+    if round_index is None:  # a long wait: the call line is older than the window
+        transcript = await with_recorded_round(context, transcript)
+        round_index = call_line_index(transcript, trigger)
     if round_index is None:
         # Their call is out of context (a /reset meanwhile): nothing here waits for them.
         log.info(
@@ -222,6 +229,9 @@ async def answer_tool_results(context: Context, trigger: Message) -> None:
             extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
         )
         return
+    mark = context.state.open_round
+    if mark is not None and mark.call_line_id == transcript[round_index].id:
+        context.state.open_round = None  # the round is over
     waiting = [
         line
         for line in transcript[round_index + 1 :]
@@ -401,6 +411,40 @@ def unanswered(called: set[str], later: list[Message]) -> set[str]:
     return called - answered
 
 
+def recorded_round(context: Context, transcript: list[Message]) -> RoundMark | None:
+    """The open round's record, when its call line is older than the window (a long wait:
+    more than ``YOKE_CONTEXT_LINES`` lines came meanwhile) and not reset away."""
+    mark = context.state.open_round
+    if mark is None or not transcript or mark.conversation_id != transcript[0].conversation_id:
+        return None
+    if mark.seq < context.state.context_from_seq or mark.seq >= transcript[0].seq:
+        return None  # reset away, or in the window (which then tells)
+    return mark
+
+
+async def with_recorded_round(context: Context, transcript: list[Message]) -> list[Message]:
+    """``transcript`` led by the open round's call line and its results older than the window,
+    read by their ids (docs/architecture.md, invariant 10: found by the record, not by the
+    window); as it is when no round is open (no store operation then)."""
+    mark = recorded_round(context, transcript)
+    if mark is None:
+        return transcript
+    call_line = await context.store.get_message(mark.call_line_id)
+    if call_line is None:
+        return transcript
+    missing = unanswered(call_ids(call_line), transcript)
+    ids = [tool_results_id(context, call_line)] + [
+        result_line_id(open_call_id(context.instance_id, call_line.id, call_id))
+        for call_id in sorted(missing)
+    ]
+    earlier = []
+    for message_id in ids:
+        line = await context.store.get_message(message_id)
+        if line is not None and line.seq < transcript[0].seq:
+            earlier.append(line)
+    return [call_line, *sorted(earlier, key=lambda line: line.seq), *transcript]
+
+
 def tool_results_id(context: Context, call_line: Message) -> str:
     """The id of the results message the step of ``call_line`` writes (one per call line)."""
     return round_results_id(context.instance_id, call_line.id)
@@ -419,7 +463,11 @@ async def results_on_their_way(context: Context, transcript: list[Message]) -> b
     call_line = open_round(transcript)
     if call_line is None:
         return False
-    if await context.store.get_message(tool_results_id(context, call_line)) is not None:
+    results_id = tool_results_id(context, call_line)
+    if (
+        all(line.id != results_id for line in transcript)
+        and await context.store.get_message(results_id) is not None
+    ):
         return True
     missing = unanswered(call_ids(call_line), transcript)
     open_calls = OpenCalls(context.store, context.poster)
@@ -752,6 +800,10 @@ async def run_tool_round(context: Context, trigger: Message, calls: list[ToolCal
         up_to_seq=trigger.seq - 1,
     )
     refused = repeated_calls(earlier, calls, dispatch.local.runnable)
+    # Found by this record until its results are answered, however long they take.
+    context.state.open_round = RoundMark(
+        conversation_id=trigger.conversation_id, seq=trigger.seq, call_line_id=trigger.id
+    )
     runnable = [call for call in calls if call.call_id not in refused]
     meta = carried_meta(context, trigger)
 

@@ -224,6 +224,8 @@ async def compact(context: Context, trigger: Message, transcript: list[Message])
     """
     if trigger.meta.carried_from:
         await finish_swap_into(context, trigger.conversation_id)
+    if context.state.open_round is not None:
+        return False  # never across an open round: its results would land in the old monologue
     if not needs_compaction(context.config, transcript):
         return False
     if await calls_after(context.store, trigger):

@@ -167,6 +167,13 @@ class StopMark(Progress):
     rounds: list[str] = Field(default_factory=list, max_length=100)
 
 
+class RoundMark(Progress):
+    """The join's tool round still open: its call line, found by this record, not by the
+    window, however many lines a long wait (an approval's, a worker's) brings meanwhile."""
+
+    call_line_id: str
+
+
 class ProcessorState(WireModel):
     """What the processor's lane saves after a step (one writer: the lane)."""
 
@@ -183,6 +190,8 @@ class ProcessorState(WireModel):
     # newest line: the steps of the lines it covered call no model), and the last stop.
     answered: Progress | None = None
     stopped: StopMark | None = None
+    # Set by a round's step, cleared once its results are answered (or it is found lost).
+    open_round: RoundMark | None = None
 
 
 class IngestionConfig(WireModel):
