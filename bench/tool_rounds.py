@@ -34,7 +34,7 @@ from bench.mesh_bench import Figures, MeshBench
 from bench.services import ROOT
 from bench.stats import percentile
 from yoke import topology
-from yoke.cli.tool_users import create_tool_user, delete_tool_user
+from yoke.cli.tool_users import create_tool_user, delete_tool_user, tool_user_name
 from yoke.cli.tools import declare_tool_queue
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, ToolCallPart, ToolResultPart
@@ -139,7 +139,7 @@ class ToolRoundsBench:
 
     def start_worker(self) -> subprocess.Popen[bytes]:
         parts = urlsplit(self.mesh.box.amqp_url)
-        user = quote(topology.tool_user(self.worker_tool), safe="")
+        user = quote(tool_user_name(self.settings, self.worker_tool), safe="")
         netloc = f"{user}:{quote(self.password, safe='')}@{parts.hostname}"
         if parts.port:
             netloc += f":{parts.port}"

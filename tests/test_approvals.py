@@ -57,6 +57,7 @@ from yoke.runtime.open_calls import (
     TOOL_CALLS_COLLECTION,
 )
 from yoke.runtime.posting import Poster
+from yoke.speakers import amqp_vhost
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow
@@ -113,7 +114,7 @@ async def registered(
     schema.write_text(json.dumps({"type": "object", "properties": {"q": {"type": "string"}}}))
     approver, worker, server = (f"{kind}{uuid.uuid4().hex[:10]}" for kind in "pwm")
     mcp = shlex.join([sys.executable, "-m", "tests.support.mcp_server", "--transport", "stdio"])
-    users = [approver, topology.tool_user(worker)]
+    users = [approver, topology.tool_user(worker, amqp_vhost(amqp_url))]
     try:
         code, outputs, err = await run_yoke_commands(
             yoke_env,
@@ -130,7 +131,10 @@ async def registered(
         passwords = [output.strip().splitlines()[-1] for output in outputs[:2]]
         yield Registered(
             Publisher(approver, as_user(amqp_url, approver, passwords[0])),
-            Publisher(worker, as_user(amqp_url, topology.tool_user(worker), passwords[1])),
+            Publisher(
+                worker,
+                as_user(amqp_url, topology.tool_user(worker, amqp_vhost(amqp_url)), passwords[1]),
+            ),
             server,
         )
     finally:

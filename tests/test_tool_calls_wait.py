@@ -48,6 +48,7 @@ from yoke.runtime.open_calls import (
     result_line_id,
 )
 from yoke.runtime.posting import Poster
+from yoke.speakers import amqp_vhost
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow
@@ -122,7 +123,10 @@ async def tools(
         # add-worker prints the new user's password on its last line.
         passwords = [output.strip().splitlines()[-1] for output in outputs]
         yield {
-            use: Tool(names[use], as_user(amqp_url, topology.tool_user(names[use]), password))
+            use: Tool(
+                names[use],
+                as_user(amqp_url, topology.tool_user(names[use], amqp_vhost(amqp_url)), password),
+            )
             for use, password in zip(TOOLS, passwords, strict=True)
         }
     finally:
@@ -130,7 +134,9 @@ async def tools(
         auth = (unquote(parts.username or "guest"), unquote(parts.password or "guest"))
         async with httpx.AsyncClient(base_url=servers[2], auth=auth, timeout=30) as api:
             for name in names.values():
-                await api.delete(f"/api/users/{quote(topology.tool_user(name), safe='')}")
+                await api.delete(
+                    f"/api/users/{quote(topology.tool_user(name, amqp_vhost(amqp_url)), safe='')}"
+                )
 
 
 async def start_every_service(mesh: Mesh) -> None:

@@ -275,7 +275,7 @@ async def worker_name(management: Management) -> AsyncIterator[str]:
     yield name
     # With the users a refused add-worker must not make: a bug the test reports, never left.
     for tool in (name, f"{name}x", "lookup_order", "clock"):
-        await delete_user(management, topology.tool_user(tool))
+        await delete_user(management, topology.tool_user(tool, management.vhost))
 
 
 def as_tool_user(amqp_url: str, tool: str, password: str) -> str:

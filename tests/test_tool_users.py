@@ -21,6 +21,7 @@ from tests.support.worker_process import WorkerProcess, as_user
 from yoke import topology
 from yoke.cli.tool_users import ToolUserRefused, create_tool_user, delete_tool_user
 from yoke.settings import Settings
+from yoke.speakers import amqp_vhost
 
 
 def vhost_of(amqp_url: str) -> str:
@@ -43,11 +44,13 @@ async def management(
 
 
 @pytest.fixture
-async def tool_name(management: httpx.AsyncClient) -> AsyncIterator[str]:
+async def tool_name(management: httpx.AsyncClient, amqp_url: str) -> AsyncIterator[str]:
     """A tool name no other test uses; its user is removed after the test whatever happened."""
     name = f"t{uuid.uuid4().hex[:10]}"
     yield name
-    await management.delete(f"/api/users/{quote(topology.tool_user(name), safe='')}")
+    await management.delete(
+        f"/api/users/{quote(topology.tool_user(name, amqp_vhost(amqp_url)), safe='')}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +77,7 @@ async def test_a_tool_user_gets_exactly_the_worker_permissions_and_no_tag(
 ) -> None:
     password = await create_tool_user(settings, tool_name)
 
-    user = topology.tool_user(tool_name)
+    user = topology.tool_user(tool_name, amqp_vhost(amqp_url))
     found = await management.get(f"/api/users/{quote(user, safe='')}")
     assert found.status_code == 200, found.text
     assert found.json()["tags"] in ("", [])  # 3.10 says "", later versions []
@@ -96,7 +99,9 @@ async def test_an_existing_tool_user_is_refused_and_keeps_its_password(
     password = await create_tool_user(settings, tool_name)
     with pytest.raises(ToolUserRefused, match="exists already"):
         await create_tool_user(settings, tool_name)
-    connection = await aio_pika.connect(as_user(amqp_url, topology.tool_user(tool_name), password))
+    connection = await aio_pika.connect(
+        as_user(amqp_url, topology.tool_user(tool_name, amqp_vhost(amqp_url)), password)
+    )
     await connection.close()
 
 
@@ -115,7 +120,7 @@ async def test_deleting_a_tool_user_removes_it_and_its_login(
     settings: Settings, management: httpx.AsyncClient, amqp_url: str, tool_name: str
 ) -> None:
     password = await create_tool_user(settings, tool_name)
-    user = topology.tool_user(tool_name)
+    user = topology.tool_user(tool_name, amqp_vhost(amqp_url))
 
     assert await delete_tool_user(settings, tool_name) is True
 
@@ -136,7 +141,7 @@ async def test_a_worker_may_consume_its_own_queue_and_nothing_else(
     await mesh_topology(tool_name)
     await mesh_topology(other)
     password = await create_tool_user(settings, tool_name)
-    url = as_user(amqp_url, topology.tool_user(tool_name), password)
+    url = as_user(amqp_url, topology.tool_user(tool_name, amqp_vhost(amqp_url)), password)
 
     worker = await WorkerProcess.start(
         url, tool_name, "probe", "--other-queue", topology.tool_queue(other)

@@ -1,6 +1,7 @@
 """Workers on the wire: ``yoke.tools.worker.serve`` and a pika worker, against a stand-in door.
 
-The workers connect as real ``tool-NAME`` users (worker permissions only) to the real broker.
+The workers connect as real tool users (``tool-VHOST.NAME``, worker permissions only) to the
+real broker.
 The door here is the test's own: it reads ``tool.result.submit`` off ``yoke.commands`` and
 answers on the answer's ``reply_to`` by the contract's rules (first answer accepted, a repeat
 ``duplicate``, an unknown call, another tool's user or no ``user_id`` rejected), so what is
@@ -27,9 +28,10 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 from tests.support.processes import eventually
 from tests.support.worker_process import WorkerProcess, as_user
 from yoke import topology
-from yoke.cli.tool_users import create_tool_user
+from yoke.cli.tool_users import create_tool_user, tool_user_name
 from yoke.models import SubmitReply, ToolCallRequest
 from yoke.settings import Settings
+from yoke.speakers import amqp_vhost
 from yoke.tools.worker import DIRECT_REPLY_TO, serve
 
 
@@ -45,6 +47,7 @@ class Door:
     """Reads answers as ingestion would and replies by the contract's rules."""
 
     channel: AbstractChannel
+    vhost: str  # the mesh's, which its worker users' names carry
     calls: dict[str, str] = field(default_factory=dict)  # callId -> tool
     answered: set[str] = field(default_factory=set)
     answers: list[Answer] = field(default_factory=list)
@@ -61,7 +64,7 @@ class Door:
             reply = SubmitReply(status="rejected", code="missing_user_id", error="no user_id")
         elif tool is None:
             reply = SubmitReply(status="rejected", code="unknown_call", error="no such call")
-        elif message.user_id != topology.tool_user(tool):
+        elif topology.tool_of_user(message.user_id, self.vhost) != tool:
             reply = SubmitReply(status="rejected", code="wrong_tool", error="not your call")
         elif call_id in self.answered:
             reply = SubmitReply(status="accepted", duplicate=True)
@@ -91,8 +94,8 @@ async def admin(amqp_url: str) -> AsyncIterator[AbstractChannel]:
 
 
 @pytest.fixture
-async def door(admin: AbstractChannel) -> AsyncIterator[Door]:
-    door = Door(admin)
+async def door(admin: AbstractChannel, amqp_url: str) -> AsyncIterator[Door]:
+    door = Door(admin, amqp_vhost(amqp_url))
     queue = await admin.declare_queue(f"yoke.test-door.{uuid.uuid4().hex}", exclusive=True)
     await queue.bind(topology.COMMANDS_EXCHANGE, routing_key=topology.TOOL_RESULT_COMMAND)
     tag = await queue.consume(door.on_answer, no_ack=True)
@@ -114,7 +117,8 @@ async def management(
 @dataclass
 class WorkerTool:
     name: str
-    url: str  # as its user, tool-NAME
+    url: str  # as its user
+    user: str  # tool-VHOST.NAME (the module's vhost)
 
 
 @pytest.fixture
@@ -135,11 +139,13 @@ async def new_tool(
         )
         settings = Settings(amqp_url=amqp_url, management_url=servers[2])
         password = await create_tool_user(settings, name)
-        return WorkerTool(name, as_user(amqp_url, topology.tool_user(name), password))
+        user = tool_user_name(settings, name)
+        return WorkerTool(name, as_user(amqp_url, user, password), user)
 
     yield make
     for name in made:
-        await management.delete(f"/api/users/{quote(topology.tool_user(name), safe='')}")
+        user = topology.tool_user(name, amqp_vhost(amqp_url))
+        await management.delete(f"/api/users/{quote(user, safe='')}")
         await admin.queue_delete(topology.tool_queue(name))
 
 
@@ -210,7 +216,7 @@ async def test_serve_answers_as_its_own_user_through_direct_reply_to_and_acks(
     try:
         [answer] = await answers_seen(door, call_id, 1)
         assert answer.body == {"callId": call_id, "output": "hello Ada", "isError": False}
-        assert answer.user_id == topology.tool_user(tool.name)
+        assert answer.user_id == tool.user
         assert answer.reply_to is not None and answer.reply_to.startswith(DIRECT_REPLY_TO + ".")
         assert [call.idempotency_key for call in seen] == [f"key-{call_id}"]
     finally:
@@ -328,7 +334,7 @@ async def test_a_pika_worker_answers_and_a_second_answer_is_a_duplicate(
     assert second["reply"] == {"status": "accepted", "duplicate": True}
     [answer, _] = door.answers_to(call_id)
     assert json.loads(str(answer.body["output"])) == {"input": {"n": 7}, "marker": "m1"}
-    assert answer.user_id == topology.tool_user(tool.name)
+    assert answer.user_id == tool.user
     assert await waiting_calls(admin, tool.name) == 0
 
 
@@ -351,7 +357,7 @@ async def test_a_pika_worker_without_user_id_or_answering_another_tool_is_reject
     assert (await impostor.line("reply"))["reply"]["code"] == "wrong_tool"
     assert [answer.user_id for answer in door.answers_to(call_id)] == [
         None,
-        topology.tool_user(other.name),
+        other.user,
     ]
 
 

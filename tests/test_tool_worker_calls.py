@@ -39,6 +39,7 @@ from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, SubmitReply, ToolResultPart
 from yoke.runtime.joins import Join
 from yoke.runtime.open_calls import result_line_id
+from yoke.speakers import amqp_vhost
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow
@@ -60,7 +61,7 @@ class WorkerTool:
 
     @property
     def user(self) -> str:
-        return topology.tool_user(self.name)
+        return topology.tool_user(self.name, amqp_vhost(self.url))
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,9 @@ async def tools(
         )
         assert code == 0, err
         password = out.splitlines()[-1]
-        made[role] = WorkerTool(name, as_user(amqp_url, topology.tool_user(name), password))
+        made[role] = WorkerTool(
+            name, as_user(amqp_url, topology.tool_user(name, amqp_vhost(amqp_url)), password)
+        )
 
     try:
         # At once: each is a process of its own, and most of its time is its imports.
@@ -122,7 +125,9 @@ async def tools(
         # By name: a registration that failed half-way may have made its user all the same.
         management = management_of(amqp_url)
         for role in roles:
-            await delete_user(management, topology.tool_user(f"{prefix}-{role}"))
+            await delete_user(
+                management, topology.tool_user(f"{prefix}-{role}", amqp_vhost(amqp_url))
+            )
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import AgentDelta, Envelope, Message, ToolResultPart
 from yoke.runtime.open_calls import TOOL_CALL_ENDS_COLLECTION
+from yoke.speakers import amqp_vhost
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow
@@ -75,9 +76,12 @@ async def worker_tool(
             timeout=CLI_SECONDS,
         )
         assert code == 0, err
-        yield name, as_user(amqp_url, topology.tool_user(name), out.splitlines()[-1])
+        yield (
+            name,
+            as_user(amqp_url, topology.tool_user(name, amqp_vhost(amqp_url)), out.splitlines()[-1]),
+        )
     finally:
-        await delete_user(management_of(amqp_url), topology.tool_user(name))
+        await delete_user(management_of(amqp_url), topology.tool_user(name, amqp_vhost(amqp_url)))
 
 
 @pytest.fixture(scope="module")

@@ -352,7 +352,7 @@ class ToolResultDoor(CallDoor):
 
     def __init__(self, service: Service) -> None:
         super().__init__(service)
-        self.open_calls = OpenCalls(service.store, service.poster)
+        self.open_calls = OpenCalls(service.store, service.poster, vhost=self.users.vhost)
         self.max_text_bytes = service.settings.max_text_bytes
         self.max_body_bytes = self.max_text_bytes * 2 + 4096
 

@@ -43,6 +43,12 @@ def amqp_user(amqp_url: str) -> str:
     return unquote(parts.username) if parts.username else "guest"
 
 
+def amqp_vhost(amqp_url: str) -> str:
+    """The vhost an AMQP URL connects to (its first node's; ``/`` when it names none)."""
+    path = urlsplit(amqp_url.split(",")[0].strip()).path
+    return unquote(path[1:]) if len(path) > 1 else "/"
+
+
 def token_namespace(value: str) -> str | None:
     """``NS`` of ``http:NS:rest``, or None when ``value`` is not in a token's namespace."""
     if not value.startswith(HTTP_NAMESPACE):
@@ -53,14 +59,21 @@ def token_namespace(value: str) -> str | None:
 
 @dataclass(frozen=True)
 class DoorUsers:
-    """The two RabbitMQ users the door knows by name; every other one is a bridge."""
+    """The two RabbitMQ users the door knows by name, and the tool workers' (by the mesh's
+    vhost); every other one is a bridge."""
 
     operator: str
     gateway: str
+    vhost: str = "/"
 
     @classmethod
     def of(cls, settings: Settings) -> DoorUsers:
-        return cls(amqp_user(settings.amqp_url), settings.gateway_amqp_user)
+        url = settings.amqp_url
+        return cls(amqp_user(url), settings.gateway_amqp_user, amqp_vhost(url))
+
+    def tool_of(self, user: str | None) -> str | None:
+        """The tool ``user`` is the worker user of (None: no tool's, or no user)."""
+        return topology.tool_of_user(user, self.vhost) if user else None
 
     def is_mesh(self, user: str) -> bool:
         """The services' own user or the gateway's: the ones that name their people."""

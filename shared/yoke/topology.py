@@ -30,8 +30,9 @@ TOOL_RESULT_COMMAND = "tool.result.submit"
 APPROVAL_COMMAND = "tool.approval.submit"
 
 # Tool workers: each worker tool NAME has the queue yoke.tool.NAME (quorum, competing consumers,
-# declared by the mesh only) and the RabbitMQ user tool-NAME, which may read only that queue and
-# write only to yoke.commands. No other publisher may have a name starting with "tool-".
+# declared by the mesh only) and a RabbitMQ user (tool_user: tool-NAME on the default vhost,
+# tool-VHOST.NAME on another), which may read only that queue and write only to yoke.commands.
+# No other publisher may have a name starting with "tool-".
 TOOL_QUEUE_PREFIX = "yoke.tool."
 TOOL_USER_PREFIX = "tool-"
 
@@ -221,9 +222,30 @@ def tool_queue(tool: str) -> str:
     return f"{TOOL_QUEUE_PREFIX}{tool}"
 
 
-def tool_user(tool: str) -> str:
-    """The RabbitMQ user a worker of ``tool`` connects as."""
-    return f"{TOOL_USER_PREFIX}{tool}"
+def tool_user(tool: str, vhost: str) -> str:
+    """The RabbitMQ user a worker of ``tool`` connects as, in the mesh on ``vhost``.
+
+    Users are the broker's, not a vhost's: on a broker shared by several meshes (a vhost each)
+    the name carries the vhost, ``tool-VHOST.NAME``, so that two meshes' workers of one tool
+    never collide; a tool's name has no dot, so the name is the pair's alone. The default
+    vhost's keep ``tool-NAME``, the name they always had.
+    """
+    if vhost == "/":
+        return f"{TOOL_USER_PREFIX}{tool}"
+    return f"{TOOL_USER_PREFIX}{vhost}.{tool}"
+
+
+def tool_of_user(user: str, vhost: str) -> str | None:
+    """The tool whose worker RabbitMQ user ``user`` is, in the mesh on ``vhost`` (None: no
+    tool's): :func:`tool_user`'s exact inverse, and a ``tool-NAME`` made on another vhost
+    before names carried it (the broker lets it in only where it was given permissions)."""
+    if not user.startswith(TOOL_USER_PREFIX):
+        return None
+    name = user[len(TOOL_USER_PREFIX) :]
+    own = f"{vhost}."
+    if vhost != "/" and name.startswith(own):
+        name = name[len(own) :]
+    return name if name and "." not in name else None
 
 
 def tool_worker_permissions(tool: str) -> dict[str, str]:

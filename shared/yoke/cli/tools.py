@@ -17,7 +17,12 @@ import aio_pika
 
 from yoke import topology
 from yoke.cli.base import CommandError, UsageError, with_store
-from yoke.cli.tool_users import ToolUserRefused, create_tool_user, delete_tool_user
+from yoke.cli.tool_users import (
+    ToolUserRefused,
+    create_tool_user,
+    delete_tool_user,
+    tool_user_name,
+)
 from yoke.runtime.catalog import LocalTools, ToolCatalog, listed_name, registered_servers
 from yoke.settings import Settings
 from yoke.store import Store
@@ -224,7 +229,8 @@ async def add_worker(args: argparse.Namespace) -> None:
             raise CommandError(f"could not register worker tool {args.name}: {error}") from error
         print(f"registered worker tool {args.name}", file=sys.stderr)
         print(f"its calls arrive on {topology.tool_queue(args.name)}", file=sys.stderr)
-        print(f"connect as RabbitMQ user {topology.tool_user(args.name)} with the password:")
+        user = tool_user_name(settings, args.name)
+        print(f"connect as RabbitMQ user {user} with the password:")
         print(password)
 
     await with_store(action)

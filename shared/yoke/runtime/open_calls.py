@@ -168,9 +168,11 @@ def _rejected(code: Any, error: str) -> SubmitReply:
 class OpenCalls:
     """The open calls of this database: open, end, answer at the door, reap past deadlines."""
 
-    def __init__(self, store: Store, poster: Poster) -> None:
+    def __init__(self, store: Store, poster: Poster, *, vhost: str = "/") -> None:
         self.store = store
         self.poster = poster
+        # The mesh's vhost, which its worker users' names carry (topology.tool_user).
+        self.vhost = vhost
         self.calls = store.db[TOOL_CALLS_COLLECTION]
         self.ends = store.db[TOOL_CALL_ENDS_COLLECTION]
         self.decisions = store.db[TOOL_CALL_DECISIONS_COLLECTION]
@@ -270,9 +272,9 @@ class OpenCalls:
             return _rejected(
                 "missing_user_id",
                 "the answer has no AMQP user_id: publish it with user_id set to your RabbitMQ "
-                "user (tool-NAME), which the broker verifies",
+                "user (the one yoke tools add-worker named), which the broker verifies",
             )
-        tool = user.removeprefix(topology.TOOL_USER_PREFIX) if self._is_tool_user(user) else None
+        tool = topology.tool_of_user(user, self.vhost)
         call = await self.get(call_id)
         if call is None:
             end = await self.get_end(call_id)
@@ -300,10 +302,6 @@ class OpenCalls:
         if won:
             return SubmitReply(status="accepted", message_id=result_line_id(call.id))
         return self._after_end(end, tool, user)
-
-    @staticmethod
-    def _is_tool_user(user: str) -> bool:
-        return user.startswith(topology.TOOL_USER_PREFIX)
 
     @staticmethod
     def _after_end(end: CallEnd, tool: str | None, user: str) -> SubmitReply:
