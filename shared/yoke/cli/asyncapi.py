@@ -122,7 +122,8 @@ def asyncapi_document() -> dict[str, Any]:
             topology.TOOL_RESULT_COMMAND,
             "SubmitToolResult",
             "A worker's answer to a call, published with the AMQP user_id property set to its "
-            f"RabbitMQ user ({topology.TOOL_USER_PREFIX}<tool>; the broker verifies it, and an "
+            f"RabbitMQ user ({topology.TOOL_USER_PREFIX}<tool>, or {topology.TOOL_USER_PREFIX}"
+            "<vhost>.<tool> off the default vhost; the broker verifies it, and an "
             f"answer without it is rejected) and reply_to {DIRECT_REPLY_TO}. The first answer "
             "is the call's result.",
         ),
@@ -222,7 +223,8 @@ def asyncapi_document() -> dict[str, Any]:
                 "address": topology.tool_queue("{tool}"),
                 "description": "A worker tool's call queue, declared by the mesh (quorum, "
                 f"x-delivery-limit {topology.DELIVERY_LIMIT}); a worker never declares it and "
-                f"reads it as {topology.TOOL_USER_PREFIX}<tool>, the one queue that user may "
+                f"reads it as {topology.TOOL_USER_PREFIX}<tool> ({topology.TOOL_USER_PREFIX}"
+                "<vhost>.<tool> off the default vhost), the one queue that user may "
                 "read. Several workers of one tool share it (competing consumers); each call is "
                 "delivered at least once: ack it once the door has answered your result.",
                 "parameters": {
