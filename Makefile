@@ -73,6 +73,8 @@ cluster: services
 	@$(PY) -m pytest tests/test_cluster.py -s $(PYTEST_ARGS)
 
 # Kills services and restarts the RabbitMQ and FerretDB that `make services` started: run alone.
+# CHAOS_ARGS=--tools: agents calling MCP, worker and gated tools while processor replicas and the
+# worker are killed and RabbitMQ restarts (add --own-broker to restart a node of its own instead).
 chaos: services
 	@$(PY) -m tests.chaos $(CHAOS_ARGS)
 

@@ -22,6 +22,7 @@ class Answers:
     interval: float = 0.5
     # answer id -> (the line it answers, when the harness first saw it)
     seen: dict[str, tuple[str, float]] = field(default_factory=dict)
+    answered: set[str] = field(default_factory=set)  # the lines answered (their ids)
     poll_errors: int = 0
 
     def first_seen_by_line(self) -> dict[str, float]:
@@ -39,6 +40,7 @@ class Answers:
                 reply_to = (document.get("meta") or {}).get("inReplyTo")
                 if reply_to and document["_id"] not in self.seen:
                     self.seen[document["_id"]] = (str(reply_to), time.monotonic())
+                    self.answered.add(str(reply_to))
 
     async def run(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():

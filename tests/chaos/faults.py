@@ -1,9 +1,10 @@
 """The faults chaos injects, and what each needs in order to be injected honestly.
 
-Two kinds of targets: the shared servers that ``make services`` started itself (the full
-``make chaos`` restarts them), and stand-ins that a bounded run owns alone (the services' own
+Three kinds of targets: the shared servers that ``make services`` started itself (the full
+``make chaos`` restarts them), stand-ins that a bounded run owns alone (the services' own
 broker connections, and a TCP proxy in front of the store), because other test runs on the
-same machine use the shared servers at the same time.
+same machine use the shared servers at the same time, and a RabbitMQ node of the run's own
+(tests/support/rabbit_node.py), which it may really restart.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from urllib.parse import quote
 import httpx
 
 from tests.support.processes import ROOT
+from tests.support.rabbit_node import RabbitNode
 from tests.support.tcp_proxy import ProxyProcess
 
 SERVICES_SH = ROOT / "deploy" / "local" / "services.sh"
@@ -43,9 +45,10 @@ class Faults:
 # --- service processes under the supervisor ----------------------------------------------
 
 
-def children_of(parent: int) -> dict[str, int]:
-    """Service name -> pid of ``python -m services.<name>`` children of ``parent`` (/proc)."""
-    found: dict[str, int] = {}
+def children_of(parent: int) -> dict[int, str]:
+    """Pid -> service name of the ``python -m services.<name>`` children of ``parent`` (/proc:
+    the services make themselves undumpable, but their status and command line stay readable)."""
+    found: dict[int, str] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -59,7 +62,7 @@ def children_of(parent: int) -> dict[str, int]:
             continue
         module = argv[argv.index(b"-m") + 1].decode()
         if module.startswith("services."):
-            found[module.removeprefix("services.")] = int(entry.name)
+            found[int(entry.name)] = module.removeprefix("services.")
     return found
 
 
@@ -159,6 +162,22 @@ async def close_service_connections(management_url: str, auth: tuple[str, str], 
             if answer.status_code in (200, 204):
                 closed += 1
         return closed
+
+
+async def no_store_fault(seconds: float) -> None:
+    raise RuntimeError("this run has no store of its own to break")
+
+
+def own_node_faults(node: RabbitNode, down_seconds: float) -> Faults:
+    """Restart the run's own RabbitMQ node (``stop_app``, then ``start_app``); no store faults."""
+
+    async def restart() -> None:
+        await asyncio.to_thread(node.ctl, "stop_app")
+        await asyncio.sleep(down_seconds)
+        await asyncio.to_thread(node.ctl, "start_app")
+        await asyncio.to_thread(node.wait_ready)
+
+    return Faults("RabbitMQ restarted (own node)", restart, no_store_fault, no_store_fault)
 
 
 def stand_in_faults(

@@ -1,10 +1,15 @@
-"""One chaos run: echo agents under steady load while services die and servers go away.
+"""One chaos run: agents under steady load while services die and servers go away.
 
 The run gets a vhost and a database of its own, starts the services under the supervisor,
 types lines into every forum, injects the faults one after another (each waits until lines
 flow again, or gives up and says so), stops typing, lets the mesh drain, and then checks
 everything a person or an operator would notice: lines lost, answered twice or out of order,
 messages left unpublished, unexpected dead letters, services unhealthy or not consuming.
+
+Two scenarios: ``echo`` (echo agents; every service is killed in turn, the broker restarts,
+the store freezes and stops) and ``tools`` (agents whose answers need MCP, worker and gated
+calls, tests/chaos/tools.py; processor replicas and the worker are killed, the broker
+restarts), which also counts the calls made and ended and the runs at the tools.
 """
 
 from __future__ import annotations
@@ -18,22 +23,26 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
+from typing import Literal
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import aio_pika
 import httpx
 
+from tests.chaos import tools
 from tests.chaos.answers import Answers
 from tests.chaos.faults import Faults
 from tests.chaos.load import Line, Load, named
 from tests.chaos.mesh import SupervisedMesh
+from tests.chaos.runs import read_runs
 from tests.chaos.verdict import Accounting, FaultKind, FaultRecord, Report, account
-from tests.support.processes import eventually, free_port
+from tests.support.processes import eventually
 from yoke import amqp_nodes, topology
 from yoke.bus import Bus
 from yoke.cli.supervisor import SERVICES
 from yoke.dead_letters import list_dead_letters
 from yoke.ids import new_id
+from yoke.models import Message
 from yoke.outbox import dead_after
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
@@ -54,6 +63,23 @@ class Plan:
     settle_seconds: float = 10.0  # quiet time after draining, for late duplicates to show
     final_timeout: float = 60.0  # for health, consumers and the outbox at the end
     keep: bool = False  # keep the vhost and the database for a post-mortem
+    scenario: Literal["echo", "tools"] = "echo"
+    processor_replicas: int = 1
+    # tools: seconds a gated call waits before the harness approves it; rounds per agent (its
+    # script's length: a person types no more lines than that).
+    approve_after: float = 2.0
+    rounds: int = 300
+
+
+# The tools scenario, as `make chaos CHAOS_ARGS=--tools` runs it.
+TOOLS = Plan(
+    scenario="tools",
+    forums=8,
+    line_interval=1.0,
+    kills_per_service=3,
+    processor_replicas=2,
+    store_outages=False,
+)
 
 
 # About a minute of faults: what `make test` runs.
@@ -66,6 +92,21 @@ BOUNDED = Plan(
     drain_timeout=45.0,
     settle_seconds=3.0,
     final_timeout=30.0,
+)
+
+# About a minute or two of faults, with tools: what `make test` runs.
+BOUNDED_TOOLS = Plan(
+    scenario="tools",
+    forums=4,
+    line_interval=1.0,
+    kills_per_service=2,
+    processor_replicas=2,
+    store_outages=False,
+    recovery_timeout=60.0,
+    drain_timeout=60.0,
+    settle_seconds=3.0,
+    final_timeout=30.0,
+    rounds=150,
 )
 
 
@@ -92,14 +133,26 @@ def with_path(url: str, path: str) -> str:
 Step = tuple[FaultKind, str, Callable[[], Awaitable[None]]]
 
 
-def schedule(plan: Plan, mesh: SupervisedMesh, faults: Faults) -> list[Step]:
-    """Rounds of kills, with the broker and store faults between them."""
+def schedule(
+    plan: Plan,
+    mesh: SupervisedMesh,
+    faults: Faults,
+    worker: Callable[[], Awaitable[None]] | None = None,
+) -> list[Step]:
+    """Rounds of kills, with the broker and store faults between them. The echo scenario
+    kills every service; the tools one every processor replica and the ``worker``."""
 
     async def kill(name: str) -> None:
         await mesh.kill(name)
 
+    targets: list[tuple[str, Callable[[], Awaitable[None]]]]
+    if plan.scenario == "tools":
+        targets = [(label, partial(kill, label)) for label in mesh.labels if "processor" in label]
+        targets += [("tool-worker", worker)] if worker is not None else []
+    else:
+        targets = [(name, partial(kill, name)) for name in SERVICES]
     rounds: list[list[Step]] = [
-        [("kill", f"kill -9 {name} (round {n + 1})", partial(kill, name)) for name in SERVICES]
+        [("kill", f"kill -9 {name} (round {n + 1})", action) for name, action in targets]
         for n in range(plan.kills_per_service)
     ]
     seconds = plan.store_outage_seconds
@@ -135,18 +188,21 @@ class Run:
         self.database = f"yoke_chaos_{tag}"
         self.vhost_url = with_path(servers.amqp_url, self.vhost)
         self.store = Store(with_path(servers.mongodb_url, self.database), app_name="chaos")
-        self.mesh = SupervisedMesh(
-            {
-                "YOKE_AMQP_URL": self.vhost_url,
-                "YOKE_MONGODB_URL": with_path(
-                    services_mongodb_url or servers.mongodb_url, self.database
-                ),
-                "YOKE_SHARDS": "2",
-                "YOKE_LOG_FORMAT": "json",
-            },
-            {name: free_port() for name in SERVICES},
-            work_dir / "mesh.log",
-        )
+        env = {
+            "YOKE_AMQP_URL": self.vhost_url,
+            "YOKE_MONGODB_URL": with_path(
+                services_mongodb_url or servers.mongodb_url, self.database
+            ),
+            "YOKE_SHARDS": "2",
+            "YOKE_LOG_FORMAT": "json",
+        }
+        self.tool_side: tools.ToolSide | None = None
+        if plan.scenario == "tools":
+            env.update(tools.mesh_env(plan.rounds))
+            self.tool_side = tools.ToolSide(work_dir, self.vhost_url, servers.management_url, tag)
+        replicas = {"processor": plan.processor_replicas}
+        self.mesh = SupervisedMesh(env, work_dir / "mesh.log", replicas)
+        self.monologues: dict[str, str] = {}  # forum id -> the agent's monologue id
         self.problems: list[str] = []
         self.notes: list[str] = [f"logs: {work_dir}", f"vhost {self.vhost}, db {self.database}"]
         self.records: list[FaultRecord] = []
@@ -157,11 +213,19 @@ class Run:
         await self._create_vhost()
         try:
             await self.store.ensure_indexes()
+            if self.tool_side is not None:
+                await self.tool_side.register(self.store)
+                self.tool_side.start()
             self.mesh.start()
             bad = await self.mesh.wait_healthy(90)
             if bad:
                 self._unhealthy("before any fault", bad)
                 return self._report(started, [])
+            if self.tool_side is not None:
+                missing = await self.tool_side.wait_listed(self.store, 90)
+                if missing:
+                    self.problems.append("tools never listed: " + ", ".join(missing))
+                    return self._report(started, [])
             forum_ids = await self._forums()
             return await self._under_load(started, forum_ids)
         finally:
@@ -173,8 +237,16 @@ class Run:
     async def _under_load(self, started: float, forum_ids: list[str]) -> Report:
         answers = Answers(self.store, forum_ids)
         load = Load(named(self.vhost_url, "chaos-people"), forum_ids, self.plan.line_interval)
+        approver: tools.Approver | None = None
         watching = asyncio.Event()
         watcher = asyncio.create_task(answers.run(watching))
+        helpers = [watcher]
+        if self.tool_side is not None:
+            load.answered = answers.answered.__contains__
+            load.answer_timeout = self.plan.recovery_timeout
+            load.max_lines = self.plan.rounds
+            approver = tools.Approver(self.store, self.vhost_url, self.plan.approve_after)
+            helpers.append(asyncio.create_task(approver.run(watching)))
         typing = asyncio.create_task(load.run())
         try:
             if await self._wait(
@@ -205,7 +277,7 @@ class Run:
             load.stopping.set()
             load.giving_up.set()
             watching.set()
-            await asyncio.gather(watcher, typing, return_exceptions=True)
+            await asyncio.gather(*helpers, typing, return_exceptions=True)
         await self._final_checks()
         self._unexpected_exits()
         forums = {forum_id: await self.store.history(forum_id) for forum_id in forum_ids}
@@ -221,7 +293,36 @@ class Run:
             self.notes.append(f"store polls that failed while watching: {answers.poll_errors}")
         report = self._report(started, forum_ids)
         report.accounting = account(load.lines, forums)
+        if self.tool_side is not None and approver is not None:
+            report.tools = await self._account_tools(load, forums, approver)
         return report
+
+    async def _account_tools(
+        self, load: Load, forums: dict[str, list[Message]], approver: tools.Approver
+    ) -> tools.ToolAccounting:
+        side = self.tool_side
+        assert side is not None
+        monologues = {m: await self.store.history(m) for m in self.monologues.values()}
+        runs = read_runs(side.mcp_runs) + read_runs(side.worker_runs)
+        wall = time.time() - time.monotonic()
+        interruptions = [
+            tools.Interruption(record.started + wall, (record.ended or record.started) + wall)
+            for record in self.records
+            if record.kind == "broker" or "tool-worker" in record.what
+        ]
+        accounting = tools.account_tools(
+            monologues,
+            runs,
+            side.worker,
+            side.killed_workers,
+            interruptions,
+            load.lines,
+            forums,
+            await tools.open_calls_left(self.store),
+        )
+        self.notes.append(f"approvals: {dict(approver.replies)} (errors: {dict(approver.errors)})")
+        self.notes.extend(side.exits())
+        return accounting
 
     # --- setup ---------------------------------------------------------------------------
 
@@ -239,7 +340,8 @@ class Run:
             ).raise_for_status()
 
     async def _forums(self) -> list[str]:
-        """N forums, each with an echo agent (the default model) joined."""
+        """N forums, each with an agent joined: an echo agent (the default model), or in the
+        tools scenario one whose script calls tools for every line."""
         bus = Bus(named(self.vhost_url, "chaos-setup"), name="chaos-setup")
         await bus.connect()
         try:
@@ -247,8 +349,12 @@ class Run:
             forum_ids = []
             for number in range(self.plan.forums):
                 forum = await create_forum(self.store, f"chaos forum {number}")
-                agent = await create_agent(self.store, f"echo {number}")
-                await join_conversation(self.store, poster, agent.id, forum.id)
+                agent = await create_agent(self.store, f"agent {number}")
+                config = None
+                if self.tool_side is not None:
+                    config = tools.join_config(number, self.plan.rounds, self.tool_side.worker)
+                join = await join_conversation(self.store, poster, agent.id, forum.id, config)
+                self.monologues[forum.id] = join.monologue_id
                 forum_ids.append(forum.id)
             return forum_ids
         finally:
@@ -271,7 +377,8 @@ class Run:
 
     async def _faults(self, load: Load, answers: Answers) -> None:
         faults = self.faults_for(self.vhost)
-        for kind, what, action in schedule(self.plan, self.mesh, faults):
+        worker = self.tool_side.kill_worker if self.tool_side is not None else None
+        for kind, what, action in schedule(self.plan, self.mesh, faults, worker):
             record = FaultRecord(kind, what, started=time.monotonic(), ended=0.0)
             self.records.append(record)
             try:
@@ -422,6 +529,8 @@ class Run:
         )
 
     async def _clean_up(self) -> None:
+        if self.tool_side is not None:
+            await self.tool_side.stop()
         if self.plan.keep:
             await self.store.close()
             return

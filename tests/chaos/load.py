@@ -3,6 +3,9 @@
 A sender behaves like a careful bridge: it retries a line with the same idempotency key until
 the door answers, and only then types the next one, so each forum's lines have one intended
 order. Faults make submits time out or fail; that is expected and only delays the person.
+Given ``answered``, a person also waits for the agent's answer before typing on (as one does
+with an agent that needs tools: a line typed during a tool round is answered with the round's
+results, by one answer for both), for up to ``answer_timeout``.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import asyncio
 import contextlib
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
@@ -67,6 +71,9 @@ class Load:
     forum_ids: list[str]
     interval: float  # seconds between one forum's lines
     reply_timeout: float = 5.0
+    answered: Callable[[str], bool] | None = None  # by the line's message id
+    answer_timeout: float = 60.0
+    max_lines: int | None = None  # per forum
     lines: list[Line] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
@@ -80,11 +87,12 @@ class Load:
         client: Client | None = None
         index = 0
         try:
-            while not self.stopping.is_set():
+            while not self.stopping.is_set() and index != self.max_lines:
                 index += 1
                 line = Line(forum, self.forum_ids[forum], index, new_id(), time.monotonic())
                 self.lines.append(line)
                 client = await self._deliver(line, client)
+                await self._await_answer(line)
                 pause = line.first_try + self.interval - time.monotonic()
                 if pause > 0:
                     with contextlib.suppress(TimeoutError):
@@ -136,6 +144,18 @@ class Load:
                     line.rejected = reply.error or "rejected"
                 return client
         return client
+
+    async def _await_answer(self, line: Line) -> None:
+        if self.answered is None or line.message_id is None:
+            return
+        answered = self.answered
+        deadline = time.monotonic() + self.answer_timeout
+        while not answered(line.message_id) and not self.giving_up.is_set():
+            if time.monotonic() > deadline:
+                self._count(f"no answer within {self.answer_timeout:.0f} s: typed on")
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.giving_up.wait(), 0.2)
 
     async def _open(self, forum: int) -> Client:
         client = Client(named(self.amqp_url, f"chaos-person-{forum}"))

@@ -1,7 +1,8 @@
 """The five services under the real supervisor (``yoke up``), as chaos sees them from outside.
 
 Children are found through ``/proc`` (the supervisor's children running ``-m services.<name>``),
-health through each one's own metrics port, and their logs in the one file they all share.
+health through each one's own metrics port, and their logs in the one file they all share. A
+service may run as several replicas; each is known by the supervisor's label (``processor#1``).
 """
 
 from __future__ import annotations
@@ -18,19 +19,29 @@ from pathlib import Path
 import httpx
 
 from tests.chaos.faults import children_of, kill_9
-from tests.chaos.up import PORTS_VARIABLE, format_ports
-from tests.support.processes import ROOT, eventually
+from tests.chaos.up import PORTS_VARIABLE, REPLICAS_VARIABLE, format_ports, labels
+from tests.support.processes import ROOT, eventually, free_port
 from yoke.cli.supervisor import SERVICES
 
-# The supervisor's own line when a child dies (``yoke.cli.supervisor.watch``).
-EXITED = re.compile(r"^\[yoke up\] (\w+) exited with (-?\d+)", re.MULTILINE)
+# The supervisor's own lines when a child starts and dies (``yoke.cli.supervisor``).
+STARTED = re.compile(r"^\[yoke up\] started ([\w#]+) \(pid (\d+)\)", re.MULTILINE)
+EXITED = re.compile(r"^\[yoke up\] ([\w#]+) exited with (-?\d+)", re.MULTILINE)
 
 
 class SupervisedMesh:
-    def __init__(self, env: dict[str, str], ports: dict[str, int], log_path: Path) -> None:
-        self.env = {**os.environ, **env, PORTS_VARIABLE: format_ports(ports)}
+    def __init__(
+        self, env: dict[str, str], log_path: Path, replicas: dict[str, int] | None = None
+    ) -> None:
+        self.labels = labels(replicas or {})
+        self.ports = {label: free_port() for label in self.labels}
+        replicas_text = ",".join(f"{name}={count}" for name, count in (replicas or {}).items())
+        self.env = {
+            **os.environ,
+            **env,
+            PORTS_VARIABLE: format_ports(self.ports),
+            REPLICAS_VARIABLE: replicas_text,
+        }
         self.env.pop("YOKE_METRICS_PORT", None)
-        self.ports = ports
         self.log_path = log_path
         self.popen: subprocess.Popen[bytes] | None = None
 
@@ -45,11 +56,19 @@ class SupervisedMesh:
             )
 
     def pids(self) -> dict[str, int]:
+        """Label -> pid of each running child: the supervisor says which pid it started as
+        which label, /proc which of them still run as its children."""
         assert self.popen is not None
-        return children_of(self.popen.pid)
+        running = children_of(self.popen.pid)
+        labelled: dict[str, int] = {}
+        for label, pid in STARTED.findall(self.log_path.read_text(errors="replace")):
+            if running.get(int(pid)) == label.split("#")[0]:
+                labelled[label] = int(pid)
+        return labelled
 
     async def kill(self, name: str, timeout: float = 60) -> int:
-        """``kill -9`` the service's process (waiting for the supervisor to have one)."""
+        """``kill -9`` the process of the service (or replica) labelled ``name``, waiting for
+        the supervisor to have one."""
 
         async def running() -> bool:
             return name in self.pids()
@@ -90,7 +109,9 @@ class SupervisedMesh:
         return bad
 
     def log_tail(self, name: str, lines: int = 15) -> str:
-        """The service's last log lines (JSON lines name their service; the supervisor's too)."""
+        """The service's last log lines (JSON lines name their service; the supervisor's too);
+        a replica's label reads its service's lines."""
+        name = name.split("#")[0]
         mine = []
         for raw in self.log_path.read_text(errors="replace").splitlines():
             try:
@@ -129,7 +150,7 @@ class SupervisedMesh:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if f"services.{name}".encode() in argv:
+            if f"services.{name.split('#')[0]}".encode() in argv:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         return self.popen.returncode

@@ -3,9 +3,10 @@
 ``YOKE_METRICS_PORT`` sets one process's port, and ``yoke up`` hands its whole environment to all
 five children, so a second mesh on this machine would collide on the defaults 9101-9105. This
 runs the real supervisor (its restart loop is what chaos exercises) and only sets each child's
-port as it is started.
+port as it is started, by the child's label (``processor#1`` for the second processor replica).
 
-    YOKE_CHAOS_METRICS_PORTS=ingestion=9201,processor=9202,... python -m tests.chaos.up
+    YOKE_CHAOS_METRICS_PORTS=ingestion=9201,processor=9202,... \
+    YOKE_CHAOS_REPLICAS=processor=2 python -m tests.chaos.up
 """
 
 from __future__ import annotations
@@ -17,6 +18,16 @@ import sys
 from yoke.cli import supervisor
 
 PORTS_VARIABLE = "YOKE_CHAOS_METRICS_PORTS"
+REPLICAS_VARIABLE = "YOKE_CHAOS_REPLICAS"
+
+
+def labels(replicas: dict[str, int]) -> list[str]:
+    """The supervisor's children's labels, in its order (``Child.label``)."""
+    return [
+        supervisor.Child(name, replica).label
+        for name in supervisor.SERVICES
+        for replica in range(replicas.get(name, 1))
+    ]
 
 
 def parse_ports(text: str) -> dict[str, int]:
@@ -35,7 +46,7 @@ def install(ports: dict[str, int]) -> None:
 
     async def start(child: supervisor.Child) -> None:
         async with lock:
-            os.environ["YOKE_METRICS_PORT"] = str(ports[child.name])
+            os.environ["YOKE_METRICS_PORT"] = str(ports[child.label])
             try:
                 await original(child)
             finally:
@@ -46,13 +57,14 @@ def install(ports: dict[str, int]) -> None:
 
 def main() -> int:
     ports = parse_ports(os.environ.get(PORTS_VARIABLE, ""))
-    missing = [name for name in supervisor.SERVICES if name not in ports]
+    replicas = supervisor.parse_replicas(os.environ.get(REPLICAS_VARIABLE, ""))
+    missing = [label for label in labels(replicas) if label not in ports]
     if missing:
         print(f"{PORTS_VARIABLE} names no port for {', '.join(missing)}", file=sys.stderr)
         return 2
     install(ports)
     # The shard-consuming services only: the gateway would take the shared default HTTP port.
-    return asyncio.run(supervisor.run(supervisor.SERVICES))
+    return asyncio.run(supervisor.run(tuple(supervisor.SERVICES), replicas=replicas))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """What chaos found: every person line answered exactly once and in order, and the table.
 
 The forums as stored are the truth. A person line counts once it is stored or the door said
-"accepted"; its answer is the agent's forum line whose ``meta.inReplyTo`` names it.
+"accepted"; its answer is the agent's forum line whose ``meta.inReplyTo`` names it. The tools
+scenario adds its own accounting of calls, results and runs (tests/chaos/tools.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tests.chaos.load import Line, parse_text
+from tests.chaos.tools import ToolAccounting
 from yoke.models import Message
 
 FaultKind = Literal["kill", "broker", "store"]
@@ -117,6 +119,7 @@ class Report:
     faults: list[FaultRecord]
     problems: list[str] = field(default_factory=list)  # beyond lost / dup / order
     notes: list[str] = field(default_factory=list)
+    tools: ToolAccounting | None = None
 
     @property
     def ok(self) -> bool:
@@ -128,6 +131,7 @@ class Report:
             or a.rejected
             or a.never_accepted
             or self.problems
+            or (self.tools is not None and not self.tools.ok)
         )
 
     def table(self) -> str:
@@ -169,6 +173,7 @@ class Report:
             f"chaos: {self.forums} forums, {self.seconds:.0f} s, "
             + ("OK" if self.ok else "FAILED"),
             self.table(),
+            *(["", "tools:", self.tools.table()] if self.tools is not None else []),
             "",
             "faults (recovery: from the fault's end until a line typed after it is answered):",
         ]
@@ -178,7 +183,9 @@ class Report:
                 f"  {fault.what:<44} lasted {fault.ended - fault.started:5.1f} s, "
                 f"recovery {recovery}"
             )
+        tool_sections = self.tools.sections() if self.tools is not None else []
         for title, items in (
+            *tool_sections,
             ("lost", a.lost),
             ("duplicated", a.duplicated),
             ("out of order", a.out_of_order),
