@@ -173,6 +173,30 @@ async def test_a_listing_that_cannot_be_recorded_shows_the_server_unavailable_wi
         ), row
         # Recorded again at the next idle moment: the tools are ready, the mark is gone.
         await ready(own_store, "refused__echo")
-        assert "refused__*" not in await entries(own_store)
+
+        async def unmarked() -> bool:
+            return "refused__*" not in await entries(own_store)
+
+        await eventually(unmarked, timeout=WAIT, what="the mark to go")
     finally:
         await running.stop()
+
+
+async def test_a_tool_the_store_refuses_is_unavailable_and_its_servers_others_are_ready(
+    own_store: Store,
+) -> None:
+    def tool(name: str, description: str) -> CatalogEntry:
+        return CatalogEntry(id=f"big__{name}", description=description, source="mcp", origin="big")
+
+    # Past the 16 MiB a document may hold: no store takes it, however often it is asked.
+    huge = tool("huge", "x" * (17 * 1024 * 1024))
+    await ToolCatalog(own_store).replace_source("mcp", "big", [huge, tool("small", "Small.")])
+
+    found = await entries(own_store)
+    assert found["big__small"].ready
+    refused = found["big__huge"]
+    assert (refused.status, refused.description, refused.origin) == ("unavailable", "", "big")
+    assert refused.reason is not None
+    assert refused.reason.startswith(
+        "the store refused its entry: DocumentTooLarge: BSON document too large"
+    )

@@ -6,7 +6,9 @@ tools as they list them; ``yoke tools add-worker`` writes a worker's. A name is 
 unique insert (docs/architecture.md, invariant 8): the first source to register it keeps it,
 and a second source offering the same name is recorded under a derived id as ``unavailable``,
 so ``yoke tools list`` shows the clash. An entry is refreshed in place (an upsert by ``_id``)
-only by its own source.
+only by its own source. An entry no store would ever take (past the document size limit, a
+value the store calls invalid) is recorded without its description and schema, ``unavailable``
+with the store's reason, so one such tool does not keep its server's others out.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from bson.errors import InvalidDocument
+from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from yoke.ids import derive_id
 from yoke.store import Store
@@ -64,6 +69,36 @@ def same_source(a: CatalogEntry, b: CatalogEntry) -> bool:
 def same_entry(a: CatalogEntry, b: CatalogEntry) -> bool:
     """Equal but for when they were written."""
     return a.model_dump(exclude={"updated_at"}) == b.model_dump(exclude={"updated_at"})
+
+
+# What a store answers when it will never take a document, however often asked: BadValue
+# (FerretDB's invalid key or value), BSONObjectTooLarge.
+REFUSED_CODES = frozenset({2, 10334})
+
+
+def refusal(error: Exception) -> str | None:
+    """Why the store will never take an entry (None when ``error`` may pass: try again)."""
+    if isinstance(error, InvalidDocument):  # found before sending (DocumentTooLarge too)
+        return f"{type(error).__name__}: {error}"
+    if (
+        isinstance(error, OperationFailure)
+        and not isinstance(error, DuplicateKeyError)
+        and error.code in REFUSED_CODES
+    ):
+        return f"{type(error).__name__}: {(error.details or {}).get('errmsg', error)}"
+    return None
+
+
+def refused(entry: CatalogEntry, reason: str) -> CatalogEntry:
+    """``entry`` as the store can hold it: its name, source and why it is not offered."""
+    return entry.model_copy(
+        update={
+            "description": "",
+            "input_schema": {"type": "object"},
+            "status": "unavailable",
+            "reason": f"the store refused its entry: {reason}",
+        }
+    )
 
 
 def clash_id(entry: CatalogEntry) -> str:
@@ -185,7 +220,13 @@ class ToolCatalog:
         """A host's whole current list for one origin (an MCP server's tools after a listing)."""
         names = {entry.id for entry in entries}
         for entry in entries:
-            await self.register(entry)
+            try:
+                await self.register(entry)
+            except (InvalidDocument, OperationFailure) as error:
+                if (reason := refusal(error)) is None:
+                    raise
+                log.warning("the store refused catalog entry %s: %s", entry.id, reason)
+                await self.register(refused(entry, reason))
         stale = [
             entry.id
             for entry in (await self.entries(fresh=True)).values()
