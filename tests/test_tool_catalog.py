@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import aio_pika
 import httpx
@@ -281,7 +281,8 @@ async def worker_name(management: Management) -> AsyncIterator[str]:
 def as_tool_user(amqp_url: str, tool: str, password: str) -> str:
     parts = urlsplit(amqp_url)
     address = parts.netloc.rpartition("@")[2]
-    user = f"{quote(topology.tool_user(tool), safe='')}:{quote(password, safe='')}"
+    name = topology.tool_user(tool, unquote(parts.path[1:]) or "/")
+    user = f"{quote(name, safe='')}:{quote(password, safe='')}"
     return urlunsplit(parts._replace(netloc=f"{user}@{address}"))
 
 
@@ -353,7 +354,7 @@ async def test_add_worker_registers_a_tool_its_queue_and_user_and_remove_drops_t
     assert code == 2 and "the input schema must be a JSON Schema object" in err, err
     no_crash(err)
     for refused in ("lookup_order", "clock", f"{worker_name}x"):
-        assert not await user_exists(management, topology.tool_user(refused))
+        assert not await user_exists(management, topology.tool_user(refused, management.vhost))
     assert await own_store.db[CATALOG].count_documents({}) == 1
     # The refused second registration left the first one's password alone.
     connection = await aio_pika.connect(as_tool_user(amqp_url, worker_name, password))
@@ -362,7 +363,7 @@ async def test_add_worker_registers_a_tool_its_queue_and_user_and_remove_drops_t
     code, _, err = await own_cli("tools", "remove", worker_name)
     assert code == 0, err
     assert await own_store.db[CATALOG].find_one({"_id": worker_name}) is None
-    assert not await user_exists(management, topology.tool_user(worker_name))
+    assert not await user_exists(management, topology.tool_user(worker_name, management.vhost))
     assert topology.tool_queue(worker_name) not in await management.queues()
 
 
