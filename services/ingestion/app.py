@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import re
 from abc import ABC, abstractmethod
 from typing import Annotated, TypeVar
 
@@ -75,8 +77,12 @@ def command_key(
     Never raises, whatever the body: a body with no usable key shares one lane, and the door
     answers it.
     """
+    return body_key(message.body, max_bytes, field)
+
+
+def body_key(body: bytes, max_bytes: int, field: str) -> str:
+    """:func:`command_key` of a body."""
     try:
-        body = message.body
         if len(body) > max_bytes or nesting_depth(body) > MAX_BODY_DEPTH:
             return UNKEYED
         parsed = json.loads(body)
@@ -85,6 +91,26 @@ def command_key(
             return key
     except Exception:
         pass  # a key function that raises takes the delivery down with no answer
+    return UNKEYED
+
+
+# Past MAX_KEYED_BODY_BYTES an answer is not parsed: its callId is looked for where a worker
+# puts it, at either end of the body. Only that call's own worker may end it this way, which it
+# could do with any answer, so a match inside some other field gains nobody anything.
+_CALL_ID_FIELD = re.compile(rb'"callId"\s*:\s*"([^"\\]{1,%d})"' % MAX_ID_CHARS)
+_SCANNED_BYTES = 4096
+
+
+def oversize_call_id(body: bytes) -> str:
+    """The ``callId`` of a tool result however large its body, or UNKEYED."""
+    key = body_key(body, MAX_KEYED_BODY_BYTES, "callId")
+    if key != UNKEYED or len(body) <= MAX_KEYED_BODY_BYTES:
+        return key
+    for end in (body[:_SCANNED_BYTES], body[-_SCANNED_BYTES:]):
+        found = _CALL_ID_FIELD.search(end)
+        if found is not None:
+            with contextlib.suppress(UnicodeDecodeError):
+                return found.group(1).decode()
     return UNKEYED
 
 
@@ -219,6 +245,8 @@ class Door:
                 "the command has no AMQP user_id: publish it with user_id set to your "
                 "RabbitMQ user, which the broker verifies",
             )
+        if self.users.is_worker(user):
+            return _rejected("not_allowed", worker_only(user))
         try:
             external_id = self.users.own(user, command.author.external_id, "externalId")
             key = self.users.own(user, command.idempotency_key, "idempotencyKey")
@@ -356,17 +384,39 @@ class ToolResultDoor(CallDoor):
         self.max_text_bytes = service.settings.max_text_bytes
         self.max_body_bytes = self.max_text_bytes * 2 + 4096
 
+    def key(self, message: AbstractIncomingMessage) -> str:
+        # An answer too large to take still meets the call's other answers in its lane.
+        return oversize_call_id(message.body)
+
     async def submit(self, body: bytes, user: str | None) -> SubmitReply:
         answer = parse_command(body, self.max_body_bytes, _WorkerAnswer)
         if isinstance(answer, SubmitReply):
-            return answer
+            call_id = oversize_call_id(body) if answer.code == "too_large" else UNKEYED
+            if call_id == UNKEYED:
+                return answer
+            return await self.too_large(call_id, user, answer)
         size = len(answer.output.encode())
         if size > self.max_text_bytes:
-            return _rejected(
+            refusal = _rejected(
                 "too_large",
                 f"output is {size} bytes; the limit is {self.max_text_bytes} (YOKE_MAX_TEXT_BYTES)",
             )
+            return await self.too_large(answer.call_id, user, refusal)
         return await self.open_calls.answer(answer.call_id, user, answer.output, answer.is_error)
+
+    async def too_large(self, call_id: str, user: str | None, refusal: SubmitReply) -> SubmitReply:
+        """An answer too large to take ends its call at once with an error result saying so
+        (the worker has acked the call: else the model would wait for its deadline), checked
+        as any answer is (only the call's own worker ends it so); the worker is told
+        ``too_large``, or why it may not answer this call at all."""
+        ended = await self.open_calls.answer(
+            call_id,
+            user,
+            f"the tool's answer was too large to take: {refusal.error}",
+            True,
+            outcome="failed",
+        )
+        return ended if ended.status == "rejected" else refusal
 
 
 class ApprovalDoor(CallDoor):
@@ -385,6 +435,14 @@ class ApprovalDoor(CallDoor):
         if isinstance(decision, SubmitReply):
             return decision
         return await self.approvals.submit(decision, user)
+
+
+def worker_only(user: str) -> str:
+    """Why a tool worker's user is refused anything but an answer (invariant 13)."""
+    return (
+        f"RabbitMQ user {user!r} is a tool worker's: it may only answer its own tool's calls "
+        f"({topology.TOOL_RESULT_COMMAND}), never post lines or decide approvals"
+    )
 
 
 def _rejected(code: RejectCode, error: str) -> SubmitReply:

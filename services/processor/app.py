@@ -29,7 +29,6 @@ from typing import Literal
 from aio_pika.abc import AbstractIncomingMessage
 
 from yoke import topology
-from yoke.client import STOP_LINE
 from yoke.ids import SYSTEM_ACTOR_ID, forwarded_line_id
 from yoke.llm.base import InferenceRequest, InferenceResult, ProviderFailed, estimate_tokens
 from yoke.llm.prompting import unanswered_last
@@ -85,6 +84,7 @@ from yoke.runtime.open_calls import (
 )
 from yoke.runtime.service import Service
 from yoke.runtime.tails import Tails
+from yoke.slash import STOP, is_stop, slash_command
 from yoke.tools.base import Tool
 from yoke.tools.catalog import CatalogEntry
 
@@ -269,8 +269,9 @@ async def answer_tool_results(context: Context, trigger: Message) -> None:
 
 
 def is_slash_command(line: Message) -> bool:
-    """A person's ``/command``: answered by the processor itself, never by the model."""
-    return line.text.startswith("/") and line.meta.agent_hops == 0
+    """A person's ``/command`` (:func:`yoke.slash.slash_command` decides what one is):
+    answered by the processor itself, never by the model."""
+    return line.meta.agent_hops == 0 and slash_command(line.text) is not None
 
 
 def wants_model_answer(config: ProcessorConfig, line: Message) -> bool:
@@ -511,8 +512,9 @@ async def answer_slash_command(context: Context, trigger: Message) -> None:
     """A person's ``/status``, ``/model NAME``, ``/reset`` or ``/stop``: answered without any
     model call."""
     config, state = context.config, context.state
-    command, _, argument = trigger.text.strip().partition(" ")
-    argument = argument.strip()
+    parsed = slash_command(trigger.text)
+    assert parsed is not None  # the step asked is_slash_command first
+    command, argument = parsed.name, parsed.argument
     if command == "/status":
         budget = []
         if config.budget_tokens is not None:
@@ -544,7 +546,7 @@ async def answer_slash_command(context: Context, trigger: Message) -> None:
     elif command == "/reset":
         state.context_from_seq = trigger.seq + 1
         answer = "starting afresh: earlier lines are no longer in my context"
-    elif command == STOP_LINE and is_person_line(trigger):
+    elif command == STOP and is_person_line(trigger):
         await carry_out_stop(context, trigger)
         return
     else:
@@ -601,7 +603,7 @@ def is_person_line(line: Message) -> bool:
 
 
 def is_stop_line(line: Message) -> bool:
-    return is_person_line(line) and line.text.strip().partition(" ")[0] == STOP_LINE
+    return is_person_line(line) and is_stop(line.text)
 
 
 def notice_arrival(key: str, delivery: AbstractIncomingMessage) -> None:

@@ -24,11 +24,12 @@ from yoke.models import (
     SubmitMessage,
     SubmitReply,
 )
+from yoke.slash import STOP
 from yoke.speakers import amqp_user
 
 # The line a person types in a forum to stop every agent there (see the README);
 # ``yoke stop`` and the gateway's stop route submit exactly this for the person named.
-STOP_LINE = "/stop"
+STOP_LINE = STOP
 
 
 @contextlib.asynccontextmanager

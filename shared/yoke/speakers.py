@@ -79,6 +79,11 @@ class DoorUsers:
         """The services' own user or the gateway's: the ones that name their people."""
         return user in (self.operator, self.gateway)
 
+    @staticmethod
+    def is_worker(user: str) -> bool:
+        """A tool worker's user (``tool-NAME``): it answers its own tool's calls, nothing else."""
+        return user.startswith(topology.TOOL_USER_PREFIX)
+
     def own(self, user: str, value: str, what: str) -> str:
         """``value`` (an external id or key) as the door stores it for ``user``; raises
         :class:`ForeignNamespace` for what ``user`` may not say."""
@@ -125,6 +130,6 @@ class DoorUsers:
             )
         if user == self.gateway:
             return queue.startswith(topology.GATEWAY_REPLY_QUEUE_PREFIX)
-        if user.startswith(topology.TOOL_USER_PREFIX):
+        if self.is_worker(user):
             return False  # a worker declares no queue: direct reply-to only
         return queue.startswith(topology.bridge_queue_prefix(user))

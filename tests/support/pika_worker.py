@@ -18,7 +18,7 @@ line per thing a test may wait for, flushed at once, each with an ``event``:
 Modes:
 
 - ``answer``: answers each call with ``output`` = JSON ``{"input": <the call's input>,
-  "marker": MARKER}``;
+  "marker": MARKER}`` (or, with ``--output-bytes N``, N bytes of ``x``: an answer too large);
 - ``twice``: answers each call so twice, and prints both replies;
 - ``never``: takes and acks each call but never answers it;
 - ``hold``: answers the calls it holds once the file ``--release FILE`` exists;
@@ -106,6 +106,8 @@ class Worker:
         return reply
 
     def output_for(self, call: dict[str, Any]) -> str:
+        if self.args.output_bytes is not None:
+            return "x" * self.args.output_bytes
         return json.dumps({"input": call.get("input"), "marker": self.args.marker})
 
     def handle(self, tag: int, call: dict[str, Any]) -> None:
@@ -199,6 +201,7 @@ def main() -> None:
     parser.add_argument("--target-call", help="as-other (and no-user-id): the call to answer")
     parser.add_argument("--other-queue", default="yoke.dead-letters", help="probe: not ours")
     parser.add_argument("--prefetch", type=int, default=8)
+    parser.add_argument("--output-bytes", type=int, help="answer with this many bytes of x")
     args = parser.parse_args()
     if args.mode == "hold" and not args.release:
         parser.error("--mode hold needs --release FILE")

@@ -20,7 +20,7 @@ import httpx
 
 from yoke import topology
 from yoke.cli.base import with_store
-from yoke.runtime.approvals import grant_approver
+from yoke.runtime.approvals import grant_approver, revoke_approver
 from yoke.settings import Settings
 from yoke.store import Store
 
@@ -215,13 +215,18 @@ async def publisher_create(args: argparse.Namespace) -> None:
         password = await create_publisher(management, args.name, settings=settings)
     except PublisherRefused as error:
         raise SystemExit(f"yoke: {error}") from error
-    if args.can_approve:
-        # In the mesh's store, which the door reads: RabbitMQ users are per broker, and this
-        # mesh is the one whose approvals it may decide.
-        async def grant(store: Store) -> None:
-            await grant_approver(store, args.name)
 
-        await with_store(grant)
+    # In the mesh's store, which the door reads: RabbitMQ users are per broker, and this mesh
+    # is the one whose approvals it may decide. Set either way: a user made again under the
+    # name of one deleted (here or behind the mesh's back) starts with no right of the old
+    # one's. Nobody holds the new password yet, so nobody speaks with the old rights meanwhile.
+    async def set_rights(store: Store) -> None:
+        if args.can_approve:
+            await grant_approver(store, args.name)
+        else:
+            await revoke_approver(store, args.name)
+
+    await with_store(set_rights)
     print(
         f"created RabbitMQ user {args.name!r} in vhost {management.vhost!r}: it may submit to "
         f"{topology.COMMANDS_EXCHANGE} and bind its {topology.bridge_queue_prefix(args.name)}* "
@@ -233,8 +238,35 @@ async def publisher_create(args: argparse.Namespace) -> None:
     print(password)
 
 
+async def publisher_revoke(args: argparse.Namespace) -> None:
+    """The right to decide approvals taken away (``--can-approve``), or the user deleted with
+    every right it had (its connections close with it)."""
+    settings = Settings()
+
+    had: list[bool] = []
+
+    async def revoke(store: Store) -> None:
+        had.append(await revoke_approver(store, args.name))
+
+    await with_store(revoke)
+    had_right = had == [True]
+    if args.can_approve:
+        if not had_right:
+            raise SystemExit(f"yoke: publisher {args.name!r} may not decide approvals anyway")
+    else:
+        management = management_of(settings.amqp_url, settings.management_url)
+        try:
+            deleted = await delete_user(management, args.name)
+        except PublisherRefused as error:
+            raise SystemExit(f"yoke: {error}") from error
+        if not deleted and not had_right:
+            raise SystemExit(f"yoke: no RabbitMQ user {args.name!r}")
+    print(args.name)
+
+
 def register(commands: Any) -> None:
-    """``yoke publisher create --name NAME [--can-approve]``."""
+    """``yoke publisher create --name NAME [--can-approve]``, ``yoke publisher revoke --name
+    NAME [--can-approve]``."""
     publisher = commands.add_parser("publisher", help="bridges' RabbitMQ users").add_subparsers(
         dest="sub", required=True
     )
@@ -249,4 +281,14 @@ def register(commands: Any) -> None:
         "--can-approve",
         action="store_true",
         help=f"it may also decide on calls waiting for approval ({topology.APPROVAL_COMMAND})",
+    )
+    help = (
+        "delete a publisher's RabbitMQ user and every right it had; with --can-approve, take "
+        "away only its right to decide approvals (the user stays)"
+    )
+    revoke = publisher.add_parser("revoke", help=help, description=help)
+    revoke.set_defaults(handler=publisher_revoke)
+    revoke.add_argument("--name", required=True, help="the user's name")
+    revoke.add_argument(
+        "--can-approve", action="store_true", help="take away only the right to decide approvals"
     )

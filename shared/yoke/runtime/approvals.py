@@ -16,7 +16,6 @@ from datetime import UTC, datetime
 
 from pydantic import Field, JsonValue
 
-from yoke import topology
 from yoke.models import (
     CommandAuthor,
     Document,
@@ -89,6 +88,13 @@ async def grant_approver(store: Store, user: str) -> None:
     await store.insert_if_absent(store.db[APPROVERS_COLLECTION], Approver(id=user).to_document())
 
 
+async def revoke_approver(store: Store, user: str) -> bool:
+    """Take the right away (at once: the door reads it on every decision); False if ``user``
+    had none."""
+    result = await store.db[APPROVERS_COLLECTION].delete_one({"_id": user})
+    return result.deleted_count > 0
+
+
 async def is_approver(store: Store, user: str) -> bool:
     found = await store.db[APPROVERS_COLLECTION].find_one({"_id": user}, projection={"_id": 1})
     return found is not None
@@ -115,7 +121,7 @@ class Approvals:
 
     async def may_decide(self, user: str) -> bool:
         """The mesh's own users, or a publisher granted it; never a tool worker's user."""
-        if user.startswith(topology.TOOL_USER_PREFIX):
+        if self.users.is_worker(user):
             return False
         return self.users.is_mesh(user) or await is_approver(self.store, user)
 

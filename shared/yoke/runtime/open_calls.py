@@ -265,9 +265,16 @@ class OpenCalls:
     # --- the door: a worker's answer --------------------------------------------------------
 
     async def answer(
-        self, call_id: str, user: str | None, output: str, is_error: bool
+        self,
+        call_id: str,
+        user: str | None,
+        output: str,
+        is_error: bool,
+        *,
+        outcome: EndOutcome = "answered",
     ) -> SubmitReply:
-        """A worker's ``tool.result.submit``, checked against the call and who sent it."""
+        """A worker's ``tool.result.submit``, checked against the call and who sent it
+        (``failed``: an answer the door could not take, whose error ends the call instead)."""
         if not user:
             return _rejected(
                 "missing_user_id",
@@ -297,7 +304,7 @@ class OpenCalls:
             )
             return self._after_end(end, tool, user)
         won, end = await self.end(
-            call, outcome="answered", output=storable(output), is_error=is_error, by=user
+            call, outcome=outcome, output=storable(output), is_error=is_error, by=user
         )
         if won:
             return SubmitReply(status="accepted", message_id=result_line_id(call.id))
