@@ -25,6 +25,7 @@ from tests.support.processes import eventually
 from yoke.client import Client
 from yoke.failures import Failure
 from yoke.models import Message, TextPart
+from yoke.rate_limit import COLLECTION as LINE_LIMITS
 from yoke.retention import Sweep, core_rules, day_bucket, hour_bucket
 from yoke.runtime import open_calls
 from yoke.runtime.compaction import MonologueSwap, swap_rule
@@ -412,6 +413,7 @@ class Aged:
                 {"_id": "bg-replica", "service": "retired", "ageBucket": old_hour, "beat": long_ago}
             ],
             "writers": [{"_id": "sweep:bg-writer", "claimedAt": long_ago, "ageBucket": old_hour}],
+            LINE_LIMITS: [{"_id": "slot/0/1/bridge:bg", "ageBucket": old_hour}],
             TOOL_CALL_ENDS_COLLECTION: [
                 CallEnd(
                     id="bg-end",

@@ -5,6 +5,9 @@ second) leave the conversation dense and no writer's head cache ahead of the sto
 
 Outbox: a line whose insert is slow, with a heartbeat during it and a crash after it, is still
 published again by another process's sweep (invariant 2).
+
+Rate limits: replicas and lanes taking lines of one speaker at once let no more through than
+the limit (invariant 8: counted by unique inserts, not by a read-modify-write).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pymongo.errors import DuplicateKeyError
 from yoke.ids import new_id
 from yoke.models import Message, TextPart, utcnow
 from yoke.outbox import OutboxSweep
+from yoke.rate_limit import LineLimit
 from yoke.store import ID_KEY, SEQ_KEY, Store, duplicate_key
 
 
@@ -127,6 +131,21 @@ async def test_a_line_whose_insert_outlived_a_heartbeat_is_published_after_a_cra
     )
     assert await sweep.finish_dead_writers(silent_for=0) == 1
     assert [(m.id, m.seq) for m in published] == [(stored.id, stored.seq)]
+
+
+async def test_a_speakers_limit_holds_when_replicas_take_its_lines_at_once(
+    writers: tuple[Store, Store],
+) -> None:
+    per_minute, each = 5, 12
+    limits = [LineLimit(store, per_minute) for store in writers]  # two ingestion replicas
+    for window in range(2):  # a speaker's first window, then one begun after it ended
+        now = utcnow() + window * timedelta(minutes=2)
+        waits = await asyncio.gather(
+            *(limit.take("bridge:alice", now) for limit in limits for _ in range(each))
+        )
+        taken = sum(wait is None for wait in waits)
+        assert taken == per_minute, (window, waits)
+        assert all(wait is None or 1 <= wait <= 60 for wait in waits), waits
 
 
 @pytest.mark.parametrize(

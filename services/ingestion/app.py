@@ -39,7 +39,7 @@ from yoke.models import (
     SubmitToolResult,
     TextPart,
 )
-from yoke.rate_limit import LineLimit
+from yoke.rate_limit import LineLimit, slot_rule
 from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.runtime.approvals import Approvals
 from yoke.runtime.chain import carry_tail, copy_target
@@ -512,6 +512,7 @@ INGESTION_ACTOR = ActorDefinition(
 
 def register(service: Service) -> None:
     door = Door(service)
+    service.retention.add(slot_rule())  # the limits' slots of past minutes
 
     async def joined(event: AgentForumJoined) -> None:
         # On the forum's shard, whose commands this process handles: its next line reads anew.

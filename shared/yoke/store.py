@@ -6,7 +6,7 @@ concurrency (docs/architecture.md, invariant 8), anything contended is decided b
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from pymongo import ASCENDING, AsyncMongoClient, monitoring
@@ -54,6 +54,23 @@ def bucket_key(conversation_id: str, bucket: int) -> str:
     per lookup there is no such plan to choose.
     """
     return f"{conversation_id}/{bucket}"
+
+
+async def highest_taken(taken: Callable[[int], Awaitable[bool]], low: int = 0) -> int:
+    """The highest ``n`` with ``taken(n)`` in a dense run ``1..n`` (``low`` is known taken, 0:
+    none is): galloping, then bisecting, a few lookups rather than a walk (seqs, slots)."""
+    step = 1
+    high = low + step
+    while await taken(high):
+        low, step = high, step * 2
+        high = low + step
+    while high - low > 1:
+        middle = (low + high) // 2
+        if await taken(middle):
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def _origin() -> str:
@@ -209,6 +226,8 @@ class Store:
         await self.failures.create_index([("stateId", ASCENDING)], name="state")
         # A forum's pending approvals (GET /v1/forums/{id}/approvals, yoke approvals, a stop).
         await self.db["tool_calls"].create_index([("forumId", ASCENDING)], name="forum")
+        # The reaper's key (yoke.runtime.open_calls: a round reads the bucket due now).
+        await self.db["tool_calls"].create_index([("dueBucket", ASCENDING)], name="due")
 
     async def ping(self) -> None:
         await self.db.command("ping")
@@ -322,18 +341,8 @@ class Store:
         highest seq this process knows: a few indexed reads, not a sorted read of the whole
         conversation (which FerretDB 1.x would answer by reading every line).
         """
-        low = self._last_seq.get(conversation_id) or 0
-        step = 1
-        high = low + step
-        while await self._seq_taken(conversation_id, high):
-            low, step = high, step * 2
-            high = low + step
-        while high - low > 1:
-            middle = (low + high) // 2
-            if await self._seq_taken(conversation_id, middle):
-                low = middle
-            else:
-                high = middle
+        known = self._last_seq.get(conversation_id) or 0
+        low = await highest_taken(lambda seq: self._seq_taken(conversation_id, seq), known)
         self.observe_seq(conversation_id, low)
         return low
 
