@@ -140,7 +140,8 @@ async def test_a_plugin_hogging_cpu_ends_at_its_timeout_and_the_loop_goes_on(run
     took = time.monotonic() - started
     assert result.is_error and result.output == "hog timed out after 0.5s", result.output
     assert took < 2.0, took
-    assert ticker.ticks >= 10
+    # A held loop would not turn at all until the hog is done; a loaded machine turns it less.
+    assert ticker.ticks >= 3, ticker.ticks
     assert ticker.longest_gap < 0.4, ticker.longest_gap
 
 
