@@ -89,18 +89,19 @@ async def test_two_writers_of_one_line_id_leave_seqs_dense_and_no_head_ahead(
     assert max(caches) == head and all(cache <= head for cache in caches), caches
 
 
-class _BeatsDuringInsert:
-    """A messages collection whose inserts are slow enough for a heartbeat to land meanwhile."""
+class _DuringInsert:
+    """A messages collection whose inserts are slow enough for something to happen meanwhile
+    (a heartbeat, the process stopping)."""
 
-    def __init__(self, messages: Any, beat: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, messages: Any, meanwhile: Callable[[], Awaitable[None]]) -> None:
         self._messages = messages
-        self._beat = beat
+        self._meanwhile = meanwhile
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._messages, name)
 
     async def insert_one(self, document: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        await self._beat()
+        await self._meanwhile()
         return await self._messages.insert_one(document, *args, **kwargs)
 
 
@@ -109,7 +110,7 @@ async def test_a_line_whose_insert_outlived_a_heartbeat_is_published_after_a_cra
 ) -> None:
     crashing, surviving = writers
     heartbeats = crashing.db["writers"]
-    crashing.messages = _BeatsDuringInsert(  # type: ignore[assignment]
+    crashing.messages = _DuringInsert(  # type: ignore[assignment]
         crashing.messages, lambda: crashing.outbox.beat(heartbeats)
     )
     # Made a while before it is stored (a slow insert, or a line built before a slow step).
@@ -121,16 +122,35 @@ async def test_a_line_whose_insert_outlived_a_heartbeat_is_published_after_a_cra
     # The crash: no publish, no more heartbeats (close leaves an unconfirmed writer in place).
     await crashing.outbox.close(heartbeats)
 
+    assert [(m.id, m.seq) for m in await _republished(surviving)] == [(stored.id, stored.seq)]
+
+
+async def test_a_line_being_inserted_as_its_writer_stops_is_left_for_the_sweep(
+    writers: tuple[Store, Store],
+) -> None:
+    stopping, surviving = writers
+    heartbeats = stopping.db["writers"]
+    stopping.messages = _DuringInsert(  # type: ignore[assignment]
+        stopping.messages, lambda: stopping.outbox.close(heartbeats)
+    )
+    # Its writer stops while the insert is on its way (then dies before it publishes): it
+    # must not forget itself as a writer with nothing unconfirmed.
+    stored, _ = await stopping.insert_message(_line("forum-stopping", "on its way"))
+    assert [m.id for m in await _republished(surviving)] == [stored.id]
+
+
+async def _republished(sweeper: Store) -> list[Message]:
+    """What ``sweeper``'s outbox sweep publishes again of the writers that stopped beating."""
     published: list[Message] = []
 
     async def publish(message: Message) -> None:
         published.append(message)
 
     sweep = OutboxSweep(
-        surviving.outbox, surviving.db["writers"], surviving.messages, publish, lambda _: None
+        sweeper.outbox, sweeper.db["writers"], sweeper.messages, publish, lambda _: None
     )
-    assert await sweep.finish_dead_writers(silent_for=0) == 1
-    assert [(m.id, m.seq) for m in published] == [(stored.id, stored.seq)]
+    await sweep.finish_dead_writers(silent_for=0)
+    return published
 
 
 async def test_a_speakers_limit_holds_when_replicas_take_its_lines_at_once(

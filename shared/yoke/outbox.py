@@ -154,14 +154,15 @@ class Outbox:
                 log.warning("could not store the outbox heartbeat: %r", error)
 
     async def close(self, writers: Any) -> None:
-        """Stop beating; with nothing left unconfirmed, leave nothing for others to finish."""
+        """Stop beating; with nothing left unconfirmed (nor an insert on its way), leave
+        nothing for others to finish."""
         if self._heart is None:
             return
         self._heart.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._heart
         self._heart = None
-        if not self.unconfirmed:
+        if not self.unconfirmed and not self._since:
             with contextlib.suppress(Exception):
                 await writers.delete_one({"_id": self.writer})
 
