@@ -139,6 +139,52 @@ async def test_a_server_removed_while_its_listing_is_under_way_leaves_no_tools(
         await hosting.host.close()
 
 
+class Held(ToolCatalog):
+    """Holds each listing before it is written (until ``write``) and after (until ``release``)."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.listed, self.write = asyncio.Event(), asyncio.Event()
+        self.written, self.release = asyncio.Event(), asyncio.Event()
+
+    async def replace_source(self, source: str, origin: str, found: list[CatalogEntry]) -> None:
+        self.listed.set()
+        await self.write.wait()
+        await super().replace_source(source, origin, found)
+        self.written.set()
+        await self.release.wait()
+
+
+async def test_a_connection_stopped_between_writing_and_checking_still_takes_its_tools_back(
+    own_store: Store, mongodb_url: str
+) -> None:
+    server = await register(own_store, "cut")
+    held = Held(own_store)
+    hosting = McpHosting(own_store, held)
+    await hosting.host.sync([server])
+    try:
+        async with asyncio.timeout(WAIT):
+            await held.listed.wait()
+        code, _, err = await run_yoke({"YOKE_MONGODB_URL": mongodb_url}, "tools", "remove", "cut")
+        assert code == 0, err
+        held.write.set()
+        async with asyncio.timeout(WAIT):
+            await held.written.wait()
+        assert (await entries(own_store)).get("cut__echo") is not None  # written after remove
+        # The processor's next sync sees the removal and stops the connection mid-recording.
+        await hosting.host.sync([])
+        held.release.set()
+
+        async def taken_back() -> bool:
+            return not any(name.startswith("cut__") for name in await entries(own_store))
+
+        await eventually(taken_back, timeout=WAIT, what="the written tools to be taken back")
+    finally:
+        held.write.set()
+        held.release.set()
+        await hosting.host.close()
+
+
 # --- 1: a listing the store does not take -----------------------------------------------
 
 
