@@ -228,9 +228,9 @@ def test_tool_accounting_finds_calls_ended_twice_never_ended_and_run_twice() -> 
         run("t-c", 1, 1.0, "chttp__tally"),
         run("t-c", 2, 2.0, "chttp__tally"),  # an MCP call run twice: never allowed
         run("t-b", 7, 1.0),
-        run("t-b", 8, 9.0),  # after worker 7 was killed: allowed
+        run("t-b", 8, 9.0),  # worker 7 was killed in between: allowed
         run("t-d", 8, 10.0),
-        run("t-d", 8, 11.0),  # no fault between: not allowed
+        run("t-d", 8, 11.0),  # no fault in between (worker 8 was killed later): not allowed
         run("t-e", 8, 20.0),
         run("t-e", 9, 30.0),  # the broker went away meanwhile: allowed
         run("t-zzz", 8, 40.0),  # of no call in the store
@@ -241,7 +241,7 @@ def test_tool_accounting_finds_calls_ended_twice_never_ended_and_run_twice() -> 
         {"m": monologue},
         runs,
         worker,
-        killed_workers={7},
+        killed_workers={7: 5.0, 8: 35.0},
         interruptions=[Interruption(25.0, 26.0)],
         lines=[one, two],
         forums={"forum-0": forum},

@@ -305,10 +305,13 @@ class Run:
         monologues = {m: await self.store.history(m) for m in self.monologues.values()}
         runs = read_runs(side.mcp_runs) + read_runs(side.worker_runs)
         wall = time.time() - time.monotonic()
+        # From the fault until lines flowed again: the mesh's retries come in that time.
         interruptions = [
-            tools.Interruption(record.started + wall, (record.ended or record.started) + wall)
+            tools.Interruption(
+                record.started + wall, (record.recovered or record.ended or record.started) + wall
+            )
             for record in self.records
-            if record.kind == "broker" or "tool-worker" in record.what
+            if record.kind == "broker" or "processor" in record.what
         ]
         accounting = tools.account_tools(
             monologues,

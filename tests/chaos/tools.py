@@ -128,7 +128,7 @@ class ToolSide:
         self.http: subprocess.Popen[bytes] | None = None
         self.worker_process: subprocess.Popen[bytes] | None = None
         self.worker_url: str | None = None
-        self.killed_workers: set[int] = set()
+        self.killed_workers: dict[int, float] = {}  # pid -> when (time.time())
 
     async def register(self, store: Store) -> None:
         # Written by stdio servers that may run as an unprivileged user.
@@ -199,7 +199,7 @@ class ToolSide:
             raise RuntimeError(f"the tool worker had exited already ({process.returncode})")
         process.send_signal(signal.SIGKILL)
         await asyncio.to_thread(process.wait, 10)
-        self.killed_workers.add(process.pid)
+        self.killed_workers[process.pid] = time.time()
         self.start_worker()
 
     async def wait_listed(self, store: Store, timeout: float) -> list[str]:
@@ -386,7 +386,8 @@ def _spread(counts: Counter[int]) -> str:
 
 @dataclass(frozen=True)
 class Interruption:
-    """A fault that may take a worker's calls out of its hands: a kill of it, a broker fault."""
+    """A fault after which the mesh may send a worker's call again (a processor killed as it
+    published, the broker restarting under the worker's unacked call)."""
 
     started: float  # time.time()
     ended: float
@@ -396,7 +397,7 @@ def account_tools(
     monologues: dict[str, list[Message]],
     runs: list[ToolRun],
     worker: str,
-    killed_workers: set[int],
+    killed_workers: dict[int, float],
     interruptions: list[Interruption],
     lines: list[Line],
     forums: dict[str, list[Message]],
@@ -459,14 +460,18 @@ def account_tools(
     return result
 
 
-def _excused(ran: list[ToolRun], killed: set[int], interruptions: list[Interruption]) -> bool:
-    """Each run but the last was by a worker killed later, or a fault came while it ran; and
-    every delivery carried the call's one id and idempotency key."""
+def _excused(
+    ran: list[ToolRun], killed: dict[int, float], interruptions: list[Interruption]
+) -> bool:
+    """Between each two runs, the worker of the first was killed or another fault came (the
+    contract: a worker sees a call again only after a crash); and every delivery carried the
+    call's one id and idempotency key."""
     if len({(run.call_id, run.idempotency_key) for run in ran}) != 1:
         return False
     ordered = sorted(ran, key=lambda run: run.at)
     for earlier, later in itertools.pairwise(ordered):
-        cut = earlier.pid in killed or any(
+        when = killed.get(earlier.pid)
+        cut = (when is not None and earlier.at <= when <= later.at) or any(
             fault.started <= later.at and fault.ended >= earlier.at for fault in interruptions
         )
         if not cut:
