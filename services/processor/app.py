@@ -77,6 +77,7 @@ from yoke.runtime.mcp_hosting import McpHosting
 from yoke.runtime.open_calls import (
     OpenCall,
     OpenCalls,
+    ReapShare,
     call_rules,
     open_call_id,
     result_line_id,
@@ -1128,11 +1129,22 @@ async def host_tools(hosting: McpHosting, dispatch: ToolDispatch, stopping: asyn
         await dispatch.close()
 
 
+def live_processors(service: Service) -> tuple[str, list[str]] | None:
+    """This processor and the live ones (its shards' owners), whom the reaper's buckets are
+    shared among (None before its first ownership round)."""
+    ownership = service.ownership
+    if ownership is None or not ownership.live:
+        return None
+    return ownership.id, ownership.live
+
+
 def register(service: Service) -> None:
     global _dispatch
     local = LocalTools.load()
     catalog = ToolCatalog(service.store, local)
-    open_calls = OpenCalls(service.store, service.poster)
+    open_calls = OpenCalls(
+        service.store, service.poster, share=ReapShare(lambda: live_processors(service))
+    )
     hosting = McpHosting(service.store, catalog)
     dispatch = _dispatch = ToolDispatch(catalog, local, open_calls, service.bus, hosting.host)
     service.background("tool catalog", lambda: host_tools(hosting, dispatch, service.stopping))

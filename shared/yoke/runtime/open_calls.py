@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -40,6 +41,7 @@ from yoke.metrics import (
     OPEN_TOOL_CALLS,
     OVERDUE_TOOL_CALLS,
     PENDING_APPROVALS,
+    STORE_ORIGIN,
     TOOL_CALL_SECONDS,
     TOOL_CALLS,
     tool_label,
@@ -59,6 +61,7 @@ from yoke.models import (
     ToolResultPart,
     as_utc,
 )
+from yoke.ownership import weight
 from yoke.retention import Rule, day_bucket
 from yoke.runtime.posting import Poster
 from yoke.store import Store
@@ -70,8 +73,19 @@ log = logging.getLogger(__name__)
 TOOL_CALLS_COLLECTION = "tool_calls"
 TOOL_CALL_ENDS_COLLECTION = "tool_call_ends"
 TOOL_CALL_DECISIONS_COLLECTION = "tool_call_decisions"
-# How often each processor looks for calls past their deadline, and for ends left unfinished.
+# How often the reaper looks for calls past their deadline.
 REAP_SECONDS = 1.0
+# A call is filed under its deadline's bucket this wide (``dueBucket``): a round reads the calls
+# of the buckets due now, by equality (FerretDB pushes only top-level equality down; a range on
+# the deadline reads the whole collection), not every open call. Each bucket is reaped by one
+# live processor (:class:`ReapShare`).
+DUE_BUCKET_SECONDS = 10
+# Every open call is read this often (and at start), by one processor: what the buckets do not
+# show (a bucket gone by while no processor ran, an end or a decision a crash left undone, the
+# gauges of open calls and pending approvals).
+SWEEP_SECONDS = 30.0
+# A round reads at most this many buckets behind; further behind, it sweeps instead.
+MAX_BUCKETS_BEHIND = 30
 # A decision whose call still awaits approval this long after it was taken (its decider died
 # half-way, say) is carried out again by the reaper, at most this often per call.
 REAPPLY_SECONDS = 30.0
@@ -108,6 +122,14 @@ class OpenCall(Document):
     # The process running an in-process or MCP call (its claim, invariant 15): a claim found
     # unfinished and not running here was cut short by a crash, and is ended, never run again.
     runner: str | None = None
+
+    # Written from ``deadline`` with every write (:meth:`to_document`): the reaper's key.
+    due_bucket: int | None = None
+
+    def to_document(self) -> dict[str, Any]:
+        document = super().to_document()
+        document["dueBucket"] = due_bucket(self.deadline)
+        return document
 
     @property
     def idempotency_key(self) -> str:
@@ -146,6 +168,30 @@ class CallDecision(Document):
     age_bucket: str = Field(default_factory=day_bucket)  # yoke.retention: call_rules
 
 
+def due_bucket(moment: datetime) -> int:
+    return int(as_utc(moment).timestamp() // DUE_BUCKET_SECONDS)
+
+
+class ReapShare:
+    """Which buckets this processor reaps: rendezvous hashing over the live processors (the
+    shard owners' live set, :class:`yoke.ownership.Ownership`), so each is reaped by one; the
+    sweep too. Without a live set (one process, tests) it reaps everything."""
+
+    def __init__(self, me: Callable[[], tuple[str, list[str]] | None] = lambda: None) -> None:
+        self.me = me
+
+    def owns(self, bucket: int) -> bool:
+        found = self.me()
+        if found is None or not found[1]:
+            return True
+        me, live = found
+        return max(live, key=lambda replica: weight("reaper", bucket, replica)) == me
+
+
+# The sweep's own key among the buckets (no deadline falls in it).
+SWEEP_KEY = -1
+
+
 def open_call_id(instance_id: str, call_line_id: str, model_call_id: str) -> str:
     return derive_id("tool-call", instance_id, call_line_id, model_call_id)
 
@@ -168,9 +214,15 @@ def _rejected(code: Any, error: str) -> SubmitReply:
 class OpenCalls:
     """The open calls of this database: open, end, answer at the door, reap past deadlines."""
 
-    def __init__(self, store: Store, poster: Poster, *, vhost: str = "/") -> None:
+    def __init__(
+        self, store: Store, poster: Poster, *, vhost: str = "/", share: ReapShare | None = None
+    ) -> None:
         self.store = store
         self.poster = poster
+        self.share = share or ReapShare()
+        # The first bucket a round still reads (None: sweep first), and when we last swept.
+        self._next_bucket: int | None = None
+        self._swept_at = -SWEEP_SECONDS
         # The mesh's vhost, which its worker users' names carry (topology.tool_user).
         self.vhost = vhost
         self.calls = store.db[TOOL_CALLS_COLLECTION]
@@ -476,17 +528,40 @@ class OpenCalls:
 
     async def reap(self) -> int:
         """End every call past its deadline and finish ends a crash left; returns how many
-        calls are still open. Whatever ran a call may be gone: the deadline holds anyway.
+        calls this round saw still open. Whatever ran a call may be gone: the deadline holds.
 
-        A call awaiting approval past its deadline is decided ``expired``; one whose decision
-        was taken but not carried out (its decider died half-way) is carried out again."""
+        A round reads the buckets due since the last one (those this processor owns); every
+        :data:`SWEEP_SECONDS` one processor reads every open call instead. A call awaiting
+        approval past its deadline is decided ``expired``; one whose decision was taken but
+        not carried out (its decider died half-way) is carried out again."""
         now = datetime.now(UTC)
+        current = due_bucket(now)
+        sweep = (
+            self._next_bucket is None
+            or current - self._next_bucket > MAX_BUCKETS_BEHIND
+            or time.monotonic() - self._swept_at >= SWEEP_SECONDS
+        ) and self.share.owns(SWEEP_KEY)
+        if sweep:
+            queries: list[dict[str, Any]] = [{}]
+        else:
+            first = current if self._next_bucket is None else min(self._next_bucket, current)
+            buckets = range(max(first, current - MAX_BUCKETS_BEHIND), current + 1)
+            queries = [{"dueBucket": bucket} for bucket in buckets if self.share.owns(bucket)]
+        still = await self._reap(now, queries, sweep)
+        if sweep:
+            self._swept_at = time.monotonic()
+        # Buckets before the current one are done (their calls all ended): never read again.
+        self._next_bucket = current
+        return still
+
+    async def _reap(self, now: datetime, queries: list[dict[str, Any]], sweep: bool) -> int:
         still = pending = 0
         overdue: list[OpenCall] = []
         expired: list[OpenCall] = []
         undone: list[tuple[OpenCall, CallDecision]] = []
         calls: list[OpenCall] = []
-        async for document in self.calls.find({}):
+        documents = [document for query in queries async for document in self.calls.find(query)]
+        for document in documents:
             try:
                 calls.append(OpenCall.from_document(document))
             except ValueError as error:
@@ -526,12 +601,14 @@ class OpenCalls:
             else:
                 still += 1
                 pending += call.awaiting_approval
-        OPEN_TOOL_CALLS.set(still)
-        PENDING_APPROVALS.set(pending)
+        if sweep:  # every open call seen
+            OPEN_TOOL_CALLS.set(still)
+            PENDING_APPROVALS.set(pending)
+            self._reapplied = {k: v for k, v in self._reapplied.items() if k in seen}
         # Counted before they are ended: calls that cannot be ended (the store refusing the
-        # end, the broker the result line) are counted again every round (YokeToolCallsOverdue).
+        # end, the broker the result line) fail the round, whose buckets are read again the
+        # next, and are counted again (YokeToolCallsOverdue).
         OVERDUE_TOOL_CALLS.set(len(overdue) + len(expired))
-        self._reapplied = {k: v for k, v in self._reapplied.items() if k in seen}
         for call in overdue:
             await self.end(call, outcome="timeout", output=overdue_text(call), is_error=True)
         for call in expired:
@@ -561,6 +638,7 @@ class OpenCalls:
 
     async def run_reaper(self, stopping: asyncio.Event) -> None:
         """Reap every :data:`REAP_SECONDS` until ``stopping``; a failing round is retried."""
+        STORE_ORIGIN.set("reaper")  # this task's store operations, told apart in the metrics
         while not stopping.is_set():
             try:
                 await self.reap()
