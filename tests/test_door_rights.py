@@ -156,6 +156,7 @@ async def test_a_workers_user_may_answer_its_calls_and_say_nothing_else(
     }
     decided = await ask_direct(tool.url, topology.APPROVAL_COMMAND, decision, user_id=tool.user)
     assert (decided["status"], decided.get("code")) == ("rejected", "not_allowed"), decided
+    assert tool.user in decided["error"] and "tool.result.submit" in decided["error"], decided
     # Nothing was written: the forum holds only what the test said since.
     said = await say(client, forum_id, "only this")
     assert [line.id for line in await store.history(forum_id)] == [said]

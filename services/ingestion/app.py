@@ -246,7 +246,7 @@ class Door:
                 "RabbitMQ user, which the broker verifies",
             )
         if self.users.is_worker(user):
-            return _rejected("not_allowed", worker_only(user))
+            return _rejected("not_allowed", self.users.worker_only(user))
         try:
             external_id = self.users.own(user, command.author.external_id, "externalId")
             key = self.users.own(user, command.idempotency_key, "idempotencyKey")
@@ -435,14 +435,6 @@ class ApprovalDoor(CallDoor):
         if isinstance(decision, SubmitReply):
             return decision
         return await self.approvals.submit(decision, user)
-
-
-def worker_only(user: str) -> str:
-    """Why a tool worker's user is refused anything but an answer (invariant 13)."""
-    return (
-        f"RabbitMQ user {user!r} is a tool worker's: it may only answer its own tool's calls "
-        f"({topology.TOOL_RESULT_COMMAND}), never post lines or decide approvals"
-    )
 
 
 def _rejected(code: RejectCode, error: str) -> SubmitReply:

@@ -84,6 +84,14 @@ class DoorUsers:
         """A tool worker's user (``tool-NAME``): it answers its own tool's calls, nothing else."""
         return user.startswith(topology.TOOL_USER_PREFIX)
 
+    @staticmethod
+    def worker_only(user: str) -> str:
+        """Why a tool worker's user is refused anything but an answer (invariant 13)."""
+        return (
+            f"RabbitMQ user {user!r} is a tool worker's: it may only answer its own tool's "
+            f"calls ({topology.TOOL_RESULT_COMMAND}), never post lines or decide approvals"
+        )
+
     def own(self, user: str, value: str, what: str) -> str:
         """``value`` (an external id or key) as the door stores it for ``user``; raises
         :class:`ForeignNamespace` for what ``user`` may not say."""

@@ -134,6 +134,8 @@ class Approvals:
                 "the decision has no AMQP user_id: publish it with user_id set to your "
                 "RabbitMQ user, which the broker verifies",
             )
+        if self.users.is_worker(user):
+            return _rejected("not_allowed", self.users.worker_only(user))
         if not await self.may_decide(user):
             return _rejected(
                 "not_allowed",
