@@ -22,6 +22,7 @@ from pydantic import BeforeValidator, ValidationError
 
 from yoke import topology
 from yoke.consumer import Malformed
+from yoke.dead_letters import count_dropped_letters
 from yoke.errors import describe_validation_error
 from yoke.ids import derive_id
 from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
@@ -505,6 +506,11 @@ INGESTION_ACTOR = ActorDefinition(
 def register(service: Service) -> None:
     door = Door(service)
     service.retention.add(slot_rule())  # the limits' slots of past minutes
+    # The door is where outside letters come from; it counts what the bounded queue drops.
+    service.background(
+        "dropped dead letters",
+        lambda: count_dropped_letters(service.bus.connection, service.stopping),
+    )
 
     async def joined(event: AgentForumJoined) -> None:
         # On the forum's shard, whose commands this process handles: its next line reads anew.

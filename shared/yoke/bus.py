@@ -25,6 +25,7 @@ from aio_pika.abc import (
 from aiormq.exceptions import AMQPError, ChannelNotFoundEntity, DeliveryError
 
 from yoke import amqp_nodes, topology
+from yoke.dead_letters import declare_dead_letter_queue
 from yoke.errors import Transient
 from yoke.models import Envelope
 
@@ -123,9 +124,13 @@ def _event_headers(
 class Bus:
     """One robust AMQP connection: a confirming publisher channel plus consumer channels."""
 
-    def __init__(self, url: str, *, name: str = "yoke") -> None:
+    def __init__(
+        self, url: str, *, name: str = "yoke", dead_letters_max_length: int | None = None
+    ) -> None:
         self.url = url
         self.name = name
+        # The bound yoke.dead-letters is declared with (None: YOKE_DEAD_LETTERS_MAX_LENGTH).
+        self.dead_letters_max_length = dead_letters_max_length
         self._connection: AbstractRobustConnection | None = None
         self._publisher: AbstractChannel | None = None
         self._exchanges: dict[str, AbstractExchange] = {}
@@ -193,8 +198,8 @@ class Bus:
             topology.DEAD_LETTER_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True
         )
         self._exchanges[topology.DEAD_LETTER_EXCHANGE] = dead
-        queue = await channel.declare_queue(
-            topology.DEAD_LETTER_QUEUE, durable=True, arguments={"x-queue-type": "quorum"}
+        queue = await declare_dead_letter_queue(
+            self.connection, channel, self.dead_letters_max_length
         )
         await queue.bind(dead, routing_key="#")
         await self.declare_forum()

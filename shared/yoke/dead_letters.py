@@ -1,15 +1,20 @@
-"""The dead-letter queue for operators: list what failed and why, replay it where it came from."""
+"""The dead-letter queue: bounded and counted; for operators, list what failed and why, replay
+it where it came from."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import Mapping
 
 import aio_pika
-from aio_pika.abc import AbstractIncomingMessage
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
+from aiormq.exceptions import ChannelPreconditionFailed
 
 from yoke import amqp_nodes, topology
+from yoke.metrics import DEAD_LETTERS_DROPPED
+from yoke.settings import SERVICES, Settings
 from yoke.speakers import amqp_user
 
 log = logging.getLogger(__name__)
@@ -36,6 +41,87 @@ _BROKER_HEADERS = {
     "x-last-death-queue",
     "x-last-death-exchange",
 }
+
+
+async def declare_dead_letter_queue(
+    connection: AbstractConnection,
+    channel: AbstractChannel,
+    max_length: int | None = None,
+) -> AbstractQueue:
+    """``yoke.dead-letters`` on ``channel``, declared bounded (and the queue its overflow goes
+    to, to be counted); ``max_length`` is YOKE_DEAD_LETTERS_MAX_LENGTH unless given.
+
+    A queue declared before it had a bound (an upgraded mesh), or with another bound, cannot
+    be declared again with these arguments (PRECONDITION_FAILED, which closes the channel): it
+    is tried on a channel of its own, and such a queue is used as it is, passively, bounded by
+    the policy ``yoke-dead-letters`` (deploy/rabbitmq/definitions.json) if it has one.
+    """
+    dropped = await channel.declare_exchange(
+        topology.DROPPED_LETTERS_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True
+    )
+    counted = await channel.declare_queue(
+        topology.DROPPED_LETTERS_QUEUE,
+        durable=True,
+        arguments=topology.dropped_letters_queue_arguments(),
+    )
+    await counted.bind(dropped, routing_key="#")
+    if max_length is None:
+        max_length = Settings().dead_letters_max_length
+    arguments = topology.dead_letter_queue_arguments(max_length)
+    trial = await connection.channel()
+    try:
+        await trial.declare_queue(topology.DEAD_LETTER_QUEUE, durable=True, arguments=arguments)
+    except ChannelPreconditionFailed as error:
+        log.warning(
+            "%s was declared without this bound (%s): used as it is; bound it with the policy "
+            "%s (README, Operating it)",
+            topology.DEAD_LETTER_QUEUE,
+            error,
+            topology.DEAD_LETTERS_POLICY,
+        )
+        return await channel.declare_queue(topology.DEAD_LETTER_QUEUE, passive=True)
+    finally:
+        if not trial.is_closed:
+            await trial.close()
+    return await channel.declare_queue(
+        topology.DEAD_LETTER_QUEUE, durable=True, arguments=arguments
+    )
+
+
+def dropped_by(headers: Mapping[str, object]) -> str:
+    """The service that dead-lettered a letter the bounded queue dropped (a metric label)."""
+    service = str(headers.get(topology.DEAD_SERVICE_HEADER) or "")
+    if service not in SERVICES:
+        deaths = headers.get("x-death")
+        queues = (
+            [d.get("queue") for d in deaths if isinstance(d, Mapping)]
+            if isinstance(deaths, list)
+            else []
+        )
+        service = next((s for q in queues if (s := service_of_queue(str(q))) in SERVICES), "")
+    return service or "unknown"
+
+
+async def count_dropped_letters(connection: AbstractConnection, stopping: asyncio.Event) -> None:
+    """Count each dead letter the bounded queue drops (``yoke_dead_letters_dropped_total``)
+    until ``stopping``: they come through ``yoke.dead-letters.dropped``, and go no further."""
+
+    async def dropped(message: AbstractIncomingMessage) -> None:
+        DEAD_LETTERS_DROPPED.labels(dropped_by(message.headers or {})).inc()
+
+    channel = await connection.channel()
+    try:
+        await channel.set_qos(prefetch_count=100)
+        queue = await channel.declare_queue(
+            topology.DROPPED_LETTERS_QUEUE,
+            durable=True,
+            arguments=topology.dropped_letters_queue_arguments(),
+        )
+        await queue.consume(dropped, no_ack=True)
+        await stopping.wait()
+    finally:
+        if not channel.is_closed:
+            await channel.close()
 
 
 def broker_death(headers: Mapping[str, object]) -> Mapping[str, object] | None:
@@ -127,9 +213,7 @@ async def list_dead_letters(amqp_url: str, limit: int = 10_000) -> list[dict[str
     letters: list[dict[str, object]] = []
     try:
         channel = await connection.channel(publisher_confirms=True)
-        queue = await channel.declare_queue(
-            topology.DEAD_LETTER_QUEUE, durable=True, arguments={"x-queue-type": "quorum"}
-        )
+        queue = await declare_dead_letter_queue(connection, channel)
         # Only what is there now (every one of them, so the order comes round whole); letters
         # that arrive meanwhile stay behind them, unread.
         waiting = queue.declaration_result.message_count or 0
@@ -204,9 +288,7 @@ async def replay_dead_letters(amqp_url: str) -> int:
     replayed = 0
     try:
         channel = await connection.channel(publisher_confirms=True)
-        queue = await channel.declare_queue(
-            topology.DEAD_LETTER_QUEUE, durable=True, arguments={"x-queue-type": "quorum"}
-        )
+        queue = await declare_dead_letter_queue(connection, channel)
         # Only what is there now: a letter that fails again comes back behind us, and
         # replaying it in the same run would go round forever.
         waiting = queue.declaration_result.message_count or 0

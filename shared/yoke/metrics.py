@@ -66,6 +66,12 @@ DEAD_LETTERS = Counter(
     "Deliveries dead-lettered, by service and reason (malformed, failed).",
     ["service", "reason"],
 )
+DEAD_LETTERS_DROPPED = Counter(
+    "yoke_dead_letters_dropped",
+    "Dead letters the bounded dead-letter queue dropped (its oldest first), by the service that "
+    "dead-lettered them.",
+    ["service"],
+)
 MESSAGES_POSTED = Counter(
     "yoke_messages_posted",
     "Messages written and published, by service and message type.",

@@ -85,6 +85,9 @@ class Settings(BaseSettings):
     # Who a stdio MCP server runs as when the processor runs as root (yoke.tools.stdio_user):
     # unset, nobody; "root" keeps root, and lets the server read the mesh's secrets.
     mcp_stdio_user: str | None = None
+    # The most dead letters yoke.dead-letters holds (its oldest dropped first, and counted):
+    # the bound it is declared with (topology.dead_letter_queue_arguments).
+    dead_letters_max_length: int = Field(default=10_000, ge=1)
 
     # The HTTP gateway (services/gateway): its API, console, /healthz and /metrics.
     gateway_port: int = Field(default=8080, ge=0, le=65535)

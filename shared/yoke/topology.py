@@ -13,6 +13,18 @@ EVENTS_EXCHANGE = "yoke.events"
 COMMANDS_EXCHANGE = "yoke.commands"
 DEAD_LETTER_EXCHANGE = "yoke.dead-letters"
 DEAD_LETTER_QUEUE = "yoke.dead-letters"
+# Invariant 14 for the dead letters: the queue holds at most so many (its oldest dropped first),
+# and each one dropped is dead-lettered in turn to DROPPED_LETTERS_EXCHANGE, whose queue (bounded
+# too, and read by nobody but the counter) ingestion reads to count them
+# (yoke.dead_letters.count_dropped_letters, yoke_dead_letters_dropped_total).
+DEAD_LETTERS_MAX_LENGTH = 10_000
+DEAD_LETTERS_MAX_BYTES = 256 * 1024 * 1024
+DROPPED_LETTERS_EXCHANGE = "yoke.dead-letters.dropped"
+DROPPED_LETTERS_QUEUE = "yoke.dead-letters.dropped"
+DROPPED_LETTERS_MAX_LENGTH = 1_000
+# The same bound as a RabbitMQ policy, for a dead-letter queue declared before it had one
+# (deploy/rabbitmq/definitions.json has it for compose).
+DEAD_LETTERS_POLICY = "yoke-dead-letters"
 
 # What outside systems read (a bridge binds its queues here with the same routing keys as on
 # yoke.events): forum lines and agent activity, never a monologue's events. yoke.events feeds it
@@ -176,6 +188,46 @@ def publisher_permissions(user: str) -> dict[str, str]:
         "configure": f"^{own}",
         "write": rf"^(yoke\.commands|{own})$",
         "read": rf"^(yoke\.forum|{own})$",
+    }
+
+
+def dead_letter_queue_arguments(
+    max_length: int = DEAD_LETTERS_MAX_LENGTH, max_bytes: int = DEAD_LETTERS_MAX_BYTES
+) -> FieldTable:
+    """``yoke.dead-letters``: quorum, bounded, its overflow dead-lettered to be counted."""
+    return {
+        "x-queue-type": "quorum",
+        "x-max-length": max_length,
+        "x-max-length-bytes": max_bytes,
+        "x-overflow": "drop-head",
+        "x-dead-letter-exchange": DROPPED_LETTERS_EXCHANGE,
+    }
+
+
+def dropped_letters_queue_arguments() -> FieldTable:
+    """What the dead letters dropped pass through on their way to being counted: bounded, and
+    dead-lettered nowhere."""
+    return {
+        "x-queue-type": "quorum",
+        "x-max-length": DROPPED_LETTERS_MAX_LENGTH,
+        "x-overflow": "drop-head",
+    }
+
+
+def dead_letters_policy(
+    max_length: int = DEAD_LETTERS_MAX_LENGTH, max_bytes: int = DEAD_LETTERS_MAX_BYTES
+) -> dict[str, Any]:
+    """The bound of :func:`dead_letter_queue_arguments` as a policy's body (management API)."""
+    return {
+        "pattern": "^" + DEAD_LETTER_QUEUE.replace(".", r"\.") + "$",
+        "apply-to": "queues",
+        "priority": 1,
+        "definition": {
+            "max-length": max_length,
+            "max-length-bytes": max_bytes,
+            "overflow": "drop-head",
+            "dead-letter-exchange": DROPPED_LETTERS_EXCHANGE,
+        },
     }
 
 

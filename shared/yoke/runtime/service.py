@@ -89,7 +89,11 @@ class Service:
         self.store = Store(
             self.settings.mongodb_url, app_name=name, pool_size=self.settings.mongodb_pool_size
         )
-        self.bus = Bus(self.settings.amqp_url, name=name)
+        self.bus = Bus(
+            self.settings.amqp_url,
+            name=name,
+            dead_letters_max_length=self.settings.dead_letters_max_length,
+        )
         self.poster = Poster(self.store, self.bus, name)
         self.stopping = asyncio.Event()
         self.dispatcher = Dispatcher(
