@@ -11,8 +11,9 @@ outside:
 - the processor dies (``os._exit``, as a kill -9) right as a slow MCP call goes on past the
   inline bound, its claim recorded: the restarted processor ends it with an error result that
   says it was cut short, never a second run, and the model answers once;
-- the processor dies right after an approved MCP call is marked approved: the restarted one
-  ends it cut short at once, not at the tool's deadline.
+- the processor dies right after an approved call is marked approved: the restarted one ends
+  an MCP call cut short at once and sends a worker's call (a worker may see a call again only
+  after a crash), rather than leave either until the tool's deadline.
 
 After each answer a last line is said and answered: lines of a monologue are taken in order,
 so once it is answered nothing of the round is left to run, and counting then is exact.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import shlex
 import sys
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,8 @@ from tests.support.approvals import decide_as, gated_join, results, texts
 from tests.support.cli import run_yoke
 from tests.support.mesh import Mesh, lines_until, say
 from tests.support.processes import ServiceProcess, eventually
+from tests.support.worker_process import WorkerProcess
+from tests.support.worker_tools import WorkerTool, registered_worker_tool
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, ToolResultPart
@@ -51,6 +55,8 @@ COUNT = f"{SERVER}__count"
 # Past the 2 s inline bound (the call waits in the store), well within the tool's timeout.
 SLOW_SECONDS = 4.0
 TOOL_TIMEOUT = 30.0
+# The worker tool's: far more than a test waits, as a worker's may be days.
+WORKER_TIMEOUT = 600.0
 DONE = "the round is answered"
 AFTER = "anything else?"
 
@@ -69,7 +75,21 @@ async def registered(amqp_url: str, module_mongodb_url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def mesh_env(registered: str) -> dict[str, str]:
+async def worker_tool(
+    amqp_url: str, module_mongodb_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[WorkerTool]:
+    """A worker tool (``yoke tools add-worker``), registered before the mesh starts."""
+    schema = {"type": "object", "properties": {"q": {"type": "string"}}}
+    folder = Path(tmp_path_factory.mktemp("tool"))
+    name = f"w{uuid.uuid4().hex[:8]}"
+    async with registered_worker_tool(
+        amqp_url, module_mongodb_url, name, schema, folder, timeout=WORKER_TIMEOUT
+    ) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def mesh_env(registered: str, worker_tool: WorkerTool) -> dict[str, str]:
     return {"YOKE_OUTBOX_GRACE_SECONDS": "1"}
 
 
@@ -184,6 +204,17 @@ async def test_a_processor_killed_while_an_mcp_call_runs_ends_it_cut_short_never
     assert await ends.count_documents({"outcome": "failed", "output": result.output}) == 1
 
 
+async def approve_when_asked(store: Store, client: Client, forum_id: str) -> str:
+    async def asked() -> bool:
+        return bool(await pending_approvals(store, forum_id))
+
+    await eventually(asked, timeout=WAIT, what="the approval request")
+    [pending] = await pending_approvals(store, forum_id)
+    reply = await decide_as(client, pending.call_id, "approve", "Ada")
+    assert reply.status == "accepted", reply
+    return pending.call_id
+
+
 async def test_an_approved_mcp_call_cut_short_by_a_crash_ends_at_once(
     mesh: Mesh, counter: str, store: Store, poster: Poster, client: Client, tmp_path: Path
 ) -> None:
@@ -196,14 +227,7 @@ async def test_an_approved_mcp_call_cut_short_by_a_crash_ends_at_once(
     ]
     forum_id, _, monologue_id = await gated_join(store, poster, script=script, tool=COUNT)
     await say(client, forum_id, "count, once approved")
-
-    async def asked() -> bool:
-        return bool(await pending_approvals(store, forum_id))
-
-    await eventually(asked, timeout=WAIT, what="the approval request")
-    [pending] = await pending_approvals(store, forum_id)
-    reply = await decide_as(client, pending.call_id, "approve", "Ada")
-    assert reply.status == "accepted", reply
+    await approve_when_asked(store, client, forum_id)
     assert faulty.popen.wait(WAIT) == faults.EXIT_CODE, faulty.output()[-2000:]
     await processor_with(mesh, None)
     # Well before the tool's own deadline (30 s from the approval), which ended it before.
@@ -212,3 +236,35 @@ async def test_an_approved_mcp_call_cut_short_by_a_crash_ends_at_once(
     assert counted(runs, "approved") == 0
     [[result]] = results_by_call(await store.history(monologue_id)).values()
     assert result.is_error and CUT_SHORT in result.output, result
+
+
+async def test_an_approved_worker_call_cut_off_before_its_send_is_sent_after_a_restart(
+    mesh: Mesh, store: Store, poster: Poster, client: Client, worker_tool: WorkerTool
+) -> None:
+    async def listed() -> bool:
+        entry = (await ToolCatalog(store).entries(fresh=True)).get(worker_tool.name)
+        return entry is not None and entry.ready
+
+    await eventually(listed, timeout=WAIT, what=f"{worker_tool.name} in the catalog")
+    worker = await WorkerProcess.start(worker_tool.url, worker_tool.name, "answer")
+    try:
+        await worker.line("ready", timeout=WAIT)
+        faulty = await processor_with(mesh, "after:yoke.runtime.open_calls:OpenCalls.mark_approved")
+        script = [
+            ScriptedOutput(tool_calls=[ScriptedCall(name=worker_tool.name, input={"q": "A1"})]),
+            ScriptedOutput(text=DONE),
+        ]
+        forum_id, _, monologue_id = await gated_join(
+            store, poster, script=script, tool=worker_tool.name
+        )
+        await say(client, forum_id, "refund A1, once approved")
+        call_id = await approve_when_asked(store, client, forum_id)
+        assert faulty.popen.wait(WAIT) == faults.EXIT_CODE, faulty.output()[-2000:]
+        await processor_with(mesh, None)
+        # Sent by the restarted processor, not left until the tool's deadline (600 s).
+        await worker.line("call", timeout=WAIT, callId=call_id)
+        await lines_until(store, forum_id, lambda lines: DONE in texts(lines), timeout=WAIT)
+        [[result]] = results_by_call(await store.history(monologue_id)).values()
+        assert not result.is_error and "A1" in result.output, result
+    finally:
+        await worker.stop()
