@@ -36,9 +36,7 @@ def run(user: str, *command: str, cwd: str = "/") -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
-def test_a_server_runs_as_nobody_with_its_group_only_a_home_of_its_own_and_no_new_privileges() -> (
-    None
-):
+def test_a_server_runs_as_nobody_with_its_group_only_a_home_and_no_new_privileges() -> None:
     code, out = run("nobody", "sh", "-c", REPORT, cwd="/root")
     assert code == 0, out
     who, writable, where, privileges = out.splitlines()
