@@ -19,6 +19,7 @@ from aiormq.exceptions import ProbableAuthenticationError
 from tests.support.cli import run_yoke
 from tests.support.worker_process import WorkerProcess, as_user
 from yoke import topology
+from yoke.cli.publishers import create_user, management_of
 from yoke.cli.tool_users import ToolUserRefused, create_tool_user, delete_tool_user
 from yoke.settings import Settings
 from yoke.speakers import amqp_vhost
@@ -129,6 +130,31 @@ async def test_deleting_a_tool_user_removes_it_and_its_login(
     with pytest.raises(ProbableAuthenticationError):
         await aio_pika.connect(as_user(amqp_url, user, password))
     assert await delete_tool_user(settings, tool_name) is False  # nothing left to delete
+
+
+async def test_deleting_a_tool_user_takes_an_old_tool_name_users_rights_on_this_vhost(
+    settings: Settings, management: httpx.AsyncClient, amqp_url: str, tool_name: str
+) -> None:
+    """Made before names carried the vhost, ``tool-NAME`` is still taken as the tool's worker
+    here: removing the tool takes its permissions on this vhost (the user is the broker's)."""
+    legacy = f"tool-{tool_name}"
+    made = await create_user(
+        management_of(amqp_url, settings.management_url),
+        legacy,
+        topology.tool_worker_permissions(tool_name),
+    )
+    try:
+        vhost = quote(amqp_vhost(amqp_url), safe="")
+        granted = f"/api/permissions/{vhost}/{quote(legacy, safe='')}"
+        assert (await management.get(granted)).status_code == 200
+        assert made
+
+        assert await delete_tool_user(settings, tool_name) is True  # no new-style user
+
+        assert (await management.get(granted)).status_code == 404
+        assert (await management.get(f"/api/users/{quote(legacy, safe='')}")).status_code == 200
+    finally:
+        await management.delete(f"/api/users/{quote(legacy, safe='')}")
 
 
 async def test_a_worker_may_consume_its_own_queue_and_nothing_else(

@@ -10,8 +10,18 @@ bridge's user.
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
+import httpx
+
 from yoke import topology
-from yoke.cli.publishers import PublisherRefused, create_user, delete_user, management_of
+from yoke.cli.publishers import (
+    Management,
+    PublisherRefused,
+    create_user,
+    delete_user,
+    management_of,
+)
 from yoke.settings import Settings
 from yoke.speakers import amqp_vhost
 from yoke.tools.catalog import name_problem
@@ -47,9 +57,40 @@ async def create_tool_user(settings: Settings, tool: str) -> str:
 
 
 async def delete_tool_user(settings: Settings, tool: str) -> bool:
-    """Delete the tool's user; False if there was none. Its workers' connections close with it."""
+    """Delete the tool's user; False if there was none. Its workers' connections close with it.
+
+    Off the default vhost, a ``tool-NAME`` made before names carried the vhost, which the door
+    still takes as the tool's worker, loses its permissions here too (only here: the user is
+    the broker's, and another vhost's grants are not this mesh's to take).
+    """
     management = management_of(settings.amqp_url, settings.management_url)
     try:
-        return await delete_user(management, tool_user_name(settings, tool))
+        deleted = await delete_user(management, tool_user_name(settings, tool))
+        if management.vhost != "/":
+            legacy = topology.tool_user(tool, "/")
+            deleted = await revoke_permissions(management, legacy) or deleted
+        return deleted
     except PublisherRefused as error:
         raise ToolUserRefused(str(error)) from error
+
+
+async def revoke_permissions(management: Management, user: str) -> bool:
+    """Take ``user``'s permissions on the mesh's vhost away; False if it had none."""
+    path = f"/api/permissions/{quote(management.vhost, safe='')}/{quote(user, safe='')}"
+    try:
+        async with httpx.AsyncClient(
+            base_url=management.url, auth=management.auth, timeout=30
+        ) as api:
+            answer = await api.delete(path)
+    except httpx.HTTPError as error:
+        raise PublisherRefused(
+            f"cannot reach the management API at {management.url}: {error!r}"
+        ) from error
+    if answer.status_code == 404:
+        return False
+    if answer.is_error:
+        raise PublisherRefused(
+            f"the management API at {management.url} refused to revoke {user!r}'s permissions: "
+            f"HTTP {answer.status_code}"
+        )
+    return True
