@@ -75,6 +75,10 @@ class MeshBench:
             # One token posts hundreds of lines a minute here (the gateway and streaming
             # phases): the bench measures speed, not the per-token rate limit (60 a minute).
             "YOKE_TOKEN_LINES_PER_MINUTE": "0",
+            # Its stdio MCP server is its own (tests/support/mcp_server.py on this interpreter,
+            # which the unprivileged stdio user may not reach, as in a pyenv under /root): run
+            # as root unless told otherwise (yoke.tools.stdio_user).
+            "YOKE_MCP_STDIO_USER": os.environ.get("YOKE_MCP_STDIO_USER", "root"),
         }
 
     async def start(self) -> None:
