@@ -55,7 +55,6 @@ def stdio_servers_need_root() -> bool:
     return os.geteuid() == 0 and python_for() != sys.executable
 
 
-
 def hides_its_memory(pid: int) -> bool:
     """Whether process ``pid`` is marked not dumpable (yoke.hardening), so that no process of
     its user without CAP_SYS_PTRACE reads its ``/proc/<pid>/environ``, ``mem``...
