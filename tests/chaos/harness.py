@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -68,6 +69,7 @@ class Plan:
     # tools: seconds a gated call waits before the harness approves it; rounds per agent (its
     # script's length: a person types no more lines than that).
     approve_after: float = 2.0
+    kill_jitter: float = 0.0  # seconds: each kill waits a random time up to this first
     rounds: int = 300
 
 
@@ -79,6 +81,7 @@ TOOLS = Plan(
     kills_per_service=3,
     processor_replicas=2,
     store_outages=False,
+    kill_jitter=3.0,
 )
 
 
@@ -102,6 +105,7 @@ BOUNDED_TOOLS = Plan(
     kills_per_service=2,
     processor_replicas=2,
     store_outages=False,
+    kill_jitter=3.0,
     recovery_timeout=60.0,
     drain_timeout=60.0,
     settle_seconds=3.0,
@@ -382,6 +386,9 @@ class Run:
         faults = self.faults_for(self.vhost)
         worker = self.tool_side.kill_worker if self.tool_side is not None else None
         for kind, what, action in schedule(self.plan, self.mesh, faults, worker):
+            if kind == "kill" and self.plan.kill_jitter:
+                # A random moment of the steps in hand, not always as long after the recovery.
+                await asyncio.sleep(random.uniform(0, self.plan.kill_jitter))
             record = FaultRecord(kind, what, started=time.monotonic(), ended=0.0)
             self.records.append(record)
             try:

@@ -4,8 +4,8 @@
         --runs FILE [--seconds 1]
 
 It takes ``--seconds`` over each call, so that a ``kill -9`` finds calls in its hands: those
-come back (at least once), and the harness excuses a second run only of a call whose earlier
-runs were all by workers it killed.
+come back (at least once), and the harness allows a second run of a call only when a crash came
+between the two (tests/chaos/tools.py).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ a gated call the harness approves after a while. The tools record each run they 
 file (tests/chaos/runs.py), so runs per call are counted where the work happens; calls made,
 their results and the answers are read from the store. What must hold (DESIGN §2, 12 and 15):
 every call made ends exactly once, no MCP call runs twice, a worker's call runs again only
-after a worker or broker fault took it from the worker's hands, and every line is answered
-once.
+after a crash (its worker killed, a processor killed as it sent the call, the broker gone under
+the unacked call), and every line is answered once.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
 
 from tests.chaos.load import Line, named
 from tests.chaos.runs import RUNS_VARIABLE, ToolRun
@@ -236,14 +234,6 @@ class ToolSide:
                     await asyncio.to_thread(process.wait, 10)
         with contextlib.suppress(Exception):
             await delete_tool_user(self.settings, self.worker)
-
-    async def http_answers(self) -> bool:
-        try:
-            async with httpx.AsyncClient(timeout=2) as client:
-                await client.get(f"http://127.0.0.1:{self.http_port}/mcp")
-            return True
-        except httpx.TransportError:
-            return False
 
 
 # --- the person who approves -------------------------------------------------------------------
