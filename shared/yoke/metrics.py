@@ -150,7 +150,9 @@ TOOL_CALL_SECONDS = Histogram(
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600, 86400),
 )
 OPEN_TOOL_CALLS = Gauge(
-    "yoke_tool_calls_open", "Tool calls waiting in the store for their answer (before deadline)."
+    "yoke_tool_calls_open",
+    "Tool calls waiting in the store for their answer (before deadline), as the processor "
+    "replica that sweeps the open calls counted them (the others 0: aggregate with max).",
 )
 OVERDUE_TOOL_CALLS = Gauge(
     "yoke_tool_calls_overdue",
@@ -174,8 +176,8 @@ APPROVAL_SECONDS = Histogram(
 )
 PENDING_APPROVALS = Gauge(
     "yoke_tool_approvals_pending",
-    "Calls waiting for a person's decision, as stored (every processor replica reports the "
-    "same number: aggregate with max).",
+    "Calls waiting for a person's decision, as stored (the processor replica that sweeps the "
+    "open calls reports it, the others 0: aggregate with max).",
 )
 DOOM_LOOPS = Counter(
     "yoke_doom_loops", "Tool calls refused as a repeat of the same call.", ["tool"]

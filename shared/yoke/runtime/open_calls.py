@@ -80,10 +80,12 @@ REAP_SECONDS = 1.0
 # the deadline reads the whole collection), not every open call. Each bucket is reaped by one
 # live processor (:class:`ReapShare`).
 DUE_BUCKET_SECONDS = 10
-# Every open call is read this often (and at start), by one processor: what the buckets do not
-# show (a bucket gone by while no processor ran, an end or a decision a crash left undone, the
-# gauges of open calls and pending approvals).
-SWEEP_SECONDS = 30.0
+# One processor reads every open call (and each at start): what the buckets do not show (a
+# bucket gone by while no processor ran, an end or a decision a crash left undone, the gauges of
+# open calls and pending approvals). It comes round the sooner the fewer calls are open: every
+# round while few are, and on average at most this many documents a second while many are
+# (10,000 approvals pending: a sweep every 100 s).
+SWEEP_DOCUMENTS_PER_SECOND = 100
 # A round reads at most this many buckets behind; further behind, it sweeps instead.
 MAX_BUCKETS_BEHIND = 30
 # A decision whose call still awaits approval this long after it was taken (its decider died
@@ -222,7 +224,7 @@ class OpenCalls:
         self.share = share or ReapShare()
         # The first bucket a round still reads (None: sweep first), and when we last swept.
         self._next_bucket: int | None = None
-        self._swept_at = -SWEEP_SECONDS
+        self._sweep_at = 0.0  # time.monotonic() of the next sweep
         # The mesh's vhost, which its worker users' names carry (topology.tool_user).
         self.vhost = vhost
         self.calls = store.db[TOOL_CALLS_COLLECTION]
@@ -530,8 +532,9 @@ class OpenCalls:
         """End every call past its deadline and finish ends a crash left; returns how many
         calls this round saw still open. Whatever ran a call may be gone: the deadline holds.
 
-        A round reads the buckets due since the last one (those this processor owns); every
-        :data:`SWEEP_SECONDS` one processor reads every open call instead. A call awaiting
+        A round reads the buckets due since the last one (those this processor owns); now and
+        then (:data:`SWEEP_DOCUMENTS_PER_SECOND`) one processor reads every open call instead.
+        A call awaiting
         approval past its deadline is decided ``expired``; one whose decision was taken but
         not carried out (its decider died half-way) is carried out again."""
         now = datetime.now(UTC)
@@ -539,7 +542,7 @@ class OpenCalls:
         sweep = (
             self._next_bucket is None
             or current - self._next_bucket > MAX_BUCKETS_BEHIND
-            or time.monotonic() - self._swept_at >= SWEEP_SECONDS
+            or time.monotonic() >= self._sweep_at
         ) and self.share.owns(SWEEP_KEY)
         if sweep:
             queries: list[dict[str, Any]] = [{}]
@@ -547,14 +550,21 @@ class OpenCalls:
             first = current if self._next_bucket is None else min(self._next_bucket, current)
             buckets = range(max(first, current - MAX_BUCKETS_BEHIND), current + 1)
             queries = [{"dueBucket": bucket} for bucket in buckets if self.share.owns(bucket)]
-        still = await self._reap(now, queries, sweep)
-        if sweep:
-            self._swept_at = time.monotonic()
+        if not self.share.owns(SWEEP_KEY):  # the sweeper reports them (aggregated with max)
+            OPEN_TOOL_CALLS.set(0)
+            PENDING_APPROVALS.set(0)
+        still, read = await self._reap(now, queries, sweep)
+        if sweep:  # half a round early: the next round that comes after it sweeps
+            every = max(REAP_SECONDS, read / SWEEP_DOCUMENTS_PER_SECOND)
+            self._sweep_at = time.monotonic() + every - REAP_SECONDS / 2
         # Buckets before the current one are done (their calls all ended): never read again.
         self._next_bucket = current
         return still
 
-    async def _reap(self, now: datetime, queries: list[dict[str, Any]], sweep: bool) -> int:
+    async def _reap(
+        self, now: datetime, queries: list[dict[str, Any]], sweep: bool
+    ) -> tuple[int, int]:
+        """(calls still open, documents read) of one round."""
         still = pending = 0
         overdue: list[OpenCall] = []
         expired: list[OpenCall] = []
@@ -624,7 +634,7 @@ class OpenCalls:
                 extra={"conversationId": call.conversation_id},
             )
             await self.carry_out(call, record)
-        return still
+        return still, len(documents)
 
     def _due_again(self, call_id: str, decision: CallDecision, now: datetime) -> bool:
         """A decision left undone long enough, and not carried out again just now."""
