@@ -214,10 +214,13 @@ class ToolCallStates:
                     view.result_line_id = line_id
                     view.ended_at = as_utc(results[line_id].created_at)
                     break
-            if open_id in ends or view.result_line_id == own_id:
+            end = CallEnd.from_document(ends[open_id]) if open_id in ends else None
+            # A call answered in its step also records an end (a call runs once), but it
+            # never waited: only an end of a call that waited names the open call.
+            waited = end is not None and not end.in_round
+            if waited or view.result_line_id == own_id:
                 view.open_call_id = open_id
-            if open_id in ends:  # it waited: its end says how it ended (a timeout, a stop...)
-                end = CallEnd.from_document(ends[open_id])
+            if end is not None and not end.in_round:  # its end says how it ended (a stop...)
                 view.state = _state_of_end(end)
                 view.ended_at = view.ended_at or as_utc(end.ended_at)  # result line on its way
             elif open_id in waiting and view.result_line_id is None:
