@@ -109,7 +109,10 @@ def asyncapi_document() -> dict[str, Any]:
             "The door's answer. To tool.result.submit: accepted (the first answer, or a repeat "
             "by the same tool's user, with duplicate: true), or rejected with code "
             "unknown_call, call_closed (ended already: deadline, stop, rejected approval), "
-            "wrong_tool (another tool's call) or missing_user_id, and a sentence.",
+            "wrong_tool (another tool's call), missing_user_id or too_large (the answer past "
+            "the size limit: the call ends at once with an error result saying so), and a "
+            "sentence. A worker's user may send nothing but answers: anything else is "
+            "rejected not_allowed.",
         ),
         "toolCallRequest": _message(
             "tool call",
