@@ -326,6 +326,7 @@ class Run:
             load.lines,
             forums,
             await tools.open_calls_left(self.store),
+            await tools.stored_ends(self.store, monologues),
         )
         self.notes.append(f"approvals: {dict(approver.replies)} (errors: {dict(approver.errors)})")
         self.notes.extend(side.exits())

@@ -40,8 +40,13 @@ from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, ToolCallPart, ToolResultPart
 from yoke.runtime.approvals import pending_approvals
 from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.instances import PROCESSOR
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
-from yoke.runtime.open_calls import TOOL_CALLS_COLLECTION
+from yoke.runtime.open_calls import (
+    TOOL_CALL_ENDS_COLLECTION,
+    TOOL_CALLS_COLLECTION,
+    open_call_id,
+)
 from yoke.settings import Settings
 from yoke.speakers import amqp_vhost
 from yoke.store import Store
@@ -304,8 +309,11 @@ class Approver:
 class ToolAccounting:
     calls: int = 0  # tool_call parts in the monologues
     ended: int = 0  # calls with a tool_result
+    ends_stored: int = 0  # calls with a CallEnd in tool_call_ends
     ended_twice: list[str] = field(default_factory=list)
     not_ended: list[str] = field(default_factory=list)
+    # Of those, ended in the store (a CallEnd) though no result line holds the end.
+    end_without_line: list[str] = field(default_factory=list)
     runs: Counter[int] = field(default_factory=Counter)  # runs a call had -> how many calls
     ran_twice: list[str] = field(default_factory=list)  # a run the contract does not allow
     reruns_excused: list[str] = field(default_factory=list)  # a worker's, after a fault
@@ -321,6 +329,7 @@ class ToolAccounting:
         return not (
             self.ended_twice
             or self.not_ended
+            or self.end_without_line
             or self.ran_twice
             or self.answered_without_run
             or self.runs_without_call
@@ -333,6 +342,7 @@ class ToolAccounting:
         header = [
             "calls made",
             "calls ended",
+            "ends stored",
             "ended twice",
             "not ended",
             "runs per call (0/1/2+)",
@@ -343,6 +353,7 @@ class ToolAccounting:
         row = [
             str(self.calls),
             str(self.ended),
+            str(self.ends_stored),
             str(len(self.ended_twice)),
             str(len(self.not_ended)),
             _spread(self.runs),
@@ -361,6 +372,7 @@ class ToolAccounting:
         return [
             ("calls ended twice", self.ended_twice),
             ("calls never ended", self.not_ended),
+            ("of them, ended in the store but in no line", self.end_without_line),
             ("calls run twice", self.ran_twice),
             ("answered without a run at the tool", self.answered_without_run),
             ("runs of no call in the store", self.runs_without_call),
@@ -392,8 +404,10 @@ def account_tools(
     lines: list[Line],
     forums: dict[str, list[Message]],
     open_left: list[str],
+    stored_ends: dict[str, str] | None = None,
 ) -> ToolAccounting:
-    """Calls and results from the monologues, runs from the tools, answers from the forums."""
+    """Calls and results from the monologues, runs from the tools, answers from the forums;
+    ``stored_ends`` (by the model's call id) says how the store recorded a call's end."""
     result = ToolAccounting(open_left=open_left)
     calls: dict[str, ToolCallPart] = {}
     results: dict[str, list[tuple[str, ToolResultPart]]] = {}
@@ -413,11 +427,14 @@ def account_tools(
         tag = str(call.input.get("tag", ""))
         tags.add(tag)
         ended = results.get(call_id, [])
+        result.ends_stored += bool(stored_ends and call_id in stored_ends)
         described = f"{call.name} {tag} (call {call_id})"
         if ended:
             result.ended += 1
         else:
             result.not_ended.append(described)
+            if stored_ends and call_id in stored_ends:
+                result.end_without_line.append(f"{described}: {stored_ends[call_id]}")
         if len(ended) > 1:
             shown = "; ".join(f"{line}: {part.output[:80]!r}" for line, part in ended)
             result.ended_twice.append(f"{described} ended {len(ended)} times: {shown}")
@@ -471,6 +488,32 @@ def _excused(
 
 def _runs_text(ran: list[ToolRun]) -> str:
     return ", ".join(f"{run.tool} pid {run.pid}" for run in sorted(ran, key=lambda r: r.at))
+
+
+async def stored_ends(store: Store, monologues: dict[str, list[Message]]) -> dict[str, str]:
+    """How the store recorded each call's end (``tool_call_ends``), by the model's call id: the
+    end's id derives from the processor instance watching the monologue and the call line."""
+    instances = {
+        str(d["watch"]): str(d["instanceId"])
+        async for d in store.states.find({"actor": PROCESSOR}, {"watch": 1, "instanceId": 1})
+    }
+    ids: dict[str, str] = {}
+    for monologue_id, messages in monologues.items():
+        instance = instances.get(monologue_id)
+        if instance is None:
+            continue
+        for message in messages:
+            for part in message.parts:
+                if isinstance(part, ToolCallPart) and message.role == "agent":
+                    ids[open_call_id(instance, message.id, part.call_id)] = part.call_id
+    found: dict[str, str] = {}
+    wanted = sorted(ids)
+    for start in range(0, len(wanted), 200):
+        chunk = wanted[start : start + 200]
+        async for end in store.db[TOOL_CALL_ENDS_COLLECTION].find({"_id": {"$in": chunk}}):
+            where = "in its round" if end.get("inRound") else "in a line of its own"
+            found[ids[end["_id"]]] = f"{end.get('outcome')} ({where}): {end.get('output')!r}"
+    return found
 
 
 async def open_calls_left(store: Store) -> list[str]:
