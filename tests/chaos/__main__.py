@@ -63,7 +63,8 @@ def main() -> int:
         "store_outage_seconds": args.outage_seconds,
     }
     plan = replace(defaults, keep=args.keep, **{k: v for k, v in given.items() if v is not None})
-    if plan.store_outages or not args.own_broker:
+    # Only a run that restarts or stops a shared server needs them to be ours.
+    if plan.store_outages or (plan.broker_restarts and not args.own_broker):
         try:
             check_local_servers(dict(os.environ))
         except NotOurServers as error:
