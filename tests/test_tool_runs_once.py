@@ -11,6 +11,9 @@ outside:
 - the processor dies (``os._exit``, as a kill -9) right as a slow MCP call goes on past the
   inline bound, its claim recorded: the restarted processor ends it with an error result that
   says it was cut short, never a second run, and the model answers once;
+- the processor dies right after the round's results line (the inline call's) is written, a
+  slow call still running: the restarted processor ends the slow call cut short in a line of
+  its own, since the results line it would have joined is written already;
 - the processor dies right after an approved call is marked approved: the restarted one ends
   an MCP call cut short at once and sends a worker's call (a worker may see a call again only
   after a crash), rather than leave either until the tool's deadline.
@@ -202,6 +205,29 @@ async def test_a_processor_killed_while_an_mcp_call_runs_ends_it_cut_short_never
     assert result.is_error and CUT_SHORT in result.output, result
     ends = store.db[TOOL_CALL_ENDS_COLLECTION]
     assert await ends.count_documents({"outcome": "failed", "output": result.output}) == 1
+
+
+async def test_a_processor_killed_after_its_results_line_ends_the_slow_call_in_a_line_of_its_own(
+    mesh: Mesh, counter: str, store: Store, poster: Poster, client: Client, tmp_path: Path
+) -> None:
+    # The round's results line holds the inline call's result; the slow call went on past the
+    # inline bound and its runner died: cut short, it needs a line of its own.
+    faulty = await processor_with(mesh, "after:services.processor.app:run_tool_round")
+    runs = tmp_path / "runs"
+    forum_id, monologue_id = await counting_join(
+        store, poster, count_call(runs, "inline"), count_call(runs, "slow", SLOW_SECONDS)
+    )
+    await say(client, forum_id, "count twice")
+    assert faulty.popen.wait(WAIT) == faults.EXIT_CODE, faulty.output()[-2000:]
+    await processor_with(mesh, None)
+    await answered_then_quiet(store, client, forum_id)
+
+    assert (counted(runs, "inline"), counted(runs, "slow")) == (1, 1)
+    assert texts(await store.history(forum_id)) == [DONE, "ok"]
+    by_call = results_by_call(await store.history(monologue_id))
+    assert sorted(len(parts) for parts in by_call.values()) == [1, 1], by_call
+    outputs = sorted(parts[0].output for parts in by_call.values())
+    assert outputs[0] == "counted inline" and CUT_SHORT in outputs[1], outputs
 
 
 async def approve_when_asked(store: Store, client: Client, forum_id: str) -> str:

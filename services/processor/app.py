@@ -829,6 +829,7 @@ async def run_tool_round(context: Context, trigger: Message, calls: list[ToolCal
             # What a stop in the forum finds its open calls by (OpenCalls.end_for_forum).
             forum_id=context.config.source_conversation_id,
             agent_actor_id=context.config.agent_actor_id,
+            round_line_id=tool_results_id(context, trigger),
         )
 
     results = await dispatch.run_round(

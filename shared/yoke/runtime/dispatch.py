@@ -328,14 +328,20 @@ class ToolDispatch:
             call.name,
             extra={"conversationId": stored.conversation_id, "messageId": stored.call_line_id},
         )
+        # In the round's results line unless that is written already: the call had gone on
+        # past its step (a slow MCP call), and a line of its own is the only way it is answered.
         _, end = await self.open_calls.end(
             stored,
             outcome="failed",
             output=cut_short_text(call.name),
             is_error=True,
-            in_round=True,
+            in_round=not await self._round_written(stored),
         )
         return result_of(call, end) if end.in_round else None
+
+    async def _round_written(self, call: OpenCall) -> bool:
+        line_id = call.round_line_id
+        return line_id is not None and await self.open_calls.store.get_message(line_id) is not None
 
     def _in_background(self, opened: OpenCall, running: Awaitable[Outcome]) -> None:
         """The call goes on after the step; it ends itself, in a result line of its own."""

@@ -124,6 +124,9 @@ class OpenCall(Document):
     # The process running an in-process or MCP call (its claim, invariant 15): a claim found
     # unfinished and not running here was cut short by a crash, and is ended, never run again.
     runner: str | None = None
+    # The round's results line (``round_results_id``): a claim cut short once that line is
+    # written missed it, and ends in a line of its own.
+    round_line_id: str | None = None
 
     # Written from ``deadline`` with every write (:meth:`to_document`): the reaper's key.
     due_bucket: int | None = None
