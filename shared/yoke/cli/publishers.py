@@ -186,26 +186,31 @@ async def create_user(
     return password
 
 
-async def delete_user(management: Management, name: str) -> bool:
-    """Delete RabbitMQ user ``name`` (its connections close with it); False if there was none."""
-    user = f"/api/users/{quote(name, safe='')}"
+async def management_delete(management: Management, path: str, what: str) -> bool:
+    """DELETE ``path`` on the management API; False if there was nothing there (404)."""
     try:
         async with httpx.AsyncClient(
             base_url=management.url, auth=management.auth, timeout=30
         ) as api:
-            deleted = await api.delete(user)
+            answer = await api.delete(path)
     except httpx.HTTPError as error:
         raise PublisherRefused(
             f"cannot reach the management API at {management.url}: {error!r}"
         ) from error
-    if deleted.status_code == 404:
+    if answer.status_code == 404:
         return False
-    if deleted.is_error:
+    if answer.is_error:
         raise PublisherRefused(
-            f"the management API at {management.url} refused to delete user {name!r}: "
-            f"{_why(deleted)}"
+            f"the management API at {management.url} refused to {what}: {_why(answer)}"
         )
     return True
+
+
+async def delete_user(management: Management, name: str) -> bool:
+    """Delete RabbitMQ user ``name`` (its connections close with it); False if there was none."""
+    return await management_delete(
+        management, f"/api/users/{quote(name, safe='')}", f"delete user {name!r}"
+    )
 
 
 async def publisher_create(args: argparse.Namespace) -> None:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
-import httpx
-
 from yoke import topology
 from yoke.cli.publishers import (
     Management,
     PublisherRefused,
     create_user,
     delete_user,
+    management_delete,
     management_of,
 )
 from yoke.settings import Settings
@@ -77,20 +76,4 @@ async def delete_tool_user(settings: Settings, tool: str) -> bool:
 async def revoke_permissions(management: Management, user: str) -> bool:
     """Take ``user``'s permissions on the mesh's vhost away; False if it had none."""
     path = f"/api/permissions/{quote(management.vhost, safe='')}/{quote(user, safe='')}"
-    try:
-        async with httpx.AsyncClient(
-            base_url=management.url, auth=management.auth, timeout=30
-        ) as api:
-            answer = await api.delete(path)
-    except httpx.HTTPError as error:
-        raise PublisherRefused(
-            f"cannot reach the management API at {management.url}: {error!r}"
-        ) from error
-    if answer.status_code == 404:
-        return False
-    if answer.is_error:
-        raise PublisherRefused(
-            f"the management API at {management.url} refused to revoke {user!r}'s permissions: "
-            f"HTTP {answer.status_code}"
-        )
-    return True
+    return await management_delete(management, path, f"revoke {user!r}'s permissions")
