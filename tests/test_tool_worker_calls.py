@@ -22,9 +22,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import aio_pika
 import pytest
-from aio_pika.abc import AbstractIncomingMessage
 
 from tests.support.cli import run_yoke
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env
@@ -32,6 +30,7 @@ from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, runn
 from tests.support.mesh import service_env as mesh_service_env
 from tests.support.processes import eventually
 from tests.support.worker_process import WorkerProcess, as_user
+from tests.support.worker_tools import ask_direct
 from yoke import topology
 from yoke.cli.publishers import create_publisher, delete_user, management_of
 from yoke.client import Client
@@ -285,37 +284,14 @@ async def forged_answer(bridge: Bridge, call_id: str, as_user_name: str) -> dict
     """An answer published by the bridge's user (no user_id) claiming, in the mesh's user
     header, to come from ``as_user_name``; the door's reply, on direct reply-to (the one queue
     the door answers an unnamed publisher on)."""
-    connection = await aio_pika.connect(bridge.url)
-    try:
-        channel = await connection.channel()
-        replies = await channel.get_queue(topology.DIRECT_REPLY_PREFIX, ensure=False)
-        answered: asyncio.Future[AbstractIncomingMessage] = (
-            asyncio.get_running_loop().create_future()
-        )
-
-        async def keep(delivery: AbstractIncomingMessage) -> None:
-            if not answered.done():
-                answered.set_result(delivery)
-
-        await replies.consume(keep, no_ack=True)  # before the publish names it
-        exchange = await channel.get_exchange(topology.COMMANDS_EXCHANGE, ensure=False)
-        body = {"callId": call_id, "output": "forged"}
-        await exchange.publish(
-            aio_pika.Message(
-                json.dumps(body).encode(),
-                content_type="application/json",
-                correlation_id="forged",
-                reply_to=replies.name,
-                headers={topology.USER_HEADER: as_user_name},
-            ),
-            routing_key="tool.result.submit",
-        )
-        delivery = await asyncio.wait_for(answered, WAIT)
-        assert delivery.correlation_id == "forged"
-        reply: dict[str, Any] = json.loads(delivery.body)
-        return reply
-    finally:
-        await connection.close()
+    return await ask_direct(
+        bridge.url,
+        "tool.result.submit",
+        {"callId": call_id, "output": "forged"},
+        user_id=None,
+        headers={topology.USER_HEADER: as_user_name},
+        timeout=WAIT,
+    )
 
 
 async def test_answers_from_anyone_but_the_calls_worker_are_rejected_and_change_nothing(

@@ -82,10 +82,11 @@ async def ask_direct(
     body: dict[str, Any],
     *,
     user_id: str | None,
+    headers: dict[str, Any] | None = None,
     timeout: float = 60,
 ) -> dict[str, Any]:
-    """Publish ``body`` to ``yoke.commands`` as the user of ``url`` (AMQP ``user_id`` as
-    given) and return the door's reply, read on direct reply-to."""
+    """Publish ``body`` to ``yoke.commands`` as the user of ``url`` (AMQP ``user_id`` and
+    ``headers`` as given) and return the door's reply, read on direct reply-to."""
     connection = await aio_pika.connect(url)
     try:
         channel = await connection.channel()
@@ -107,6 +108,7 @@ async def ask_direct(
                 correlation_id="asked",
                 reply_to=replies.name,
                 user_id=user_id,
+                headers=headers,
             ),
             routing_key=routing_key,
         )
