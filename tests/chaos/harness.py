@@ -20,7 +20,7 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
@@ -98,14 +98,10 @@ BOUNDED = Plan(
 )
 
 # About a minute or two of faults, with tools: what `make test` runs.
-BOUNDED_TOOLS = Plan(
-    scenario="tools",
+BOUNDED_TOOLS = replace(
+    TOOLS,
     forums=4,
-    line_interval=1.0,
     kills_per_service=2,
-    processor_replicas=2,
-    store_outages=False,
-    kill_jitter=3.0,
     recovery_timeout=60.0,
     drain_timeout=60.0,
     settle_seconds=3.0,
