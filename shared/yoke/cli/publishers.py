@@ -22,6 +22,7 @@ from yoke import topology
 from yoke.cli.base import with_store
 from yoke.runtime.approvals import grant_approver, revoke_approver
 from yoke.settings import Settings
+from yoke.speakers import amqp_vhost
 from yoke.store import Store
 
 MANAGEMENT_PORT = 15672
@@ -50,7 +51,7 @@ def management_of(amqp_url: str, management_url: str | None = None) -> Managemen
     in a development setup is the one administrator there is.
     """
     amqp = urlsplit(amqp_url.split(",")[0].strip())
-    vhost = unquote(amqp.path[1:]) if amqp.path not in ("", "/") else "/"
+    vhost = amqp_vhost(amqp_url)
     auth = (unquote(amqp.username or "guest"), unquote(amqp.password or "guest"))
     if management_url:
         given = urlsplit(management_url)
