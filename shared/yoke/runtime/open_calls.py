@@ -128,10 +128,8 @@ class OpenCall(Document):
     # written missed it, and ends in a line of its own.
     round_line_id: str | None = None
 
-    # Written from ``deadline`` with every write (:meth:`to_document`): the reaper's key.
-    due_bucket: int | None = None
-
     def to_document(self) -> dict[str, Any]:
+        # ``dueBucket``, the reaper's key, is derived from ``deadline`` at every write.
         document = super().to_document()
         document["dueBucket"] = due_bucket(self.deadline)
         return document
