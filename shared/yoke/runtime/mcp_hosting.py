@@ -80,9 +80,8 @@ class McpHosting:
             await self.catalog.replace_source("mcp", server, entries)
         except Exception as error:
             failure = error
-            mark = unrecorded_mark(server, error).to_document()
             with contextlib.suppress(Exception):  # the store away: the listing's retry tells
-                await self.catalog.collection.replace_one({"_id": mark["_id"]}, mark, upsert=True)
+                await self.catalog.register(unrecorded_mark(server, error))
         if await self.store.db[MCP_SERVERS].find_one({"_id": server}, {"_id": 1}) is None:
             gone = await self.catalog.remove("mcp", server)
             log.info(
