@@ -22,11 +22,12 @@ from services.guardian.guardian import COLLECTION as GUARDIAN
 from services.guardian.guardian import retention_rules as guardian_rules
 from tests.support.mesh import JoinFactory, Mesh, lines_until, running_mesh, say
 from tests.support.processes import eventually
+from yoke.ages import day_bucket, hour_bucket
 from yoke.client import Client
-from yoke.failures import Failure
+from yoke.failures import Failure, close_failure, record_failure
 from yoke.models import Message, TextPart
 from yoke.rate_limit import COLLECTION as LINE_LIMITS
-from yoke.retention import Sweep, core_rules, day_bucket, hour_bucket
+from yoke.retention import Sweep, core_rules
 from yoke.runtime import open_calls
 from yoke.runtime.compaction import MonologueSwap, swap_rule
 from yoke.runtime.join_config import FollowUpConfig, GuardianConfig, JoinConfig, RulePolicy
@@ -240,7 +241,7 @@ async def test_the_sweep_removes_what_expired_and_keeps_what_is_live(mongodb_url
         assert deleted["failures"] == 3 and deleted["outbox claims"] == 1
 
         # A later round looks again at a bucket that held live records: once handled, it goes.
-        await store.close_failure("f-replayable")
+        await close_failure(store, "f-replayable")
         await store.db["failures"].update_one(
             {"_id": "f-replayable"}, {"$set": {"ageBucket": old_day}}
         )
@@ -348,7 +349,7 @@ async def test_records_are_kept_from_when_they_were_handled(mongodb_url: str) ->
     try:
         document = failure("f-1", bucket=days_ago(40), open_=True, state="s", seq=1)
         await store.failures.insert_one(document)
-        await store.close_failure("f-1")
+        await close_failure(store, "f-1")
         stored = await store.failures.find_one({"_id": "f-1"})
         assert stored is not None and stored["ageBucket"] == day_bucket()
         recorded = Failure(
@@ -361,7 +362,7 @@ async def test_records_are_kept_from_when_they_were_handled(mongodb_url: str) ->
             seq=2,
             error="e",
         )
-        await store.record_failure(recorded)  # the bucket rides on the insert
+        await record_failure(store, recorded)  # the bucket rides on the insert
         stored = await store.failures.find_one({"_id": "f-2"})
         assert stored is not None and stored["ageBucket"] == day_bucket()
     finally:

@@ -36,6 +36,7 @@ from pydantic import Field
 from pymongo import ASCENDING
 from pymongo.asynchronous.collection import AsyncCollection
 
+from yoke.ages import BUCKET_FIELD, day_bucket
 from yoke.ids import derive_id
 from yoke.lru import LRUCache
 from yoke.metrics import (
@@ -54,7 +55,7 @@ from yoke.models import (
     as_utc,
     utcnow,
 )
-from yoke.retention import BUCKET_FIELD, Rule, day_bucket
+from yoke.retention import Rule
 from yoke.runtime.chain import carry_tail
 from yoke.runtime.join_config import (
     FollowUpConfig,

@@ -41,12 +41,13 @@ from prometheus_client import Counter, Gauge, Histogram
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
 from yoke import topology
+from yoke.ages import BUCKET_FIELD, hour_bucket
 from yoke.bus import Bus, ensure_forum_exchange
 from yoke.ids import derive_id, new_id
 from yoke.metrics import LATENCY_BUCKETS
 from yoke.models import Envelope, Message, MessagePosted, utcnow
 from yoke.redact import redact
-from yoke.retention import BUCKET_FIELD, Rule, Sweep, hour_bucket
+from yoke.retention import Rule, Sweep
 from yoke.settings import Settings
 from yoke.store import Store
 from yoke.webhooks import (

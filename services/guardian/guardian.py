@@ -34,6 +34,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
+from yoke.ages import BUCKET_FIELD, day_bucket, hour_bucket
 from yoke.errors import Stopping
 from yoke.ids import derive_id, new_id
 from yoke.llm.base import InferenceRequest
@@ -57,7 +58,7 @@ from yoke.models import (
     as_utc,
     call_signature,
 )
-from yoke.retention import BUCKET_FIELD, Rule, day_bucket, hour_bucket
+from yoke.retention import Rule
 from yoke.runtime.actor import instance_state_id
 from yoke.runtime.instances import PROCESSOR
 from yoke.runtime.join_config import (

@@ -30,6 +30,7 @@ from typing import Any
 
 from pymongo.errors import DuplicateKeyError
 
+from yoke.ages import BUCKET_FIELD, hour_bucket
 from yoke.ids import new_id
 from yoke.metrics import (
     IN_DELIVERY,
@@ -38,7 +39,6 @@ from yoke.metrics import (
     STORE_ORIGIN,
 )
 from yoke.models import Message, as_utc
-from yoke.retention import BUCKET_FIELD, hour_bucket
 
 log = logging.getLogger(__name__)
 

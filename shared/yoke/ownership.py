@@ -36,12 +36,12 @@ from typing import Any
 from prometheus_client import Counter, Gauge, Histogram
 from pymongo.errors import DuplicateKeyError
 
+from yoke.ages import BUCKET_FIELD, hour_bucket
 from yoke.bus import Bus, OnMessage, Subscription
 from yoke.consumer import Gate
 from yoke.ids import new_id
 from yoke.metrics import IN_DELIVERY, LATENCY_BUCKETS, STORE_ORIGIN
 from yoke.models import as_utc
-from yoke.retention import BUCKET_FIELD, hour_bucket
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,10 @@ from datetime import datetime, timedelta
 
 from pymongo.errors import DuplicateKeyError
 
+from yoke.ages import BUCKET_FIELD, hour_bucket
 from yoke.lru import LRUCache
 from yoke.models import as_utc, utcnow
-from yoke.retention import BUCKET_FIELD, Rule, hour_bucket
+from yoke.retention import Rule
 from yoke.store import Store, highest_taken
 
 COLLECTION = "line_limits"

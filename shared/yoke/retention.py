@@ -1,12 +1,10 @@
 """Retention: records the mesh keeps only for a while are swept, by equality, in the background.
 
-docs/architecture.md, invariant 14. FerretDB 1.x has no TTL indexes and reads a range on a
-field by scanning the collection, so each such record carries ``ageBucket``: the day
-(``2026-12-01``) or the hour (``2026-12-01T16``) it was written in, a string looked up by
-equality under an index. A :class:`Sweep` deletes, bucket by bucket, the buckets whose whole
-span is older than a :class:`Rule`'s ``keep``; a rule with a ``live`` check reads the bucket
-and deletes only the records that are no longer needed (a pending follow-up, an open failure,
-an unfinished procedure stay, whatever their age).
+docs/architecture.md, invariant 14. Each such record carries its age bucket (:mod:`yoke.ages`:
+the UTC day or hour it was written in, looked up by equality). A :class:`Sweep` deletes, bucket
+by bucket, the buckets whose whole span is older than a :class:`Rule`'s ``keep``; a rule with a
+``live`` check reads the bucket and deletes only the records that are no longer needed (a
+pending follow-up, an open failure, an unfinished procedure stay, whatever their age).
 
 The bucket is written with the record (no extra operation) and the sweep runs beside the
 service's work, never on the path of a turn. Rounds look only at the buckets expired since the
@@ -24,55 +22,28 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from datetime import UTC, datetime
+from typing import Any
 
 from pymongo import ASCENDING
 from pymongo.errors import DuplicateKeyError
 
+from yoke.ages import BUCKET_FIELD, SPAN, Unit, bucket_at, bucket_index
 from yoke.metrics import RETENTION_DELETED
 from yoke.settings import Settings
-
-if TYPE_CHECKING:  # the store's records carry buckets: it imports what they are made of
-    from yoke.store import Store
+from yoke.store import Store
 
 log = logging.getLogger(__name__)
 
 Doc = dict[str, Any]
-Unit = Literal["day", "hour"]
 
-BUCKET_FIELD = "ageBucket"
 # Each owner's progress per rule: how far it swept, and the expired buckets still holding
 # live records.
 PROGRESS = "retention"
-_SPAN = {"day": timedelta(days=1), "hour": timedelta(hours=1)}
-_FORMAT = {"day": "%Y-%m-%d", "hour": "%Y-%m-%dT%H"}
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def _now() -> datetime:
     return datetime.now(UTC)
-
-
-def bucket_of(unit: Unit, when: datetime | None = None) -> str:
-    """The ``ageBucket`` of a record written at ``when`` (now by default)."""
-    return (when or _now()).astimezone(UTC).strftime(_FORMAT[unit])
-
-
-def day_bucket(when: datetime | None = None) -> str:
-    return bucket_of("day", when)
-
-
-def hour_bucket(when: datetime | None = None) -> str:
-    return bucket_of("hour", when)
-
-
-def _index(unit: Unit, when: datetime) -> int:
-    return int((when - _EPOCH) // _SPAN[unit])
-
-
-def _name(unit: Unit, index: int) -> str:
-    return bucket_of(unit, _EPOCH + index * _SPAN[unit])
 
 
 @dataclass(frozen=True)
@@ -92,7 +63,7 @@ class Rule:
 
     def first_kept(self, now: datetime) -> int:
         """The oldest bucket with a record younger than ``keep``: every older one expired."""
-        return _index(self.unit, now - self.keep * _SPAN[self.unit])
+        return bucket_index(self.unit, now - self.keep * SPAN[self.unit])
 
 
 class Sweep:
@@ -196,7 +167,7 @@ class Sweep:
         kept: dict[int, int] = {}
         deleted = 0
         for index in buckets:
-            query = {BUCKET_FIELD: _name(rule.unit, index), **rule.where}
+            query = {BUCKET_FIELD: bucket_at(rule.unit, index), **rule.where}
             if rule.live is None:
                 deleted += (await collection.delete_many(query)).deleted_count
                 continue

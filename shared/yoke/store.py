@@ -15,12 +15,10 @@ from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import CollectionInvalid, DuplicateKeyError, OperationFailure
 
 from yoke import tls
-from yoke.failures import Failure
 from yoke.lru import LRUCache
 from yoke.metrics import IN_DELIVERY, STORE_DOCUMENTS_READ, STORE_OPERATIONS, STORE_ORIGIN
-from yoke.models import Actor, Conversation, Message, Participant, utcnow
+from yoke.models import Actor, Conversation, Message, Participant
 from yoke.outbox import Outbox
-from yoke.retention import BUCKET_FIELD, day_bucket
 
 Doc = dict[str, Any]
 NAMESPACE_EXISTS = 48
@@ -473,21 +471,4 @@ class Store:
         """
         await self.states.update_one(
             {"_id": state_id}, {"$set": {k: document[k] for k in RUNTIME_FIELDS if k in document}}
-        )
-
-    # --- failures ----------------------------------------------------------------------
-
-    async def record_failure(self, failure: Failure) -> None:
-        await self.insert_if_absent(self.failures, failure.to_document())
-
-    async def open_failures(self, state_id: str) -> list[Failure]:
-        found = await self.failures.find({"stateId": state_id, "open": True}).to_list()
-        return sorted((Failure.from_document(d) for d in found), key=lambda f: f.seq)
-
-    async def close_failure(self, failure_id: str) -> None:
-        """Mark a failure handled; its instance's lane is its one writer."""
-        await self.failures.update_one(
-            {"_id": failure_id},
-            # Retention counts from now: the same update, no operation more.
-            {"$set": {"open": False, "resolvedAt": utcnow(), BUCKET_FIELD: day_bucket()}},
         )

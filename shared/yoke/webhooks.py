@@ -28,9 +28,9 @@ from pydantic import Field
 from pymongo import ASCENDING
 from pymongo.asynchronous.collection import AsyncCollection
 
+from yoke.ages import day_bucket
 from yoke.ids import derive_id, new_id
 from yoke.models import Document, Message, WireModel, utcnow
-from yoke.retention import day_bucket
 from yoke.store import Doc, Store
 
 SUBSCRIPTIONS = "webhooks"

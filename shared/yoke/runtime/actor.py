@@ -22,9 +22,8 @@ from typing import Any, Generic, TypeVar
 from pydantic import BaseModel
 
 from yoke.errors import SetAside, Stopping
-from yoke.failures import Failure
-from yoke.ids import SYSTEM_ACTOR_ID as SYSTEM_ACTOR_ID
-from yoke.ids import derive_id
+from yoke.failures import Failure, close_failure, open_failures, record_failure
+from yoke.ids import SYSTEM_ACTOR_ID, derive_id
 from yoke.lru import LRUCache
 from yoke.models import Message, MessageMeta, MessagePosted, TextPart
 from yoke.runtime.posting import Poster
@@ -300,7 +299,8 @@ class ActorRuntime:
         """
         store = self.service.store
         reason = f"{type(error).__name__}: {error}"[:500]
-        await store.record_failure(
+        await record_failure(
+            store,
             Failure(
                 id=derive_id("failure", state_id, message.id),
                 state_id=state_id,
@@ -310,7 +310,7 @@ class ActorRuntime:
                 message_id=message.id,
                 seq=message.seq,
                 error=reason,
-            )
+            ),
         )
         await self.service.poster.post(
             Message(
@@ -344,7 +344,7 @@ class ActorRuntime:
         store = self.service.store
         still: list[str] = []
         watch, watermark = str(document["watch"]), int(document["watermark"])
-        for failure in await store.open_failures(str(document["_id"])):
+        for failure in await open_failures(store, str(document["_id"])):
             if failure.seq not in seqs:
                 continue
             message = await store.get_message(failure.message_id)
@@ -356,7 +356,7 @@ class ActorRuntime:
             if outcome is not None and outcome not in (REPOINTED, PASSED):
                 still.append(outcome)
                 continue
-            await store.close_failure(failure.id)
+            await close_failure(store, failure.id)
             document["failed"] = [seq for seq in _failed_seqs(document) if seq != failure.seq]
             await self._save(document, watch, watermark)
             log.info(

@@ -63,6 +63,7 @@ from typing import Any
 
 from pydantic import Field
 
+from yoke.ages import BUCKET_FIELD, day_bucket
 from yoke.ids import SYSTEM_ACTOR_ID, derive_id
 from yoke.llm.base import InferenceRequest, ProviderFailed, estimate_tokens
 from yoke.llm.providers import provider_for
@@ -78,7 +79,7 @@ from yoke.models import (
     ToolResultPart,
     utcnow,
 )
-from yoke.retention import BUCKET_FIELD, Rule, day_bucket
+from yoke.retention import Rule
 from yoke.runtime.actor import ActorContext
 from yoke.runtime.budgets import budget_spent, charge, count_usage, unpriced_under_budget
 from yoke.runtime.chain import (

@@ -33,6 +33,7 @@ from typing import Any, Literal
 from pydantic import Field, JsonValue
 
 from yoke import topology
+from yoke.ages import day_bucket
 from yoke.ids import SYSTEM_ACTOR_ID, derive_id
 from yoke.metrics import (
     APPROVAL_SECONDS,
@@ -62,7 +63,7 @@ from yoke.models import (
     as_utc,
 )
 from yoke.ownership import weight
-from yoke.retention import Rule, day_bucket
+from yoke.retention import Rule
 from yoke.runtime.posting import Poster
 from yoke.store import Store
 from yoke.text import storable
