@@ -128,7 +128,7 @@ class Egress:
             for line in reversed(await self.store.history(link.from_monologue_id)):
                 if not forwardable(line):
                     continue
-                if await self.store.get_message(forward_id(line)) is not None:
+                if await self.store.get_message(forwarded_line_id(line.id)) is not None:
                     break
                 pending.append(line)
             for line in reversed(pending):
@@ -147,7 +147,7 @@ class Egress:
             return
         await self.service.poster.post(
             Message(
-                id=forward_id(notice),
+                id=forwarded_line_id(notice.id),
                 conversation_id=join.forum_id,
                 author_actor_id=told.agent_actor_id,
                 participant_id=join.forum_participant_id,
@@ -167,7 +167,7 @@ class Egress:
     ) -> None:
         await self.service.poster.post(
             Message(
-                id=forward_id(line),
+                id=forwarded_line_id(line.id),
                 conversation_id=join.forum_id,
                 author_actor_id=line.author_actor_id,
                 participant_id=join.forum_participant_id,
@@ -194,11 +194,6 @@ def join_route() -> dict[str, str]:
         for name in (topology.FOLLOWED_HEADER, topology.CONFIG_VERSION_HEADER)
         if name in headers
     }
-
-
-def forward_id(line: Message) -> str:
-    """The forum line's id derives from the monologue line's: a redelivery posts nothing twice."""
-    return forwarded_line_id(line.id)
 
 
 def forwardable(line: Message) -> bool:

@@ -167,7 +167,7 @@ class Message(Document):
     author_actor_id: str
     participant_id: str | None = None
     role: Literal["user", "agent"] = "user"
-    type: Literal["message", "reply", "notice"] = "message"
+    type: Literal["message", "notice"] = "message"
     parts: list[Part] = Field(default_factory=list)
     meta: MessageMeta = Field(default_factory=MessageMeta)
     usage: Usage | None = None

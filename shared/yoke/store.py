@@ -314,10 +314,6 @@ class Store:
         document = await self.participants.find_one({"_id": participant_id})
         return Participant.from_document(document) if document else None
 
-    async def participants_of(self, conversation_id: str) -> list[Participant]:
-        cursor = self.participants.find({"conversationId": conversation_id})
-        return [Participant.from_document(d) async for d in cursor]
-
     async def set_participant_metadata(
         self, participant_id: str, metadata: Mapping[str, Any]
     ) -> None:

@@ -477,4 +477,4 @@ def run_service(name: str, register: Callable[[Service], None]) -> None:
         sys.exit(EXIT_MISCONFIGURED)
 
 
-__all__ = ["Malformed", "Service", "delivery_headers", "parse_envelope", "run_service", "topology"]
+__all__ = ["Service", "delivery_headers", "parse_envelope", "run_service"]

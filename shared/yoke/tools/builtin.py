@@ -7,7 +7,7 @@ import asyncio
 import json
 import operator
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 from pydantic import BaseModel, Field
@@ -108,8 +108,3 @@ BUILTIN_TOOLS: dict[str, Tool] = {
         Tool("wait", "Waits a few seconds, then says when it started and ended.", WaitInput, _wait),
     )
 }
-
-
-def resolve_tools(names: Iterable[str]) -> dict[str, Tool]:
-    """The agent's registry: named built-ins (unknown names are left out, and reported)."""
-    return {name: BUILTIN_TOOLS[name] for name in names if name in BUILTIN_TOOLS}
