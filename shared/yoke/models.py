@@ -556,6 +556,10 @@ class SubmitReply(WireModel):
     # With ``rate_limited``: whole seconds until a line is taken again.
     retry_after: int | None = None
 
+    @classmethod
+    def rejected(cls, code: RejectCode, error: str) -> SubmitReply:
+        return cls(status="rejected", code=code, error=error)
+
 
 class ToolCallRequest(WireModel):
     """A call as a tool worker receives it on ``yoke.tool.NAME`` (AMQP ``message_id`` =
