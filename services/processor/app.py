@@ -60,7 +60,7 @@ from yoke.models import (
 from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.runtime.budgets import budget_spent, charge, count_usage, unpriced_under_budget
 from yoke.runtime.catalog import LocalTools, ToolCatalog
-from yoke.runtime.compaction import call_ids, compact, result_ids, swap_rule
+from yoke.runtime.compaction import compact, swap_rule
 from yoke.runtime.dispatch import ToolDispatch, deadline_after
 from yoke.runtime.drafts import Draft
 from yoke.runtime.in_flight import Arrival, InFlight, ModelCall, cancelled_here
@@ -82,6 +82,13 @@ from yoke.runtime.open_calls import (
     open_call_id,
     result_line_id,
     round_results_id,
+)
+from yoke.runtime.rounds import (
+    call_ids,
+    call_line_index,
+    open_round,
+    round_pending_after,
+    unanswered,
 )
 from yoke.runtime.service import Service
 from yoke.runtime.tails import Tails
@@ -374,43 +381,6 @@ def newest_wanted(context: Context, transcript: list[Message]) -> Message | None
     target = wanted[-1].model_copy(deep=True)
     target.meta.agent_hops = min(line.meta.agent_hops for line in wanted)
     return target
-
-
-def round_pending_after(transcript: list[Message], trigger: Message) -> bool:
-    """A tool round begun after the trigger (read past it): its results' step answers."""
-    call_line = open_round(transcript)
-    return call_line is not None and call_line.seq > trigger.seq
-
-
-def call_line_index(transcript: list[Message], results: Message) -> int | None:
-    """Where in the transcript the agent made the calls ``results`` answer (None: not in it)."""
-    answered = {part.call_id for part in results.parts if isinstance(part, ToolResultPart)}
-    for index in range(len(transcript) - 1, -1, -1):
-        line = transcript[index]
-        if line.role == "agent" and any(
-            isinstance(part, ToolCallPart) and part.call_id in answered for part in line.parts
-        ):
-            return index
-    return None
-
-
-def open_round(transcript: list[Message]) -> Message | None:
-    """The agent's latest tool-call line, when some of its calls have no result here yet."""
-    for index in range(len(transcript) - 1, -1, -1):
-        line = transcript[index]
-        called = call_ids(line)
-        if line.role != "agent" or not called:
-            continue
-        return line if unanswered(called, transcript[index + 1 :]) else None
-    return None
-
-
-def unanswered(called: set[str], later: list[Message]) -> set[str]:
-    """The call ids among ``called`` that no line of ``later`` answers."""
-    answered: set[str] = set()
-    for line in later:
-        answered |= result_ids(line)
-    return called - answered
 
 
 def recorded_round(context: Context, transcript: list[Message]) -> RoundMark | None:

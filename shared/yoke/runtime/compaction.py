@@ -75,8 +75,6 @@ from yoke.models import (
     MonologueCompacted,
     Participant,
     TextPart,
-    ToolCallPart,
-    ToolResultPart,
     utcnow,
 )
 from yoke.retention import Rule
@@ -92,6 +90,7 @@ from yoke.runtime.chain import (
 )
 from yoke.runtime.instances import ProcessorConfig, ProcessorState
 from yoke.runtime.joins import ensure_participant
+from yoke.runtime.rounds import call_ids, has_unanswered_call, result_ids
 from yoke.store import PROCEDURES, Store
 
 log = logging.getLogger(__name__)
@@ -165,14 +164,6 @@ async def summarize(context: Context, older: list[Message]) -> str:
     return result.text or fixture_summary(older)
 
 
-def call_ids(line: Message) -> set[str]:
-    return {part.call_id for part in line.parts if isinstance(part, ToolCallPart)}
-
-
-def result_ids(line: Message) -> set[str]:
-    return {part.call_id for part in line.parts if isinstance(part, ToolResultPart)}
-
-
 def split_for_compaction(
     transcript: list[Message], keep: int
 ) -> tuple[list[Message], list[Message]]:
@@ -191,17 +182,10 @@ def split_for_compaction(
         cut = min(callers)
 
 
-def round_open(transcript: list[Message]) -> bool:
-    """Whether a call in the transcript still waits for its result."""
-    called = set().union(*(call_ids(line) for line in transcript if line.role == "agent"))
-    answered = set().union(*(result_ids(line) for line in transcript))
-    return bool(called - answered)
-
-
 def needs_compaction(config: ProcessorConfig, transcript: list[Message]) -> bool:
     if config.compaction_threshold_tokens is None:
         return False
-    if round_open(transcript):
+    if has_unanswered_call(transcript):
         return False  # never in the middle of a tool round: its result would be orphaned
     older, _ = split_for_compaction(transcript, config.compaction_keep)
     # Nothing worth summarizing (say, only an earlier summary): compacting again would loop.
