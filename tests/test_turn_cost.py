@@ -26,7 +26,7 @@ from yoke.ids import derive_id
 from yoke.models import Message, TextPart
 from yoke.runtime.joins import create_agent, create_forum, join_conversation, join_id
 from yoke.runtime.posting import Poster
-from yoke.store import Store, bucket_key, bucket_of
+from yoke.store import Store, bucket_key, seq_bucket
 
 pytestmark = pytest.mark.slow
 
@@ -248,7 +248,7 @@ async def _write_lines(store: Store, conversation_id: str, count: int) -> None:
         for seq in range(start, min(start + 500, count + 1)):
             line = _history_line(conversation_id, seq).model_copy(update={"seq": seq})
             document = line.to_document()
-            document["convBucket"] = bucket_key(conversation_id, bucket_of(seq))
+            document["convBucket"] = bucket_key(conversation_id, seq_bucket(seq))
             documents.append(document)
         await store.messages.insert_many(documents)
 

@@ -38,7 +38,9 @@ BUCKET = 128
 FEW_LINES = 3
 
 
-def bucket_of(seq: int) -> int:
+def seq_bucket(seq: int) -> int:
+    """Which of its conversation's buckets of :data:`BUCKET` seqs a line is filed in (not an
+    age bucket: those are :mod:`yoke.ages`)."""
     return seq // BUCKET
 
 
@@ -383,7 +385,7 @@ class Store:
         for conflicts in range(1, 10_001):
             stored = message.model_copy(update={"seq": candidate})
             document = stored.to_document()
-            document["convBucket"] = bucket_key(conversation_id, bucket_of(candidate))
+            document["convBucket"] = bucket_key(conversation_id, seq_bucket(candidate))
             self.outbox.stamp(document, stored)
             try:
                 await self.messages.insert_one(document)
@@ -437,7 +439,7 @@ class Store:
             ]
             return [line for line in lines if line is not None]
         found = []
-        for bucket in range(bucket_of(after_seq + 1), bucket_of(up_to_seq) + 1):
+        for bucket in range(seq_bucket(after_seq + 1), seq_bucket(up_to_seq) + 1):
             documents = await self.messages.find(
                 {"convBucket": bucket_key(conversation_id, bucket)}
             ).to_list()

@@ -60,8 +60,9 @@ RECONNECT_FIRST_SECONDS = 0.5
 RECONNECT_MAX_SECONDS = 30.0
 
 
-class _Door:
-    """One channel that submits answers to ``yoke.commands`` and hears the door's replies."""
+class _DoorClient:
+    """The worker's side of the door: one channel that submits answers to ``yoke.commands``
+    and hears the door's replies."""
 
     def __init__(self, channel: AbstractChannel, commands: AbstractExchange, user_id: str) -> None:
         self.channel = channel
@@ -70,14 +71,14 @@ class _Door:
         self._waiting: dict[str, asyncio.Future[SubmitReply]] = {}
 
     @classmethod
-    async def open(cls, connection: AbstractConnection, user_id: str) -> _Door:
+    async def open(cls, connection: AbstractConnection, user_id: str) -> _DoorClient:
         channel = await connection.channel(publisher_confirms=True)
         commands = await channel.get_exchange(topology.COMMANDS_EXCHANGE, ensure=False)
-        door = cls(channel, commands, user_id)
+        client = cls(channel, commands, user_id)
         replies = await channel.get_queue(DIRECT_REPLY_TO, ensure=False)
         # Direct reply-to is consumed before the first publish that names it, without acks.
-        await replies.consume(door._on_reply, no_ack=True)
-        return door
+        await replies.consume(client._on_reply, no_ack=True)
+        return client
 
     async def _on_reply(self, message: AbstractIncomingMessage) -> None:
         future = self._waiting.pop(message.correlation_id or "", None)
@@ -144,7 +145,7 @@ def _error_answer(call: ToolCallRequest, error: Exception) -> SubmitToolResult:
 
 
 async def _answer_call(
-    delivery: AbstractIncomingMessage, door: _Door, handler: Handler, reply_timeout: float
+    delivery: AbstractIncomingMessage, door: _DoorClient, handler: Handler, reply_timeout: float
 ) -> None:
     try:
         call = ToolCallRequest.model_validate_json(delivery.body)
@@ -200,7 +201,7 @@ async def _serve_connected(
     consuming: asyncio.Event,
 ) -> None:
     """Consume until ``stopping`` (then finish the calls in hand) or until something is lost."""
-    door = await _Door.open(connection, user_id)
+    door = await _DoorClient.open(connection, user_id)
     calls = await connection.channel()
     await calls.set_qos(prefetch_count=prefetch)
     # Passive: the mesh declares the queue (a worker may not, and a declaration with other
