@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.followup.scheduler import FOLLOWUPS, PENDING_GAUGE_SECONDS, schedule_id
 from tests.support.mesh import Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
-from yoke import topology
+from yoke import topology, upgrades
 from yoke.client import Client
 from yoke.ids import new_id
 from yoke.models import Envelope, Message, MessagePosted, TextPart
@@ -151,7 +151,7 @@ async def test_the_follow_up_route_of_an_earlier_version_is_unbound(
     followed = topology.interest(
         "conversation.message.posted", kind="forum", type="message", followed="yes"
     )
-    monkeypatch.setitem(topology.LEGACY_INTERESTS, service, (every_line,))
+    monkeypatch.setitem(upgrades.LEGACY_INTERESTS, service, (every_line,))
     (queue,) = await bus.declare_shards(service, [every_line], 1)  # what an earlier start bound
     line = Message(
         id=new_id(),

@@ -24,7 +24,7 @@ from aio_pika.abc import (
 )
 from aiormq.exceptions import AMQPError, ChannelNotFoundEntity, DeliveryError
 
-from yoke import amqp_nodes, topology
+from yoke import amqp_nodes, topology, upgrades
 from yoke.dead_letters import declare_dead_letter_queue
 from yoke.errors import Transient
 from yoke.models import Envelope
@@ -242,12 +242,7 @@ class Bus:
             durable=True,
             arguments={"hash-header": topology.CONVERSATION_HEADER},
         )
-        for legacy in topology.LEGACY_SHARD_BINDINGS:
-            # Earlier versions bound the shards to yoke.events directly: every event twice.
-            await exchange.unbind(events, routing_key=legacy)
-        for stale in topology.LEGACY_INTERESTS.get(service, ()):
-            if stale not in interests:
-                await exchange.unbind(route, routing_key="", arguments={"x-match": "all", **stale})
+        await upgrades.unbind_legacy_routes(exchange, events, route, service, interests)
         for wanted in interests:
             await exchange.bind(route, routing_key="", arguments={"x-match": "all", **wanted})
         names = []

@@ -14,7 +14,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import CollectionInvalid, DuplicateKeyError, OperationFailure
 
-from yoke import tls
+from yoke import tls, upgrades
 from yoke.lru import LRUCache
 from yoke.metrics import IN_DELIVERY, STORE_DOCUMENTS_READ, STORE_OPERATIONS, STORE_ORIGIN
 from yoke.models import Actor, Conversation, Message, Participant
@@ -22,7 +22,6 @@ from yoke.outbox import Outbox
 
 Doc = dict[str, Any]
 NAMESPACE_EXISTS = 48
-INDEX_NOT_FOUND = 27
 
 
 # Multi-step procedures' records (docs/architecture.md, invariant 9): compaction's swap
@@ -212,11 +211,7 @@ class Store:
         )
         await self.messages.create_index([("outbox", ASCENDING)], name="outbox")
         await self.messages.create_index([("convBucket", ASCENDING)], name="conv_bucket_key")
-        try:  # superseded by conv_bucket_key (see bucket_key): its presence misleads FerretDB
-            await self.messages.drop_index("conv_bucket")
-        except OperationFailure as error:
-            if error.code != INDEX_NOT_FOUND:  # gone already, or another service dropped it
-                raise
+        await upgrades.drop_conversation_bucket_index(self.messages)
         await self.participants.create_index(
             [("conversationId", ASCENDING), ("actorId", ASCENDING)], unique=True, name="conv_actor"
         )
@@ -445,10 +440,9 @@ class Store:
             ).to_list()
             found.extend(d for d in documents if after_seq < d["seq"] <= up_to_seq)
         if len(found) < up_to_seq - after_seq:
-            # Lines written before buckets existed: read the range the slow way.
-            found = await self.messages.find(
-                {"conversationId": conversation_id, "seq": {"$gt": after_seq, "$lte": up_to_seq}}
-            ).to_list()
+            found = await upgrades.lines_before_buckets(
+                self.messages, conversation_id, after_seq, up_to_seq
+            )
         return sorted((Message.from_document(d) for d in found), key=lambda m: m.seq)
 
     async def states_watching(self, actor: str, conversation_id: str) -> list[Doc]:

@@ -48,15 +48,16 @@ APPROVAL_COMMAND = "tool.approval.submit"
 TOOL_QUEUE_PREFIX = "yoke.tool."
 TOOL_USER_PREFIX = "tool-"
 
-# Set by ingestion's command router from the AMQP user_id that RabbitMQ verified, after it has
-# dropped every x-yoke-* header the publisher set: the only name a handler trusts for who spoke.
+# Set by Service's command router (yoke.runtime.service, Service._router) from the AMQP user_id
+# that RabbitMQ verified, after it has dropped every x-yoke-* and yoke-* header the publisher
+# set: the only name a handler trusts for who spoke.
 USER_HEADER = "x-yoke-user"
 
 # The consistent-hash exchanges hash this header: the conversation (or, for agent.* events, the
 # forum) a delivery belongs to. Every event we publish carries it.
 CONVERSATION_HEADER = "x-yoke-conversation"
 
-# Set by ingestion's command router on a command it moves from the intake queue to the shards:
+# Set by Service's command router on a command it moves from the intake queue to the shards:
 # the command's name (the routing key it was submitted with). Deliveries without it are events.
 COMMAND_HEADER = "yoke-command"
 
@@ -97,23 +98,6 @@ DELIVERY_LIMIT = 10
 def routing_key(event_type: str, key: str) -> str:
     """``<event type>.<conversation or forum id>``, as outside bindings expect."""
     return f"{event_type}.{key}"
-
-
-# Bindings of shard exchanges to yoke.events made before route exchanges existed; removed.
-LEGACY_SHARD_BINDINGS = (
-    "conversation.message.posted.#",
-    "agent.forum.joined.#",
-    "agent.monologue.compacted.#",
-)
-
-
-# Route bindings of earlier versions, by service: unbound at start (each delivered more).
-LEGACY_INTERESTS: dict[str, tuple[Interest, ...]] = {
-    # Follow-up took every forum line; now only those of joins that have it (FOLLOWED_HEADER).
-    "followup": (
-        {EVENT_HEADER: "conversation.message.posted", KIND_HEADER: "forum", TYPE_HEADER: "message"},
-    ),
-}
 
 
 def route_exchange(service: str) -> str:

@@ -1,0 +1,76 @@
+"""Upgrades of a broker or store that an earlier build set up: run at every start, idempotent.
+
+Each undoes or reads past what a 0.1.0 build made before the change named beside it; where
+there is nothing to undo it costs a few calls that change nothing. All of it may be removed in
+:data:`REMOVABLE_IN`: a deployment upgrading to that version must first have run a 0.1.0 build
+with this module once (every service started, so every binding and index is done). What stays
+compatible with older documents as they are read (``tools.catalog.OLD_SCHEMA_FIELD``, tokens
+without a random namespace) is part of those documents' shape, not an upgrade: it stays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aio_pika.abc import AbstractExchange
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import OperationFailure
+
+from yoke.topology import EVENT_HEADER, KIND_HEADER, TYPE_HEADER, Interest
+
+REMOVABLE_IN = "0.2.0"
+
+Doc = dict[str, Any]
+INDEX_NOT_FOUND = 27
+
+# Bindings of shard exchanges to yoke.events made before route exchanges existed: each
+# delivered every event twice.
+LEGACY_SHARD_BINDINGS = (
+    "conversation.message.posted.#",
+    "agent.forum.joined.#",
+    "agent.monologue.compacted.#",
+)
+
+# Route bindings of earlier versions, by service: each delivered more than it acts on now.
+LEGACY_INTERESTS: dict[str, tuple[Interest, ...]] = {
+    # Follow-up took every forum line; now only those of joins that have it (FOLLOWED_HEADER).
+    "followup": (
+        {EVENT_HEADER: "conversation.message.posted", KIND_HEADER: "forum", TYPE_HEADER: "message"},
+    ),
+}
+
+
+async def unbind_legacy_routes(
+    shards: AbstractExchange,
+    events: AbstractExchange,
+    route: AbstractExchange,
+    service: str,
+    interests: list[Interest],
+) -> None:
+    """Unbind from a service's shard exchange what earlier versions bound to it, before
+    ``Bus.declare_shards`` binds this version's ``interests``."""
+    for legacy in LEGACY_SHARD_BINDINGS:
+        await shards.unbind(events, routing_key=legacy)
+    for stale in LEGACY_INTERESTS.get(service, ()):
+        if stale not in interests:
+            await shards.unbind(route, routing_key="", arguments={"x-match": "all", **stale})
+
+
+async def drop_conversation_bucket_index(messages: AsyncCollection[Doc]) -> None:
+    """Drop ``conv_bucket``, the ``(conversationId, bucket)`` index that ``conv_bucket_key``
+    replaced: its presence misleads FerretDB's planner (see ``yoke.store.bucket_key``)."""
+    try:
+        await messages.drop_index("conv_bucket")
+    except OperationFailure as error:
+        if error.code != INDEX_NOT_FOUND:  # gone already, or another service dropped it
+            raise
+
+
+async def lines_before_buckets(
+    messages: AsyncCollection[Doc], conversation_id: str, after_seq: int, up_to_seq: int
+) -> list[Doc]:
+    """A range read the slow way (FerretDB reads the whole conversation for it), for when its
+    buckets held fewer lines than the range: lines written before ``convBucket`` have none."""
+    return await messages.find(
+        {"conversationId": conversation_id, "seq": {"$gt": after_seq, "$lte": up_to_seq}}
+    ).to_list()
