@@ -374,9 +374,10 @@ class Service:
     async def _watch_consumers(self) -> None:
         """Re-consume any queue whose consumer is gone while the connection is up.
 
-        aio-pika restores consumers after a reconnect and after a broker-side cancel; this is
-        the safety net for whatever it misses (a queue left without our consumer for two checks
-        in a row is subscribed again on a fresh channel).
+        aio-pika's robust channel consumes again by itself after a reconnect, and after a
+        broker-side cancel of a queue declared on it (it probes the queue and retries until the
+        queue is back); this is the safety net for whatever it misses (a queue left without our
+        consumer for two checks in a row is subscribed again on a fresh channel).
         """
         suspects: set[str] = set()
         while not self.stopping.is_set():
