@@ -48,14 +48,14 @@ from yoke.cli.publishers import create_publisher, management_of
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message
-from yoke.runtime.approvals import pending_approvals
-from yoke.runtime.catalog import ToolCatalog
-from yoke.runtime.join_config import ApprovalConfig, JoinConfig
-from yoke.runtime.joins import create_agent, create_forum, join_conversation
-from yoke.runtime.open_calls import (
+from yoke.runtime.calls.approvals import pending_approvals
+from yoke.runtime.calls.records import (
     TOOL_CALL_DECISIONS_COLLECTION,
     TOOL_CALLS_COLLECTION,
 )
+from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.join_config import ApprovalConfig, JoinConfig
+from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
 from yoke.speakers import amqp_vhost
 from yoke.store import Store

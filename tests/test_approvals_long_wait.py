@@ -21,7 +21,7 @@ from tests.support.fake_openai import FakeOpenAI, completion, openai_env
 from tests.support.mesh import Mesh, lines_until, say
 from tests.support.processes import eventually
 from yoke.client import Client
-from yoke.runtime.approvals import pending_approvals
+from yoke.runtime.calls.approvals import pending_approvals
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
 from yoke.runtime.joins import Join, create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster

@@ -31,7 +31,7 @@ from tests.support.rabbit_node import RabbitNode
 from yoke import topology
 from yoke.cli.supervisor import SERVICES
 from yoke.client import Client
-from yoke.runtime.approvals import pending_approvals
+from yoke.runtime.calls.approvals import pending_approvals
 from yoke.runtime.posting import Poster
 from yoke.store import Store
 

@@ -37,14 +37,14 @@ from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, MessageMeta, ToolCallPart, ToolResultPart
-from yoke.runtime.catalog import ToolCatalog
-from yoke.runtime.joins import Join, create_agent, create_forum, join_id
-from yoke.runtime.open_calls import (
+from yoke.runtime.calls.records import (
     TOOL_CALL_ENDS_COLLECTION,
     open_call_id,
-    result_line_id,
-    round_results_id,
+    own_result_line_id,
+    round_results_line_id,
 )
+from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.joins import Join, create_agent, create_forum, join_id
 from yoke.store import Store
 from yoke.tokens import create_token, ensure_token_indexes
 from yoke.tools.catalog import CatalogEntry
@@ -394,7 +394,7 @@ async def test_the_monologue_data_says_where_each_tool_call_stands(
         body = await page(clock_join.monologue_id)
         line = call_line(body)
         (clock,) = body["toolCalls"]
-        results_id = round_results_id(join_id(clock_join.agent_actor_id, clock_forum), line.id)
+        results_id = round_results_line_id(join_id(clock_join.agent_actor_id, clock_forum), line.id)
         results = await store.get_message(results_id)
         assert results is not None  # the id the processor gave it
         assert clock["callLineId"] == line.id and clock["callId"] == line.parts[0].call_id  # type: ignore[union-attr]
@@ -421,7 +421,7 @@ async def test_the_monologue_data_says_where_each_tool_call_stands(
         late_id = open_call_id(instance, line.id, late["callId"])
         end = await store.db[TOOL_CALL_ENDS_COLLECTION].find_one({"_id": late_id})
         assert end is not None and end["outcome"] == "timeout"
-        late_line = await store.get_message(result_line_id(late_id))
+        late_line = await store.get_message(own_result_line_id(late_id))
         assert late_line is not None
         assert (late["source"], late["state"]) == ("worker", "timeout")
         assert late["openCallId"] == late_id and late["resultLineId"] == late_line.id
@@ -559,7 +559,7 @@ async def test_a_call_carried_into_a_new_monologue_shows_how_its_original_ended(
     )
     answered, _ = await store.insert_message(
         Message(
-            id=round_results_id(instance, original.id),
+            id=round_results_line_id(instance, original.id),
             conversation_id=old,
             author_actor_id="system",
             parts=[ToolResultPart(call_id="c-0", name="clock", output="now", is_error=True)],

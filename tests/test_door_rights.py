@@ -28,8 +28,8 @@ from yoke.cli.publishers import delete_user, management_of
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, ToolResultPart
+from yoke.runtime.calls.records import TOOL_CALL_ENDS_COLLECTION, own_result_line_id
 from yoke.runtime.joins import Join
-from yoke.runtime.open_calls import TOOL_CALL_ENDS_COLLECTION, result_line_id
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow
@@ -187,7 +187,7 @@ async def test_an_answer_too_large_ends_the_call_at_once_saying_the_limit(
 
     monologue = await lines_until(store, join.monologue_id, lambda ls: bool(results(ls)), WAIT)
     [(line, result)] = results(monologue)
-    assert line.id == result_line_id(call["callId"])
+    assert line.id == own_result_line_id(call["callId"])
     assert result.is_error
     assert "too large" in result.output and str(limit) in result.output, result.output
     [call_line] = [m for m in monologue if m.role == "agent" and m.created_at <= line.created_at]

@@ -43,14 +43,14 @@ from tests.support.processes import ROOT, eventually, free_port
 from yoke.client import Client
 from yoke.ids import derive_id
 from yoke.models import Message, ToolCallPart, ToolResultPart
-from yoke.runtime.catalog import ToolCatalog
-from yoke.runtime.joins import Join, join_id
-from yoke.runtime.open_calls import (
+from yoke.runtime.calls.records import (
     TOOL_CALLS_COLLECTION,
     OpenCall,
     open_call_id,
-    result_line_id,
+    own_result_line_id,
 )
+from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.joins import Join, join_id
 from yoke.store import Store
 from yoke.tools.catalog import CatalogEntry
 
@@ -246,7 +246,7 @@ def round_results_id(join: Join, call_line: Message) -> str:
 def own_line_id(join: Join, call_line: Message, model_call_id: str) -> str:
     """The id of the line of a call's own result, when it waited in the store."""
     instance = join_id(join.agent_actor_id, join.forum_id)
-    return result_line_id(open_call_id(instance, call_line.id, model_call_id))
+    return own_result_line_id(open_call_id(instance, call_line.id, model_call_id))
 
 
 def offered(request: dict[str, Any]) -> set[str]:
@@ -452,7 +452,7 @@ async def test_a_hanging_call_waits_in_the_store_and_times_out_while_others_are_
     monologue = await store.history(join.monologue_id)
     call_line = calls_line(monologue)
     [(line, result)] = results(monologue)
-    assert line.id == result_line_id(open_call.id) == own_line_id(join, call_line, "call-hang")
+    assert line.id == own_result_line_id(open_call.id) == own_line_id(join, call_line, "call-hang")
     assert line.parts == [result]
     assert result.is_error
     assert result.output == f"{hang} timed out after {TIGHT_TIMEOUT}s"

@@ -19,7 +19,9 @@ from prometheus_client import REGISTRY
 
 from yoke.metrics import STORE_ORIGIN
 from yoke.models import Message
-from yoke.runtime.open_calls import TOOL_CALLS_COLLECTION, OpenCall, OpenCalls, ReapShare
+from yoke.runtime.calls.reaper import Reaper, ReapShare
+from yoke.runtime.calls.records import TOOL_CALLS_COLLECTION, OpenCall
+from yoke.runtime.calls.repository import OpenCalls
 from yoke.store import Store
 
 PENDING = 1000
@@ -77,10 +79,9 @@ async def test_a_round_reads_what_is_due_and_each_due_call_is_reaped_once(store:
     STORE_ORIGIN.set("reaper-test")
     posted = {name: Posted() for name in LIVE}
     reapers = [
-        OpenCalls(
-            store,
-            posted[name],  # type: ignore[arg-type]
-            share=ReapShare(lambda name=name: (name, LIVE)),  # type: ignore[misc]
+        Reaper(
+            OpenCalls(store, posted[name]),  # type: ignore[arg-type]
+            ReapShare(lambda name=name: (name, LIVE)),  # type: ignore[misc]
         )
         for name in LIVE
     ]

@@ -28,18 +28,19 @@ from yoke.failures import Failure, close_failure, record_failure
 from yoke.models import Message, TextPart
 from yoke.rate_limit import COLLECTION as LINE_LIMITS
 from yoke.retention import Sweep, core_rules
-from yoke.runtime import open_calls
-from yoke.runtime.compaction import MonologueSwap, swap_rule
-from yoke.runtime.join_config import FollowUpConfig, GuardianConfig, JoinConfig, RulePolicy
-from yoke.runtime.open_calls import (
+from yoke.runtime.calls import reaper
+from yoke.runtime.calls.reaper import Reaper
+from yoke.runtime.calls.records import (
     TOOL_CALL_DECISIONS_COLLECTION,
     TOOL_CALL_ENDS_COLLECTION,
     TOOL_CALLS_COLLECTION,
     CallDecision,
     CallEnd,
-    OpenCalls,
-    call_rules,
 )
+from yoke.runtime.calls.repository import OpenCalls
+from yoke.runtime.calls.retention import call_rules
+from yoke.runtime.compaction import MonologueSwap, swap_rule
+from yoke.runtime.join_config import FollowUpConfig, GuardianConfig, JoinConfig, RulePolicy
 from yoke.settings import Settings
 from yoke.store import PROCEDURES, Store
 from yoke.webhooks import DEAD_LETTERS, LEASES, DeadLetter
@@ -302,9 +303,9 @@ async def test_call_ends_and_decisions_are_swept_by_rule_not_pruned_by_the_reape
                 aged = {**document, at: long_ago, "ageBucket": old}
                 await store.db[collection].insert_one(aged)
         # However long the processor has run (its reaper's clock two hours on).
-        clock = open_calls.time.monotonic
-        monkeypatch.setattr(open_calls, "time", SimpleNamespace(monotonic=lambda: clock() + 7200))
-        await OpenCalls(store, None).reap()  # type: ignore[arg-type]  # no call: nothing to post
+        clock = reaper.time.monotonic
+        monkeypatch.setattr(reaper, "time", SimpleNamespace(monotonic=lambda: clock() + 7200))
+        await Reaper(OpenCalls(store, None)).reap()  # type: ignore[arg-type]  # no call: nothing to post
         both = ["call-done", "call-open"]
         for collection in (TOOL_CALL_ENDS_COLLECTION, TOOL_CALL_DECISIONS_COLLECTION):
             assert await ids_in(store, collection, both) == set(both), collection

@@ -41,12 +41,12 @@ from yoke.cli.supervisor import SERVICES
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, ToolResultPart
-from yoke.runtime.joins import create_agent, create_forum, join_conversation
-from yoke.runtime.open_calls import (
+from yoke.runtime.calls.records import (
     TOOL_CALL_ENDS_COLLECTION,
     TOOL_CALLS_COLLECTION,
-    result_line_id,
+    own_result_line_id,
 )
+from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
 from yoke.speakers import amqp_vhost
 from yoke.store import Store
@@ -212,7 +212,7 @@ async def answered_once(
     monologue = await store.history(monologue_id)
     [result] = results(monologue)
     [result_line] = [line for line in monologue if results([line])]
-    assert result_line.id == result_line_id(call_id)
+    assert result_line.id == own_result_line_id(call_id)
     # The agent's answer is the step of that result, once.
     [answer] = [line for line in agent_lines(monologue) if line.text == ANSWER]
     assert answer.meta.causation_id == result_line.id and answer.seq > result_line.seq
@@ -336,7 +336,7 @@ async def test_a_call_answered_while_the_processor_is_killed_is_answered_once_af
         reply = await held.line("reply", timeout=WAIT, callId=call_id)
         assert reply["reply"]["status"] == "accepted", reply
         # The door wrote the result with no processor running; nobody answered it yet.
-        assert await store.get_message(result_line_id(call_id)) is not None
+        assert await store.get_message(own_result_line_id(call_id)) is not None
         assert texts(await store.history(forum_id)) == []
 
         await mesh.start("processor").wait_healthy(timeout=START_SECONDS)

@@ -10,8 +10,9 @@ from typing import Any
 from services.processor.app import open_round, step, tool_results_id
 from yoke.models import Envelope, Message, MessageMeta, Part, TextPart, ToolCallPart, ToolResultPart
 from yoke.runtime.actor import ActorContext
+from yoke.runtime.calls.records import OpenCall, open_call_id, own_result_line_id
+from yoke.runtime.calls.repository import OpenCalls
 from yoke.runtime.instances import ProcessorConfig, ProcessorState
-from yoke.runtime.open_calls import OpenCall, OpenCalls, open_call_id, result_line_id
 from yoke.settings import Settings
 from yoke.store import Store
 
@@ -203,7 +204,7 @@ async def test_a_round_with_a_waiting_call_is_answered_once_its_last_result_land
     won, _ = await open_calls.end(opened, outcome="answered", output="shipped", is_error=False)
     assert won
     [result_line] = [
-        line for line in monologue.poster.posted if line.id == result_line_id(opened.id)
+        line for line in monologue.poster.posted if line.id == own_result_line_id(opened.id)
     ]
     assert result_line.parts == [
         ToolResultPart(call_id="c2", name="lookup", output="shipped", is_error=False)

@@ -42,11 +42,12 @@ from tests.support.worker_tools import WorkerTool, registered_worker_tool
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, ToolResultPart
-from yoke.runtime.approvals import pending_approvals
+from yoke.runtime.calls.approvals import pending_approvals
+from yoke.runtime.calls.records import TOOL_CALL_ENDS_COLLECTION
+from yoke.runtime.calls.texts import CUT_SHORT
 from yoke.runtime.catalog import ToolCatalog
 from yoke.runtime.join_config import JoinConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
-from yoke.runtime.open_calls import CUT_SHORT, TOOL_CALL_ENDS_COLLECTION
 from yoke.runtime.posting import Poster
 from yoke.store import Store
 
@@ -244,7 +245,9 @@ async def approve_when_asked(store: Store, client: Client, forum_id: str) -> str
 async def test_an_approved_mcp_call_cut_short_by_a_crash_ends_at_once(
     mesh: Mesh, counter: str, store: Store, poster: Poster, client: Client, tmp_path: Path
 ) -> None:
-    faulty = await processor_with(mesh, "after:yoke.runtime.open_calls:OpenCalls.mark_approved")
+    faulty = await processor_with(
+        mesh, "after:yoke.runtime.calls.approvals:Approvals.mark_approved"
+    )
     runs = tmp_path / "runs"
     script = [
         ScriptedOutput(tool_calls=[count_call(runs, "approved")]),
@@ -275,7 +278,9 @@ async def test_an_approved_worker_call_cut_off_before_its_send_is_sent_after_a_r
     worker = await WorkerProcess.start(worker_tool.url, worker_tool.name, "answer")
     try:
         await worker.line("ready", timeout=WAIT)
-        faulty = await processor_with(mesh, "after:yoke.runtime.open_calls:OpenCalls.mark_approved")
+        faulty = await processor_with(
+            mesh, "after:yoke.runtime.calls.approvals:Approvals.mark_approved"
+        )
         script = [
             ScriptedOutput(tool_calls=[ScriptedCall(name=worker_tool.name, input={"q": "A1"})]),
             ScriptedOutput(text=DONE),

@@ -19,9 +19,11 @@ import services.processor.app as processor
 from services.processor.app import tool_results_id
 from tests.test_tool_round_steps import Monologue, StorePoster
 from yoke.models import Message, ToolResultPart
+from yoke.runtime.calls.records import OpenCall, open_call_id
+from yoke.runtime.calls.repository import OpenCalls
+from yoke.runtime.calls.texts import CUT_SHORT
 from yoke.runtime.catalog import LocalTools, ToolCatalog
 from yoke.runtime.dispatch import ToolDispatch
-from yoke.runtime.open_calls import CUT_SHORT, OpenCall, OpenCalls, open_call_id
 from yoke.store import Store
 from yoke.tools.base import ToolContext
 

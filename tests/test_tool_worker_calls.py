@@ -36,8 +36,8 @@ from yoke.cli.publishers import create_publisher, delete_user, management_of
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, SubmitReply, ToolResultPart
+from yoke.runtime.calls.records import own_result_line_id
 from yoke.runtime.joins import Join
-from yoke.runtime.open_calls import result_line_id
 from yoke.speakers import amqp_vhost
 from yoke.store import Store
 
@@ -214,7 +214,7 @@ async def scripted_join(
 
 def accepted(call_id: str, *, duplicate: bool = False) -> dict[str, Any]:
     reply = SubmitReply(
-        status="accepted", message_id=result_line_id(call_id), duplicate=duplicate or None
+        status="accepted", message_id=own_result_line_id(call_id), duplicate=duplicate or None
     )
     return reply.to_wire()
 
@@ -249,7 +249,7 @@ async def test_a_workers_answer_is_the_calls_result_and_the_agent_answers_with_i
     assert [line.text for line in agent_lines(forum)] == ["the worker answered"]
     monologue = await store.history(join.monologue_id)
     [(line, result)] = results(monologue)
-    assert line.id == result_line_id(call_id)
+    assert line.id == own_result_line_id(call_id)
     assert line.parts == [result]  # a line of its own
     assert result.call_id == "call-a" and result.name == tools.answer.name
     assert result.output == worker_output(call) and not result.is_error
@@ -276,7 +276,7 @@ async def test_a_second_answer_by_the_same_worker_is_a_duplicate_and_changes_not
     assert [line.text for line in agent_lines(forum)] == ["answered once"]
     # The door replied to the repeat after handling it: a line it wrote would be here by now.
     [(line, result)] = results(await store.history(join.monologue_id))
-    assert line.id == result_line_id(call["callId"])
+    assert line.id == own_result_line_id(call["callId"])
     assert result.output == worker_output(call)
 
 
@@ -326,7 +326,7 @@ async def test_answers_from_anyone_but_the_calls_worker_are_rejected_and_change_
     forum = await lines_until(store, forum_id, lambda ls: len(agent_lines(ls)) >= 1, WAIT)
     assert [line.text for line in agent_lines(forum)] == ["answered after the rejections"]
     [(line, result)] = results(await store.history(join.monologue_id))
-    assert line.id == result_line_id(call_id)
+    assert line.id == own_result_line_id(call_id)
     assert result.output == worker_output(call) and not result.is_error
 
 
@@ -345,7 +345,7 @@ async def test_a_call_never_answered_ends_in_error_at_its_deadline_and_stays_clo
             store, join.monologue_id, lambda ls: any(map(has_results, ls)), WAIT
         )
     [(line, result)] = results(monologue)
-    assert line.id == result_line_id(call_id)
+    assert line.id == own_result_line_id(call_id)
     assert result.is_error
     assert result.output == f"{tools.never.name} gave no answer within {NEVER_TIMEOUT} s"
     # Ended by the deadline, not before it (the store keeps milliseconds).
@@ -389,8 +389,8 @@ async def test_a_round_of_two_worker_calls_and_a_builtin_is_answered_by_one_mode
     by_call = {part.call_id: (line, part) for line, part in results(monologue)}
     assert sorted(by_call) == ["call-1", "call-2", "call-3"]
     assert len(results(monologue)) == 3
-    assert by_call["call-1"][0].id == result_line_id(first["callId"])
-    assert by_call["call-2"][0].id == result_line_id(second["callId"])
+    assert by_call["call-1"][0].id == own_result_line_id(first["callId"])
+    assert by_call["call-2"][0].id == own_result_line_id(second["callId"])
     assert by_call["call-1"][1].output == worker_output(first)
     assert by_call["call-2"][1].output == worker_output(second)
     assert not by_call["call-3"][1].is_error  # the clock ran in the step itself

@@ -32,7 +32,7 @@ from yoke.cli.publishers import delete_user, management_of
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import AgentDelta, Envelope, Message, ToolResultPart
-from yoke.runtime.open_calls import TOOL_CALL_ENDS_COLLECTION
+from yoke.runtime.calls.records import TOOL_CALL_ENDS_COLLECTION
 from yoke.speakers import amqp_vhost
 from yoke.store import Store
 

@@ -70,8 +70,8 @@ from yoke.models import (
     unstorable,
 )
 from yoke.redact import redact
-from yoke.runtime.approvals import PendingApproval, pending_approvals
-from yoke.runtime.open_calls import TOOL_CALL_DECISIONS_COLLECTION, TOOL_CALLS_COLLECTION
+from yoke.runtime.calls.approvals import PendingApproval, pending_approvals
+from yoke.runtime.calls.records import TOOL_CALL_DECISIONS_COLLECTION, TOOL_CALLS_COLLECTION
 from yoke.settings import Settings
 from yoke.speakers import amqp_user
 from yoke.store import Store

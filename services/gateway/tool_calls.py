@@ -4,13 +4,14 @@ A call is a ``tool_call`` part of the agent's line; its result is the ``tool_res
 same ``callId`` in one of two lines whose ids derive from the call (invariant 4,
 docs/architecture.md): the round's results line, for a call answered inside the step (built-ins,
 plugins, a quick MCP call), or the call's own result line, for a call that waited in the store
-(a worker's, a slow MCP call), whose :class:`~yoke.runtime.open_calls.CallEnd` says how it ended
-and whose :class:`~yoke.runtime.open_calls.OpenCall` exists while it waits. So each state is read
-by id (a handful of ``$in`` lookups per page of lines), never by scanning the monologue.
+(a worker's, a slow MCP call), whose :class:`~yoke.runtime.calls.records.CallEnd` says how it
+ended and whose :class:`~yoke.runtime.calls.records.OpenCall` exists while it waits. So each
+state is read by id (a handful of ``$in`` lookups per page of lines), never by scanning the
+monologue.
 
 A call of a gated tool waits in the store too, first ``awaiting_approval``; once a person (or
-the deadline, or a stop) decides, its :class:`~yoke.runtime.open_calls.CallDecision` says what,
-who and why, shown with the call whatever its state.
+the deadline, or a stop) decides, its :class:`~yoke.runtime.calls.records.CallDecision` says
+what, who and why, shown with the call whatever its state.
 """
 
 from __future__ import annotations
@@ -30,9 +31,7 @@ from yoke.models import (
     WireModel,
     as_utc,
 )
-from yoke.runtime.catalog import ToolCatalog
-from yoke.runtime.joins import join_id
-from yoke.runtime.open_calls import (
+from yoke.runtime.calls.records import (
     TOOL_CALL_DECISIONS_COLLECTION,
     TOOL_CALL_ENDS_COLLECTION,
     TOOL_CALLS_COLLECTION,
@@ -40,9 +39,11 @@ from yoke.runtime.open_calls import (
     CallEnd,
     OpenCall,
     open_call_id,
-    result_line_id,
-    round_results_id,
+    own_result_line_id,
+    round_results_line_id,
 )
+from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.joins import join_id
 from yoke.store import Store
 from yoke.tools.catalog import ToolSource
 
@@ -183,8 +184,8 @@ class ToolCallStates:
 
     async def _states(self, calls: list[_Call], instance_id: str) -> list[ToolCallView]:
         open_ids = [open_call_id(instance_id, c.origin.id, c.part.call_id) for c in calls]
-        round_ids = [round_results_id(instance_id, c.origin.id) for c in calls]
-        own_ids = [result_line_id(open_id) for open_id in open_ids]
+        round_ids = [round_results_line_id(instance_id, c.origin.id) for c in calls]
+        own_ids = [own_result_line_id(open_id) for open_id in open_ids]
         results = {line.id: line for line in await self._messages([*round_ids, *own_ids])}
         waiting = await self._by_id(TOOL_CALLS_COLLECTION, open_ids)
         ends = await self._by_id(TOOL_CALL_ENDS_COLLECTION, open_ids)

@@ -33,7 +33,6 @@ from yoke.models import (
     AgentForumJoined,
     Message,
     MessageMeta,
-    RejectCode,
     SubmitApproval,
     SubmitMessage,
     SubmitReply,
@@ -42,12 +41,14 @@ from yoke.models import (
 )
 from yoke.rate_limit import LineLimit, slot_rule
 from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
-from yoke.runtime.approvals import Approvals
+from yoke.runtime.calls.answers import WorkerAnswers
+from yoke.runtime.calls.approvals import Approvals
+from yoke.runtime.calls.approvers import Approvers
+from yoke.runtime.calls.repository import OpenCalls
 from yoke.runtime.chain import carry_tail, copy_target
 from yoke.runtime.instances import INGESTION, IngestionConfig, IngestionState
 from yoke.runtime.join_config import FollowedForums
 from yoke.runtime.joins import ensure_participant_id
-from yoke.runtime.open_calls import OpenCalls
 from yoke.runtime.service import Service
 from yoke.speakers import DoorUsers, ForeignNamespace, token_namespace
 from yoke.text import storable_input
@@ -126,30 +127,34 @@ def parse_command(body: bytes, max_bytes: int, model: type[Command]) -> Command 
     schema, whose validators refuse what the store cannot hold.
     """
     if len(body) > max_bytes:
-        return _rejected("too_large", f"command is {len(body)} bytes; the limit is {max_bytes}")
+        return SubmitReply.rejected(
+            "too_large", f"command is {len(body)} bytes; the limit is {max_bytes}"
+        )
     try:
         text = body.decode()
     except UnicodeDecodeError as error:
-        return _rejected(
+        return SubmitReply.rejected(
             "invalid_body", f"body is not valid UTF-8 ({error.reason} at byte {error.start})"
         )
     depth = nesting_depth(body)
     if depth > MAX_BODY_DEPTH:
-        return _rejected(
+        return SubmitReply.rejected(
             "invalid_body", f"body is nested too deeply (more than {MAX_BODY_DEPTH} levels)"
         )
     try:
         parsed = json.loads(text, parse_constant=_not_a_json_constant)
     except ValueError as error:
-        return _rejected("invalid_body", f"body is not valid JSON: {error}")
+        return SubmitReply.rejected("invalid_body", f"body is not valid JSON: {error}")
     if not isinstance(parsed, dict):
-        return _rejected(
+        return SubmitReply.rejected(
             "invalid_body", f"the command must be a JSON object, not {type(parsed).__name__}"
         )
     try:
         return model.model_validate(parsed)
     except ValidationError as error:
-        return _rejected("invalid_command", f"invalid command: {describe_validation_error(error)}")
+        return SubmitReply.rejected(
+            "invalid_command", f"invalid command: {describe_validation_error(error)}"
+        )
 
 
 def speaker_of(message: AbstractIncomingMessage) -> str | None:
@@ -236,36 +241,36 @@ class Door:
             return command
         size = len(command.text.encode())
         if size > self.max_text_bytes:
-            return _rejected(
+            return SubmitReply.rejected(
                 "too_large",
                 f"text is {size} bytes; the limit is {self.max_text_bytes} (YOKE_MAX_TEXT_BYTES)",
             )
         if not user:
-            return _rejected(
+            return SubmitReply.rejected(
                 "missing_user_id",
                 "the command has no AMQP user_id: publish it with user_id set to your "
                 "RabbitMQ user, which the broker verifies",
             )
         if self.users.is_worker(user):
-            return _rejected("not_allowed", self.users.worker_only(user))
+            return SubmitReply.rejected("not_allowed", self.users.worker_only(user))
         try:
             external_id = self.users.own(user, command.author.external_id, "externalId")
             key = self.users.own(user, command.idempotency_key, "idempotencyKey")
         except ForeignNamespace as error:
-            return _rejected("foreign_namespace", str(error))
+            return SubmitReply.rejected("foreign_namespace", str(error))
         if user == self.users.gateway and token_namespace(key) != token_namespace(external_id):
-            return _rejected(
+            return SubmitReply.rejected(
                 "foreign_namespace",
                 "externalId and idempotencyKey from the HTTP gateway must share one token's "
                 "namespace",
             )
         forum = await self.store.get_conversation(command.conversation_id)
         if forum is None:
-            return _rejected(
+            return SubmitReply.rejected(
                 "unknown_conversation", f"unknown conversation {command.conversation_id!r}"
             )
         if forum.kind != "forum":
-            return _rejected(
+            return SubmitReply.rejected(
                 "not_a_forum", f"conversation {forum.id!r} is a {forum.kind}; submit to a forum"
             )
         # The id derives from the idempotency key: a repeat finds the line already written.
@@ -381,7 +386,9 @@ class ToolResultDoor(CallDoor):
 
     def __init__(self, service: Service) -> None:
         super().__init__(service)
-        self.open_calls = OpenCalls(service.store, service.poster, vhost=self.users.vhost)
+        self.answers = WorkerAnswers(
+            OpenCalls(service.store, service.poster), vhost=self.users.vhost
+        )
         self.max_text_bytes = service.settings.max_text_bytes
         self.max_body_bytes = self.max_text_bytes * 2 + 4096
 
@@ -398,19 +405,19 @@ class ToolResultDoor(CallDoor):
             return await self.too_large(call_id, user, answer)
         size = len(answer.output.encode())
         if size > self.max_text_bytes:
-            refusal = _rejected(
+            refusal = SubmitReply.rejected(
                 "too_large",
                 f"output is {size} bytes; the limit is {self.max_text_bytes} (YOKE_MAX_TEXT_BYTES)",
             )
             return await self.too_large(answer.call_id, user, refusal)
-        return await self.open_calls.answer(answer.call_id, user, answer.output, answer.is_error)
+        return await self.answers.answer(answer.call_id, user, answer.output, answer.is_error)
 
     async def too_large(self, call_id: str, user: str | None, refusal: SubmitReply) -> SubmitReply:
         """An answer too large to take ends its call at once with an error result saying so
         (the worker has acked the call: else the model would wait for its deadline), checked
         as any answer is (only the call's own worker ends it so); the worker is told
         ``too_large``, or why it may not answer this call at all."""
-        ended = await self.open_calls.answer(
+        ended = await self.answers.answer(
             call_id,
             user,
             f"the tool's answer was too large to take: {refusal.error}",
@@ -429,17 +436,13 @@ class ApprovalDoor(CallDoor):
 
     def __init__(self, service: Service) -> None:
         super().__init__(service)
-        self.approvals = Approvals(OpenCalls(service.store, service.poster), self.users)
+        self.approvers = Approvers(Approvals(OpenCalls(service.store, service.poster)), self.users)
 
     async def submit(self, body: bytes, user: str | None) -> SubmitReply:
         decision = parse_command(body, self.max_body_bytes, SubmitApproval)
         if isinstance(decision, SubmitReply):
             return decision
-        return await self.approvals.submit(decision, user)
-
-
-def _rejected(code: RejectCode, error: str) -> SubmitReply:
-    return SubmitReply(status="rejected", error=error, code=code)
+        return await self.approvers.submit(decision, user)
 
 
 def copies_line(config: IngestionConfig, state: IngestionState, message: Message) -> bool:

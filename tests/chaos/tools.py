@@ -38,15 +38,15 @@ from yoke.cli.tools import declare_tool_queue
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, ToolCallPart, ToolResultPart
-from yoke.runtime.approvals import pending_approvals
-from yoke.runtime.catalog import ToolCatalog
-from yoke.runtime.instances import PROCESSOR
-from yoke.runtime.join_config import ApprovalConfig, JoinConfig
-from yoke.runtime.open_calls import (
+from yoke.runtime.calls.approvals import pending_approvals
+from yoke.runtime.calls.records import (
     TOOL_CALL_ENDS_COLLECTION,
     TOOL_CALLS_COLLECTION,
     open_call_id,
 )
+from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.instances import PROCESSOR
+from yoke.runtime.join_config import ApprovalConfig, JoinConfig
 from yoke.settings import Settings
 from yoke.speakers import amqp_vhost
 from yoke.store import Store

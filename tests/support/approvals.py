@@ -10,13 +10,13 @@ from tests.support.processes import eventually
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, SubmitReply, ToolResultPart
-from yoke.runtime.join_config import ApprovalConfig, JoinConfig
-from yoke.runtime.joins import create_agent, create_forum, join_conversation
-from yoke.runtime.open_calls import (
+from yoke.runtime.calls.records import (
     TOOL_CALL_ENDS_COLLECTION,
     TOOL_CALLS_COLLECTION,
-    result_line_id,
+    own_result_line_id,
 )
+from yoke.runtime.join_config import ApprovalConfig, JoinConfig
+from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
 from yoke.speakers import amqp_user
 from yoke.store import Store
@@ -81,7 +81,7 @@ def texts(lines: list[Message]) -> list[str]:
 
 async def ended_once(store: Store, monologue_id: str, call_id: str) -> ToolResultPart:
     """The call's one result line (the id derived from it), once its end is recorded."""
-    line = await wait_for_message(store, result_line_id(call_id))
+    line = await wait_for_message(store, own_result_line_id(call_id))
     assert line.conversation_id == monologue_id
     assert await store.db[TOOL_CALL_ENDS_COLLECTION].count_documents({"_id": call_id}) == 1
     [result] = results([line])

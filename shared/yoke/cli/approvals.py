@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from yoke.cli.base import CommandError, UsageError, refusals_as_errors, with_store
 from yoke.client import Client
 from yoke.errors import describe_validation_error
-from yoke.runtime.approvals import pending_approvals
+from yoke.runtime.calls.approvals import pending_approvals
 from yoke.runtime.join_config import ApprovalConfig
 from yoke.settings import Settings
 from yoke.speakers import amqp_user

@@ -20,7 +20,7 @@ import httpx
 
 from yoke import topology
 from yoke.cli.base import with_store
-from yoke.runtime.approvals import grant_approver, revoke_approver
+from yoke.runtime.calls.approvers import grant_approver, revoke_approver
 from yoke.settings import Settings
 from yoke.speakers import amqp_vhost
 from yoke.store import Store

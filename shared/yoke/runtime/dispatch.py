@@ -3,13 +3,13 @@
 - ``builtin`` and ``plugin`` tools run here, in the step, under their own timeout (they are
   this process's code, and most answer in microseconds).
 - ``mcp`` calls run here for up to :data:`INLINE_SECONDS`; one still running then stays an
-  open call (:mod:`yoke.runtime.open_calls`) that the call itself ends when it returns, so a
+  open call (:mod:`yoke.runtime.calls`) that the call itself ends when it returns, so a
   slow server never holds the step.
 - either runs once per call id (docs/architecture.md, invariant 15): its open call, inserted
   before it starts (a unique insert), is its claim, and its end is recorded before the step
   writes its result. A retried step reuses the end, leaves a call still running here alone,
   and ends a claim a crash left unfinished with an error result that says so
-  (:data:`yoke.runtime.open_calls.CUT_SHORT`), never running it again.
+  (:data:`yoke.runtime.calls.texts.CUT_SHORT`), never running it again.
 - ``worker`` calls are always open calls: recorded with their deadline, published to the
   tool's queue, and the step ends.
 - a call of a tool the join gates (``approval``) runs nowhere yet: it is an open call awaiting a
@@ -33,9 +33,12 @@ from typing import Protocol
 from yoke.bus import Bus
 from yoke.metrics import TOOL_CALLS, tool_label
 from yoke.models import ToolCallPart, ToolCallRequest, ToolResultPart
+from yoke.runtime.calls.approvals import Approvals
+from yoke.runtime.calls.records import CallEnd, OpenCall
+from yoke.runtime.calls.repository import OpenCalls
+from yoke.runtime.calls.texts import cut_short_text
 from yoke.runtime.catalog import LocalTools, ToolCatalog
 from yoke.runtime.join_config import ApprovalConfig
-from yoke.runtime.open_calls import CallEnd, OpenCall, OpenCalls, cut_short_text
 from yoke.tools.base import ToolContext
 from yoke.tools.catalog import CatalogEntry
 from yoke.tools.run import run_tool_call
@@ -96,6 +99,7 @@ class ToolDispatch:
         self.catalog = catalog
         self.local = local
         self.open_calls = open_calls
+        self.approvals = Approvals(open_calls)
         self.bus = bus
         self.mcp = mcp
         self._background: set[asyncio.Task[None]] = set()
@@ -185,7 +189,7 @@ class ToolDispatch:
                 "approval_timeout_seconds": seconds,
             }
         )
-        await self.open_calls.request_approval(awaiting)
+        await self.approvals.request(awaiting)
 
     async def run_approved(self, call_id: str) -> None:
         """Run a call a person approved (``tool.call.approved``), in the lane of its
@@ -200,7 +204,7 @@ class ToolDispatch:
         call = await self.open_calls.get(call_id)
         if call is None or call.state == "running":
             return
-        decision = await self.open_calls.get_decision(call_id)
+        decision = await self.approvals.get_decision(call_id)
         if decision is None or decision.decision != "approve":
             return
         if call.state == "approved" and call.source != "worker":
@@ -231,7 +235,7 @@ class ToolDispatch:
             return
         grace = 0.0 if entry.source == "worker" else APPROVED_GRACE_SECONDS
         local = entry.source in ("builtin", "plugin")
-        approved = await self.open_calls.mark_approved(
+        approved = await self.approvals.mark_approved(
             call,
             deadline_after(entry.timeout_seconds + grace),
             runner=None if entry.source == "worker" else self.runner,
