@@ -7,12 +7,22 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from services.processor.app import open_round, step, tool_results_id
+from services.processor.processor import Processor
 from yoke.models import Envelope, Message, MessageMeta, Part, TextPart, ToolCallPart, ToolResultPart
 from yoke.runtime.actor import ActorContext
-from yoke.runtime.calls.records import OpenCall, open_call_id, own_result_line_id
+from yoke.runtime.calls.records import (
+    OpenCall,
+    open_call_id,
+    own_result_line_id,
+    round_results_line_id,
+)
 from yoke.runtime.calls.repository import OpenCalls
+from yoke.runtime.catalog import LocalTools, ToolCatalog
+from yoke.runtime.dispatch import ToolDispatch
+from yoke.runtime.in_flight import InFlight
 from yoke.runtime.instances import ProcessorConfig, ProcessorState
+from yoke.runtime.rounds import open_round
+from yoke.runtime.tails import Tails
 from yoke.settings import Settings
 from yoke.store import Store
 
@@ -57,6 +67,24 @@ class Monologue:
             hop_cap=2,
         )
         self.state = ProcessorState(monologue_id=self.id, agent_participant_id="ap")
+        # The processor's tools (this process's own, unless a test sets a dispatch of its own).
+        self.dispatch: ToolDispatch | None = None
+        self.in_flight = InFlight()
+
+    def processor(self) -> Processor:
+        """The processor these steps run in: made for each step, since a test may swap the
+        poster; it keeps no tails (every window is read from the store)."""
+        open_calls = OpenCalls(self.store, self.poster)  # type: ignore[arg-type]
+        if self.dispatch is None:
+            local = LocalTools.load()
+            catalog = ToolCatalog(self.store, local)
+            self.dispatch = ToolDispatch(catalog, local, open_calls, None)  # type: ignore[arg-type]
+        return Processor(
+            dispatch=self.dispatch,
+            open_calls=open_calls,
+            in_flight=self.in_flight,
+            tails=Tails(0, 1),
+        )
 
     def context(self, trigger: Message) -> ActorContext[ProcessorConfig, ProcessorState]:
         return ActorContext(
@@ -96,12 +124,14 @@ class Monologue:
     async def results(self, call: Message, *, written: bool = True, **meta: Any) -> Message:
         """The round's results, under the id its step gives them (or another id: not written)."""
         part = ToolResultPart(call_id="c1", name="clock", output="noon")
-        message_id = tool_results_id(self.context(call), call) if written else None
+        message_id = (
+            round_results_line_id(self.context(call).instance_id, call.id) if written else None
+        )
         return await self.write("user", part, message_id=message_id, **meta)
 
     async def step(self, trigger: Message) -> list[Message]:
         before = len(self.poster.posted)
-        await step(self.context(trigger), trigger)
+        await self.processor().step(self.context(trigger), trigger)
         return self.poster.posted[before:]
 
 

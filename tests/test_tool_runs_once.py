@@ -166,7 +166,7 @@ def results_by_call(lines: list[Message]) -> dict[str, list[ToolResultPart]]:
 async def test_a_results_line_failing_once_to_be_stored_runs_no_call_again(
     mesh: Mesh, counter: str, store: Store, poster: Poster, client: Client, tmp_path: Path
 ) -> None:
-    process = await processor_with(mesh, "raise:services.processor.app:tool_results_id")
+    process = await processor_with(mesh, "raise:yoke.runtime.calls.records:round_results_line_id")
     runs = tmp_path / "runs"
     forum_id, monologue_id = await counting_join(
         store, poster, count_call(runs, "inline"), count_call(runs, "slow", SLOW_SECONDS)
@@ -213,7 +213,9 @@ async def test_a_processor_killed_after_its_results_line_ends_the_slow_call_in_a
 ) -> None:
     # The round's results line holds the inline call's result; the slow call went on past the
     # inline bound and its runner died: cut short, it needs a line of its own.
-    faulty = await processor_with(mesh, "after:services.processor.app:run_tool_round")
+    faulty = await processor_with(
+        mesh, "after:services.processor.tool_rounds:ToolRounds.run_tool_round"
+    )
     runs = tmp_path / "runs"
     forum_id, monologue_id = await counting_join(
         store, poster, count_call(runs, "inline"), count_call(runs, "slow", SLOW_SECONDS)

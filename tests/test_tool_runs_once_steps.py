@@ -9,17 +9,14 @@ The built-in ``clock`` is swapped, in this process's own tool set, for one that 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from pymongo.errors import AutoReconnect
 
-import services.processor.app as processor
-from services.processor.app import tool_results_id
 from tests.test_tool_round_steps import Monologue, StorePoster
 from yoke.models import Message, ToolResultPart
-from yoke.runtime.calls.records import OpenCall, open_call_id
+from yoke.runtime.calls.records import OpenCall, open_call_id, round_results_line_id
 from yoke.runtime.calls.repository import OpenCalls
 from yoke.runtime.calls.texts import CUT_SHORT
 from yoke.runtime.catalog import LocalTools, ToolCatalog
@@ -43,24 +40,24 @@ class FailingOnce(StorePoster):
 
 
 @pytest.fixture
-def runs(store: Store) -> Iterator[list[str]]:
-    """The counted clock's runs (their idempotency keys), in this process's dispatch."""
-    counted: list[str] = []
+def runs() -> list[str]:
+    """The counted clock's runs (their idempotency keys)."""
+    return []
+
+
+def clock_monologue(store: Store, runs: list[str]) -> Monologue:
+    """A monologue whose processor's dispatch runs the counted clock as ``clock``."""
     local = LocalTools.load()
 
     async def clock(arguments: object, context: ToolContext) -> str:
-        counted.append(context.idempotency_key)
+        runs.append(context.idempotency_key)
         return "noon"
 
     local.runnable["clock"] = dataclasses.replace(local.runnable["clock"], run=clock)
-    dispatch = ToolDispatch(ToolCatalog(store, local), local, OpenCalls(store, None), None)  # type: ignore[arg-type]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(processor, "_dispatch", dispatch)
-        yield counted
-
-
-def clock_monologue(store: Store) -> Monologue:
     monologue = Monologue(store)
+    open_calls = OpenCalls(store, None)  # type: ignore[arg-type]
+    catalog = ToolCatalog(store, local)
+    monologue.dispatch = ToolDispatch(catalog, local, open_calls, None)  # type: ignore[arg-type]
     monologue.poster = FailingOnce(store)
     monologue.config.tools = ["clock"]
     return monologue
@@ -73,11 +70,11 @@ def results(lines: list[Message]) -> list[ToolResultPart]:
 async def test_a_round_step_retried_after_its_results_line_failed_runs_no_tool_again(
     store: Store, runs: list[str]
 ) -> None:
-    monologue = clock_monologue(store)
+    monologue = clock_monologue(store, runs)
     await monologue.say("time?")
     call = await monologue.call()
     assert isinstance(monologue.poster, FailingOnce)
-    monologue.poster.fail = tool_results_id(monologue.context(call), call)
+    monologue.poster.fail = round_results_line_id(monologue.context(call).instance_id, call.id)
     with pytest.raises(AutoReconnect):
         await monologue.step(call)
     await monologue.step(call)  # the retry
@@ -90,7 +87,7 @@ async def test_a_round_step_retried_after_its_results_line_failed_runs_no_tool_a
 async def test_a_claim_a_dead_process_left_ends_cut_short_and_is_not_run(
     store: Store, runs: list[str]
 ) -> None:
-    monologue = clock_monologue(store)
+    monologue = clock_monologue(store, runs)
     await monologue.say("time?")
     call = await monologue.call()
     claim = OpenCall(

@@ -3,7 +3,7 @@
 A *round* is one agent line's ``tool_call`` parts (its *call line*) and their results. A call
 is answered by a later line holding a ``tool_result`` of its call id: the round's results line
 for the calls that answered in the round's step, a line of its own for each call that waited in
-the store (:mod:`yoke.runtime.open_calls`). A round is *open*, in a transcript, while some of
+the store (:mod:`yoke.runtime.calls`). A round is *open*, in a transcript, while some of
 its calls have no result there. The model answers a round once, in the step of its last result
 (docs/architecture.md, invariant 10), so a step that finds the latest round open leaves its
 line to that step; and compaction never cuts a transcript holding an unanswered call, or the

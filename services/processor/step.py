@@ -1,0 +1,207 @@
+"""The step: which lines start one, the window it reads, what it answered, and its output.
+
+A step is one monologue line's delivery (docs/architecture.md, "The processor's decision
+tree"). It reads a window of the monologue, never all of it (invariant 11), through the
+process's conversation tails (:mod:`yoke.runtime.tails`), so that most of it comes from memory
+and only what is new from the store; it ends at the trigger under ``whileBusy: queue``
+(invariant 1) and at the newest line otherwise ("While the agent is busy").
+"""
+
+from __future__ import annotations
+
+from yoke.models import Message, MessageMeta, Part, ToolCallPart, Usage
+from yoke.runtime.actor import ActorContext
+from yoke.runtime.calls.records import open_call_id, own_result_line_id, round_results_line_id
+from yoke.runtime.instances import ProcessorConfig, ProcessorState, Progress, RoundMark
+from yoke.runtime.rounds import call_ids, unanswered
+from yoke.runtime.tails import Tails
+from yoke.slash import slash_command
+
+Context = ActorContext[ProcessorConfig, ProcessorState]
+
+# A tail holds this many lines beyond a window, for steps whose window ends short of its head.
+TAIL_MARGIN = 32
+
+
+def is_step_trigger(config: ProcessorConfig, state: ProcessorState, message: Message) -> bool:
+    """The step filter: the monologue's own ``message`` lines (no forum traffic, no
+    ``notice``); and of the agent's lines only those that call tools (its text is for egress,
+    not a step)."""
+    return (
+        message.conversation_id != config.source_conversation_id
+        and message.conversation_id == state.monologue_id
+        and message.type == "message"
+        and (
+            message.role != "agent" or any(isinstance(part, ToolCallPart) for part in message.parts)
+        )
+    )
+
+
+def carried_meta(context: Context, trigger: Message) -> MessageMeta:
+    """Routing for the step's output: the forum, the cause, and the forum line it answers."""
+    forum_line = trigger.meta.in_reply_to
+    if trigger.meta.source_conversation_id == context.config.source_conversation_id:
+        forum_line = trigger.meta.source_message_id or forum_line
+    return MessageMeta(
+        source_conversation_id=context.config.source_conversation_id,
+        causation_id=trigger.id,
+        in_reply_to=forum_line,
+        agent_hops=trigger.meta.agent_hops,
+    )
+
+
+def is_slash_command(line: Message) -> bool:
+    """A person's ``/command`` (:func:`yoke.slash.slash_command` decides what one is):
+    answered by the processor itself, never by the model."""
+    return line.meta.agent_hops == 0 and slash_command(line.text) is not None
+
+
+def wants_model_answer(config: ProcessorConfig, line: Message) -> bool:
+    """A user text line the model answers: not a slash command, not past the hop cap."""
+    return (
+        line.type == "message"
+        and bool(line.text)
+        and not is_slash_command(line)
+        and line.meta.agent_hops < config.hop_cap
+    )
+
+
+# --- the window ------------------------------------------------------------------------------
+
+
+async def context_window(context: Context, trigger: Message, tails: Tails) -> list[Message]:
+    """The step's transcript: from the context start (``/reset``) up to its trigger, and at
+    most the last ``YOKE_CONTEXT_LINES`` lines (invariant 11: a step reads as much at the
+    5,000th line as at the 50th; compaction carries the older lines as a summary)."""
+    return await tails.history(
+        context.store,
+        trigger.conversation_id,
+        after_seq=max(
+            0,
+            context.state.context_from_seq - 1,
+            trigger.seq - context.settings.context_lines,
+        ),
+        up_to_seq=trigger.seq,
+    )
+
+
+async def step_window(context: Context, trigger: Message, tails: Tails) -> list[Message]:
+    """The lines the step reads: up to its trigger under ``whileBusy: queue``; else up to the
+    conversation's newest line (invariant 1: coalesce and interrupt answer every unanswered
+    line at once), as many lines back as :func:`context_window` reads."""
+    if context.config.while_busy == "queue":
+        return await context_window(context, trigger, tails)
+    head = await tails.last_seq(context.store, trigger.conversation_id, at_least=trigger.seq)
+    return await tails.history(
+        context.store,
+        trigger.conversation_id,
+        after_seq=max(0, context.state.context_from_seq - 1, head - context.settings.context_lines),
+        up_to_seq=head,
+    )
+
+
+def recorded_round(context: Context, transcript: list[Message]) -> RoundMark | None:
+    """The open round's record, when its call line is older than the window (a long wait:
+    more than ``YOKE_CONTEXT_LINES`` lines came meanwhile) and not reset away."""
+    mark = context.state.open_round
+    if mark is None or not transcript or mark.conversation_id != transcript[0].conversation_id:
+        return None
+    if mark.seq < context.state.context_from_seq or mark.seq >= transcript[0].seq:
+        return None  # reset away, or in the window (which then tells)
+    return mark
+
+
+async def with_recorded_round(context: Context, transcript: list[Message]) -> list[Message]:
+    """``transcript`` led by the open round's call line and its results older than the window,
+    read by their ids (invariant 10: found by the record, not by the window); as it is when no
+    round is open (no store operation then)."""
+    mark = recorded_round(context, transcript)
+    if mark is None:
+        return transcript
+    call_line = await context.store.get_message(mark.call_line_id)
+    if call_line is None:
+        return transcript
+    missing = unanswered(call_ids(call_line), transcript)
+    ids = [round_results_line_id(context.instance_id, call_line.id)] + [
+        own_result_line_id(open_call_id(context.instance_id, call_line.id, call_id))
+        for call_id in sorted(missing)
+    ]
+    earlier = []
+    for message_id in ids:
+        line = await context.store.get_message(message_id)
+        if line is not None and line.seq < transcript[0].seq:
+            earlier.append(line)
+    return [call_line, *sorted(earlier, key=lambda line: line.seq), *transcript]
+
+
+# --- what was answered -----------------------------------------------------------------------
+
+
+def already_handled(config: ProcessorConfig, state: ProcessorState, line: Message) -> bool:
+    """Whether ``line`` is not to be answered: a person's ``/stop`` came after it, or (under
+    ``coalesce`` and ``interrupt``) a model call was shown it as one of a burst it answered.
+    Under ``queue`` every line is answered on its own, so a line set aside and replayed after
+    later lines were answered is still answered."""
+    if state.stopped is not None and state.stopped.covers(line):
+        return True
+    return (
+        config.while_busy != "queue" and state.answered is not None and state.answered.covers(line)
+    )
+
+
+def answered_through(answered: Progress | None, line: Message) -> int:
+    """The seq in the line's conversation up to which every line has been answered."""
+    if answered is not None and answered.conversation_id == line.conversation_id:
+        return answered.seq
+    return line.seq - 1
+
+
+def newest_wanted(context: Context, transcript: list[Message]) -> Message | None:
+    """The newest unanswered line the model answers: the one a burst's reply is in reply to."""
+    if context.config.while_busy == "queue" or not transcript:
+        return None
+    since = answered_through(context.state.answered, transcript[-1])
+    wanted = [
+        line
+        for line in transcript
+        if line.seq > since and line.role == "user" and wants_model_answer(context.config, line)
+    ]
+    if not wanted:
+        return None
+    # Answered as one: in reply to the newest, as near to people as its nearest (invariant 6).
+    target = wanted[-1].model_copy(deep=True)
+    target.meta.agent_hops = min(line.meta.agent_hops for line in wanted)
+    return target
+
+
+# --- the output ------------------------------------------------------------------------------
+
+
+async def post_agent_line(
+    context: Context,
+    trigger: Message,
+    parts: list[Part],
+    usage: Usage | None = None,
+    answering: Message | None = None,
+) -> None:
+    """The step's output, as the agent; its id derives from the trigger (one per step), its
+    routing from the line it answers (the trigger, or the newest of a burst)."""
+    await context.post(
+        Message(
+            id=context.effect_id("output"),
+            conversation_id=trigger.conversation_id,
+            author_actor_id=context.config.agent_actor_id,
+            participant_id=context.state.agent_participant_id,
+            role="agent",
+            parts=parts,
+            meta=answer_meta(context, trigger, answering),
+            usage=usage,
+        )
+    )
+
+
+def answer_meta(context: Context, trigger: Message, answering: Message | None) -> MessageMeta:
+    """:func:`carried_meta` of the line answered, caused by the trigger."""
+    meta = carried_meta(context, answering or trigger)
+    meta.causation_id = trigger.id
+    return meta
