@@ -291,7 +291,7 @@ class Door:
         # wrong type there cannot fail the write.
         extra = {k: v for k, v in (command.meta or {}).items() if k not in _MESH_META_KEYS}
         followed = await self.followed.followed(forum.id)
-        stored, created = await self.service.poster.post_new(
+        stored, created = await self.service.poster.post_or_republish(
             Message(
                 id=message_id,
                 conversation_id=forum.id,

@@ -2,8 +2,9 @@
 
 A line that arrives for a conversation whose step is running waits in that conversation's lane
 (docs/architecture.md, invariant 3): FIFO means the step in flight cannot learn of it from the
-store or its own delivery. So the intake tells this registry about the line when its delivery
-arrives, before it queues (``Service.on_arrival``), and the registry acts at once:
+store or its own delivery. So the processor's look at each delivery that arrives for a busy
+lane, before it queues there (``Service.on_arrival``), tells this registry about the line, and
+the registry acts at once:
 
 - under ``whileBusy: interrupt``, a person's line newer than everything the model call in flight
   was shown cancels that call (:meth:`InFlight.interrupt`);
@@ -11,11 +12,11 @@ arrives, before it queues (``Service.on_arrival``), and the registry acts at onc
   ``whileBusy``, and is remembered (:meth:`InFlight.stop`), so that the steps of the earlier
   lines still queued behind the call answer nothing (:meth:`InFlight.stop_after`).
 
-Both decide by ``seq``, never by arrival: a redelivered line is older than the call in flight
-(at-least-once delivery, invariant 4), so it cancels nothing and stops nothing twice. Nothing
-here is stored: after a restart the deliveries come back in order, and the registry sees them
-again as they arrive. It holds one entry per conversation with a call in flight and a bounded
-number of stops (invariant 14).
+Both decide by ``seq``, never by the order deliveries arrive in: a redelivered line is older
+than the call in flight (at-least-once delivery, invariant 4), so it cancels nothing and stops
+nothing twice. Nothing here is stored: after a restart the deliveries come back in order, and
+the registry sees them again as they arrive. It holds one entry per conversation with a call in
+flight and a bounded number of stops (invariant 14).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Cancellable(Protocol):
 
 @dataclass(frozen=True)
 class Arrival:
-    """A line as the intake saw it arrive: enough to decide, nothing of its text."""
+    """A line as its delivery arrived: enough to decide, nothing of its text."""
 
     conversation_id: str
     seq: int

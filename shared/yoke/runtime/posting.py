@@ -40,13 +40,14 @@ class Poster:
         Posting an id that exists returns the stored message and publishes it again, so a
         redelivered event's effects are written once and their events are not lost.
         """
-        stored, _ = await self.post_new(message, route=route)
+        stored, _ = await self.post_or_republish(message, route=route)
         return stored
 
-    async def post_new(
+    async def post_or_republish(
         self, message: Message, *, route: Mapping[str, str] | None = None
     ) -> tuple[Message, bool]:
-        """:meth:`post`, also saying whether this call wrote it (``False``: it existed)."""
+        """:meth:`post`, also saying which it did: ``True``, this call stored it; ``False``, it
+        was stored already, and its event is published again."""
         stored, created = await self.store.insert_message(message)
         if self.tails is not None:
             self.tails.saw(stored)
