@@ -9,7 +9,7 @@ the AMQP door (:mod:`bench.gateway`), streaming (:mod:`bench.streaming`), tool r
 by a worker and over MCP (:mod:`bench.tool_rounds`), throughput (also with one and with two
 processor replicas), growth, isolation and scale. The table is printed and written to
 ``bench/results.json``, and so is the before/after table against ``bench/baseline.json``
-(:mod:`bench.compare`).
+(:mod:`bench.compare`); both go into the README too (:mod:`bench.readme`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import bus_hop, compare, raw_relay, report
+from bench import bus_hop, compare, raw_relay, readme, report
 from bench.child import PROFILE_ENV
 from bench.cpu import servers_cpu, servers_delta
 from bench.gateway import GatewayBench
@@ -43,7 +43,7 @@ EVENTS_ENV = "YOKE_BENCH_EVENTS"
 # Connecting, declaring quorum queues and starting a relay process: generous, but not forever
 # (a store that accepts connections and never answers would otherwise hang the run).
 START_WITHIN = 120.0
-RESULTS = Path(__file__).resolve().parent / "results.json"
+RESULTS = readme.RESULTS
 
 # Options with a full and a ``--quick`` default: (name, full, quick, type, help).
 SIZES: tuple[tuple[str, float, float, type, str], ...] = (
@@ -144,7 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--results",
         type=Path,
         default=RESULTS,
-        help=f"where to write the figures as JSON (default {RESULTS})",
+        help=f"where to write the figures as JSON (default {RESULTS}, which also rewrites"
+        " the README's figures section)",
     )
     parser.add_argument(
         "--baseline",
@@ -390,6 +391,8 @@ async def run(args: argparse.Namespace) -> None:
     print(before_after)
     report.write(results, args.results)
     print(f"\nfigures written to {args.results}")
+    if args.results.resolve() == RESULTS and readme.write(results):
+        print(f"and to the figures section of {readme.README}")
     if busy:
         print(f"note: {busy}; figures from a quiet machine compare better")
     if args.profile:
