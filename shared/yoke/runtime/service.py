@@ -440,8 +440,8 @@ class Service:
 
 def loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The event loop a service runs on: uvloop (the default) does the same store and bus work
-    for about a sixth less CPU than the standard library's (``asyncio``), in sockets and
-    callbacks."""
+    for less CPU than the standard library's (``asyncio``), in sockets and callbacks (``make
+    bench`` shows the CPU per turn of each service)."""
     if kind == "uvloop":
         import uvloop
 
