@@ -281,7 +281,7 @@ def tool_label(name: str, *, known: bool = True) -> str:
 DEAD_LETTER_REASONS = ("malformed", "failed")
 LLM_OUTCOMES = ("ok", "error", "retryable_error")
 TOOL_OUTCOMES = ("ok", "error")
-# Notice reasons: the processor's (services/processor/app.py) and the guardian's.
+# Notice reasons: the processor's (services/processor: post_notice) and the guardian's.
 PROCESSOR_NOTICES = ("budget", "provider", "doom_loop", "approval", "unpriced", "model")
 APPROVAL_DECISIONS = ("approve", "reject", "expired", "stopped")
 GUARDIAN_NOTICES = ("guardian",)
