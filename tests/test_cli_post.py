@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import os
-import sys
-
+from tests.support.cli import cli_env, run_yoke
 from yoke.bus import Bus
 
 
@@ -13,23 +10,11 @@ async def test_post_without_an_answer_says_so_and_exits_1(amqp_url: str, mongodb
     bus = Bus(amqp_url, name="test-post")
     await bus.connect()  # the topology exists, but no ingestion consumes the commands
     await bus.close()
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "yoke.cli",
-        "post",
-        "--forum",
-        "f-nowhere",
-        "--author",
-        "ada",
-        "--timeout",
-        "1",
-        "hello?",
-        env={**os.environ, "YOKE_AMQP_URL": amqp_url, "YOKE_MONGODB_URL": mongodb_url},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+    code, out, err = await run_yoke(
+        cli_env(amqp_url, mongodb_url),
+        *("post", "--forum", "f-nowhere", "--author", "ada", "--timeout", "1", "hello?"),
+        timeout=30,
     )
-    out, err = await asyncio.wait_for(process.communicate(), timeout=30)
-    assert process.returncode == 1, err.decode()
-    assert err.decode() == "yoke: no answer within 1 s\n"
-    assert out == b""
+    assert code == 1, err
+    assert err == "yoke: no answer within 1 s\n"
+    assert out == ""

@@ -6,10 +6,7 @@ declare a bridge's reply queue, the publisher may.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +15,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 import httpx
 import pytest
 
+from tests.support.cli import cli_env, run_yoke
 from yoke import topology
 from yoke.bus import Bus
 
@@ -54,17 +52,13 @@ def as_compose_user(servers: tuple[str, str, str], amqp_url: str) -> Iterator[di
             api.delete(f"/api/users/{urlsplit(url).username}")
 
 
-async def post_as(url: str, mongodb_url: str) -> tuple[int | None, str, bytes]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        *("-m", "yoke.cli", "post", "--forum", "f-nowhere", "--author", "ada"),
-        *("--timeout", "1", "hello?"),
-        env={**os.environ, "YOKE_AMQP_URL": url, "YOKE_MONGODB_URL": mongodb_url},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+async def post_as(url: str, mongodb_url: str) -> tuple[int, str, str]:
+    code, out, err = await run_yoke(
+        cli_env(url, mongodb_url),
+        *("post", "--forum", "f-nowhere", "--author", "ada", "--timeout", "1", "hello?"),
+        timeout=30,
     )
-    out, err = await asyncio.wait_for(process.communicate(), timeout=30)
-    return process.returncode, err.decode(), out
+    return code, err, out
 
 
 async def test_post_as_the_services_user_is_refused_in_one_line(
@@ -77,7 +71,7 @@ async def test_post_as_the_services_user_is_refused_in_one_line(
     assert code == 1, err
     assert err.count("\n") == 1 and err.startswith("yoke: RabbitMQ refused: ACCESS_REFUSED"), err
     assert "bridge." in err and "publisher" in err, err
-    assert out == b""
+    assert out == ""
 
 
 async def test_post_as_the_publisher_gets_past_the_reply_queue(

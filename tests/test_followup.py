@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import os
 import re
-import sys
 import time
 
 from services.followup.scheduler import (
@@ -15,6 +12,7 @@ from services.followup.scheduler import (
     nudge_id,
     schedule_id,
 )
+from tests.support.cli import run_yoke
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import ServiceProcess, eventually
 from yoke.client import Client
@@ -114,17 +112,8 @@ async def test_a_follow_up_fires_once_when_nobody_answers(
     assert await store.db[FOLLOWUPS].find_one({"_id": schedule_of(join, follow_up)}) is None
     assert fired_total(await mesh.processes["followup"].metrics()) >= 1
     # yoke history marks it as an instruction.
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "yoke.cli",
-        "history",
-        join.monologue_id,
-        env={**os.environ, **mesh.env},
-        stdout=asyncio.subprocess.PIPE,
-    )
-    out, _ = await asyncio.wait_for(process.communicate(), timeout=60)
-    assert f"[{nudge.seq}] follow-up (follow-up instruction): {NUDGE}" in out.decode()
+    _, out, _ = await run_yoke(mesh.env, "history", join.monologue_id)
+    assert f"[{nudge.seq}] follow-up (follow-up instruction): {NUDGE}" in out
 
 
 async def test_a_person_answering_first_cancels_the_follow_up(

@@ -29,6 +29,7 @@ import pytest
 
 from tests.chaos.up import PORTS_VARIABLE, format_ports
 from tests.support.broker import fresh_vhost
+from tests.support.cli import run_yoke
 from tests.support.gateway_process import running_gateway, start_gateway
 from tests.support.mesh import JoinFactory, Mesh, lines_until
 from tests.support.processes import ROOT, eventually, free_port
@@ -155,8 +156,8 @@ async def test_every_endpoint_refuses_a_missing_wrong_or_revoked_token(
 ) -> None:
     forum = await create_forum(store, "locked")
     name, secret = await tokens.make()
-    revoked = await revoke_with_cli(name, store)
-    assert revoked.returncode == 0, revoked.stderr
+    code, _, err = await run_yoke(cli_env_of(store), "token", "revoke", name)
+    assert code == 0, err
     for method, template in ENDPOINTS:
         path = template.format(forum=forum.id)
         for headers in (
@@ -192,65 +193,46 @@ async def test_scope_is_checked_before_the_forum_exists(
     assert await store.history(other.id) == []
 
 
-def yoke(*args: str, mongodb_url: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "YOKE_MONGODB_URL": mongodb_url}
-    return subprocess.run(
-        [sys.executable, "-m", "yoke.cli", *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
-def mongodb_url_of(store: Store) -> str:
+def cli_env_of(store: Store) -> dict[str, str]:
+    """``yoke`` pointed at the store's database."""
     host, port = next(iter(store.client.topology_description.server_descriptions()))
-    return f"mongodb://{host}:{port}/{store.db.name}"
-
-
-async def revoke_with_cli(name: str, store: Store) -> subprocess.CompletedProcess[str]:
-    return await asyncio.to_thread(yoke, "token", "revoke", name, mongodb_url=mongodb_url_of(store))
+    return {"YOKE_MONGODB_URL": f"mongodb://{host}:{port}/{store.db.name}"}
 
 
 async def test_yoke_token_commands(http: httpx.AsyncClient, store: Store, tokens: Tokens) -> None:
-    url = mongodb_url_of(store)
+    env = cli_env_of(store)
     forum = await create_forum(store, "cli")
     name = f"cli-{new_id()[:8]}"
-    made = await asyncio.to_thread(
-        yoke, "token", "create", "--name", name, "--forum", forum.id, mongodb_url=url
-    )
-    assert made.returncode == 0, made.stderr
-    secret = made.stdout.strip().splitlines()[-1]
+    code, out, err = await run_yoke(env, "token", "create", "--name", name, "--forum", forum.id)
+    assert code == 0, err
+    secret = out.strip().splitlines()[-1]
     assert secret.startswith("yoke_") and " " not in secret
     # Only the hash is stored.
     stored = await store.db["tokens"].find_one({"_id": name})
     assert stored is not None and secret not in json.dumps(stored, default=str)
     assert stored["forums"] == [forum.id]
-    listed = await asyncio.to_thread(yoke, "token", "list", mongodb_url=url)
-    entries = [json.loads(line) for line in listed.stdout.splitlines()]
+    _, listed, _ = await run_yoke(env, "token", "list")
+    entries = [json.loads(line) for line in listed.splitlines()]
     assert {"name": name, "forums": [forum.id]}.items() <= next(
         e for e in entries if e["name"] == name
     ).items()
-    assert secret not in listed.stdout and stored["hash"] not in listed.stdout
+    assert secret not in listed and stored["hash"] not in listed
 
     response = await http.get(f"/v1/forums/{forum.id}/messages", headers=bearer(secret))
     assert response.status_code == 200
-    again = await asyncio.to_thread(yoke, "token", "create", "--name", name, mongodb_url=url)
-    assert again.returncode == 1 and "exists" in again.stderr
-    unknown = await asyncio.to_thread(
-        yoke, "token", "create", "--name", "x", "--forum", "nope", mongodb_url=url
-    )
-    assert unknown.returncode == 1 and "unknown forum 'nope'" in unknown.stderr
-    bad = await asyncio.to_thread(yoke, "token", "create", "--name", "a:b", mongodb_url=url)
-    assert bad.returncode == 1 and "invalid token name" in bad.stderr
+    code, _, err = await run_yoke(env, "token", "create", "--name", name)
+    assert code == 1 and "exists" in err
+    code, _, err = await run_yoke(env, "token", "create", "--name", "x", "--forum", "nope")
+    assert code == 1 and "unknown forum 'nope'" in err
+    code, _, err = await run_yoke(env, "token", "create", "--name", "a:b")
+    assert code == 1 and "invalid token name" in err
 
-    revoked = await asyncio.to_thread(yoke, "token", "revoke", name, mongodb_url=url)
-    assert revoked.returncode == 0 and revoked.stdout.strip() == name
+    code, out, _ = await run_yoke(env, "token", "revoke", name)
+    assert code == 0 and out.strip() == name
     response = await http.get(f"/v1/forums/{forum.id}/messages", headers=bearer(secret))
     assert_error(response, 401, "unauthorized")
-    gone = await asyncio.to_thread(yoke, "token", "revoke", name, mongodb_url=url)
-    assert gone.returncode == 1 and "no token named" in gone.stderr
+    code, _, err = await run_yoke(env, "token", "revoke", name)
+    assert code == 1 and "no token named" in err
 
 
 # --- POST and GET messages --------------------------------------------------------------

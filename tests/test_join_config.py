@@ -3,15 +3,13 @@ joining again replaces the configuration and the processor answers with the new 
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support.cli import cli_env, run_yoke
 from tests.support.mesh import Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
 from yoke.client import Client
@@ -21,21 +19,6 @@ from yoke.runtime.instances import PROCESSOR
 from yoke.runtime.join_config import JOIN_CONFIGS, JoinConfig, load_join_config
 from yoke.runtime.joins import create_agent, create_forum, join_id
 from yoke.store import Store
-
-
-async def yoke(amqp_url: str, mongodb_url: str, *args: str) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "yoke.cli",
-        *args,
-        env={**os.environ, "YOKE_AMQP_URL": amqp_url, "YOKE_MONGODB_URL": mongodb_url},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
 
 
 def write(tmp_path: Path, content: Any) -> str:
@@ -102,9 +85,8 @@ async def test_an_invalid_field_exits_2_naming_it_and_writes_nothing(
     field: str,
 ) -> None:
     agent_id, forum_id = agent_and_forum
-    code, out, err = await yoke(
-        amqp_url,
-        module_mongodb_url,
+    code, out, err = await run_yoke(
+        cli_env(amqp_url, module_mongodb_url),
         "join",
         "--agent",
         agent_id,
@@ -142,9 +124,8 @@ async def test_an_unreadable_file_or_bad_shortcut_exits_2_and_writes_nothing(
     expected: str,
 ) -> None:
     agent_id, forum_id = agent_and_forum
-    code, _, err = await yoke(
-        amqp_url,
-        module_mongodb_url,
+    code, _, err = await run_yoke(
+        cli_env(amqp_url, module_mongodb_url),
         "join",
         "--agent",
         agent_id,
@@ -170,7 +151,7 @@ async def test_joining_again_replaces_the_configuration_and_the_processor_uses_i
 ) -> None:
     agent_id, forum_id = agent_and_forum
     base = ["join", "--agent", agent_id, "--forum", forum_id]
-    code, out, err = await yoke(amqp_url, module_mongodb_url, *base)
+    code, out, err = await run_yoke(cli_env(amqp_url, module_mongodb_url), *base)
     assert code == 0, err
     assert set(json.loads(out)) == {"forumParticipantId", "monologueId", "monologueParticipantId"}
     await say(client, forum_id, "first")
@@ -178,9 +159,8 @@ async def test_joining_again_replaces_the_configuration_and_the_processor_uses_i
     assert agent_lines(lines)[-1].text == "first"  # the agent's default: fixture-echo
 
     scripted = {"model": "fixture-script", "script": [{"text": "scripted answer", "repeat": True}]}
-    code, _, err = await yoke(
-        amqp_url,
-        module_mongodb_url,
+    code, _, err = await run_yoke(
+        cli_env(amqp_url, module_mongodb_url),
         *base,
         "--config",
         write(tmp_path, scripted),
@@ -195,7 +175,7 @@ async def test_joining_again_replaces_the_configuration_and_the_processor_uses_i
     assert agent_lines(lines)[-1].text == "scripted answer"
 
     # Joining again without options: the join's configuration is the agent's defaults again.
-    code, _, err = await yoke(amqp_url, module_mongodb_url, *base)
+    code, _, err = await run_yoke(cli_env(amqp_url, module_mongodb_url), *base)
     assert code == 0, err
     assert await load_join_config(store, join_id(agent_id, forum_id)) == JoinConfig()
     await say(client, forum_id, "third")
@@ -214,8 +194,8 @@ async def test_a_hop_cap_set_by_a_later_join_stops_agents_sooner(
     forum = await create_forum(store, "two echoes")
     agents = [await create_agent(store, name) for name in ("ping", "pong")]
     for agent in agents:
-        code, _, err = await yoke(
-            amqp_url, module_mongodb_url, "join", "--agent", agent.id, "--forum", forum.id
+        code, _, err = await run_yoke(
+            cli_env(amqp_url, module_mongodb_url), "join", "--agent", agent.id, "--forum", forum.id
         )
         assert code == 0, err
     # With the default cap (4), two echo agents answer each other up to hop 4.
@@ -223,9 +203,8 @@ async def test_a_hop_cap_set_by_a_later_join_stops_agents_sooner(
     await lines_until(store, forum.id, lambda lines: any(m.meta.agent_hops == 4 for m in lines))
 
     for agent in agents:
-        code, _, err = await yoke(
-            amqp_url,
-            module_mongodb_url,
+        code, _, err = await run_yoke(
+            cli_env(amqp_url, module_mongodb_url),
             "join",
             "--agent",
             agent.id,

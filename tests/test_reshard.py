@@ -4,13 +4,12 @@ included and in order, and then the service starts."""
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 from collections import defaultdict
 
 import aio_pika
 import pytest
 
+from tests.support.cli import cli_env, run_yoke
 from tests.support.processes import eventually, free_port
 from yoke import topology
 from yoke.bus import Bus
@@ -73,21 +72,6 @@ async def depths(amqp_url: str, name: str) -> list[int]:
         await connection.close()
 
 
-async def yoke(amqp_url: str, mongodb_url: str, *args: str) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "yoke.cli",
-        *args,
-        env={**os.environ, "YOKE_AMQP_URL": amqp_url, "YOKE_MONGODB_URL": mongodb_url},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), timeout=120)
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
-
-
 @pytest.mark.parametrize(("name", "declared", "wanted"), [("processor", 4, 2), ("egress", 2, 3)])
 async def test_a_changed_shard_count_is_refused_until_resharded(
     amqp_url: str, mongodb_url: str, name: str, declared: int, wanted: int
@@ -108,7 +92,9 @@ async def test_a_changed_shard_count_is_refused_until_resharded(
     await refused.stop()
     assert await depths(amqp_url, name) == before  # nothing declared, nothing moved
 
-    code, out, err = await yoke(amqp_url, mongodb_url, "reshard", str(wanted))
+    code, out, err = await run_yoke(
+        cli_env(amqp_url, mongodb_url), "reshard", str(wanted), timeout=120
+    )
     assert code == 0, err
     assert f'"service": "{name}", "from": {declared}, "to": {wanted}' in out
     after = await depths(amqp_url, name)
@@ -134,7 +120,7 @@ async def test_reshard_refuses_while_a_service_consumes(amqp_url: str, mongodb_u
     recording(running)
     await running.start(health=False)
     try:
-        code, _, err = await yoke(amqp_url, mongodb_url, "reshard", "3")
+        code, _, err = await run_yoke(cli_env(amqp_url, mongodb_url), "reshard", "3", timeout=120)
         assert code == 1
         assert "have consumers" in err and "stop every service first" in err
         assert err.startswith("yoke: ") and "Traceback" not in err
@@ -156,7 +142,9 @@ async def test_an_interrupted_reshard_is_refused_until_run_again(
     with pytest.raises(ShardCountChanged, match=r"interrupted.*`yoke reshard 3` again"):
         await svc.start(health=False)
     await svc.stop()
-    code, out, err = await yoke(amqp_url, mongodb_url, "reshard", "3", "--service", "guardian")
+    code, out, err = await run_yoke(
+        cli_env(amqp_url, mongodb_url), "reshard", "3", "--service", "guardian", timeout=120
+    )
     assert code == 0, err
     assert '"service": "guardian", "from": 2, "to": 3' in out
     svc = service("guardian", amqp_url, mongodb_url, 3)

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -28,8 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.chaos.load import Load
 from tests.chaos.verdict import account
+from tests.support.cli import run_yoke
 from tests.support.mesh import service_env
-from tests.support.processes import ROOT, ServiceProcess, eventually
+from tests.support.processes import ServiceProcess, eventually
 from yoke.bus import Bus
 from yoke.cli.supervisor import ReplicasError, parse_replicas
 from yoke.client import Client
@@ -156,17 +154,11 @@ def _answer_seconds(
     return sorted(seconds)
 
 
-def _status(env: dict[str, str]) -> list[dict[str, object]]:
+async def _status(env: dict[str, str]) -> list[dict[str, object]]:
     """``yoke status``, parsed: one JSON object per line."""
-    done = subprocess.run(
-        [sys.executable, "-m", "yoke.cli", "status"],
-        env={**os.environ, **env},
-        cwd=ROOT,
-        capture_output=True,
-        timeout=60,
-        check=True,
-    )
-    return [json.loads(line) for line in done.stdout.decode().splitlines() if line.strip()]
+    code, out, err = await run_yoke(env, "status")
+    assert code == 0, err
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
 async def _joined_forums(store: Store, amqp_url: str, count: int) -> list[str]:
@@ -205,7 +197,7 @@ async def test_processor_replicas_share_shards_and_take_over_a_killed_one(
     assert all(abs(size - PROCESSOR_SHARDS / 3) <= 2 for size in sizes), sizes
 
     # yoke status says the same, one line per replica
-    lines = [line for line in _status(processes.env) if line["service"] == "processor"]
+    lines = [line for line in await _status(processes.env) if line["service"] == "processor"]
     assert {line["pid"] for line in lines} == pids, lines
     assert sorted(int(str(line["replica"])) for line in lines) == [0, 1, 2]
     assert all(set(line) >= {"shards", "queueDepth", "metricsPort"} for line in lines)

@@ -9,9 +9,7 @@ also requires a client certificate, and a FerretDB listening with TLS on the sha
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
-import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -21,8 +19,9 @@ from pymongo import AsyncMongoClient
 from pymongo.errors import ServerSelectionTimeoutError
 
 from tests.support import rabbit_node
+from tests.support.cli import run_yoke
 from tests.support.mesh import Mesh
-from tests.support.processes import ROOT, eventually, free_port
+from tests.support.processes import eventually, free_port
 from tests.support.rabbit_node import RabbitNode
 from tests.support.tls_servers import Certificates, TLSFerretDB, ferretdb_binary, tls_ferretdb
 from yoke.errors import EXIT_MISCONFIGURED, is_transient
@@ -121,25 +120,8 @@ async def servers(
                 await client.close()
 
 
-async def yoke(*args: str, env: dict[str, str], timeout: float = 60) -> tuple[int, str, str]:
-    """Run the ``yoke`` CLI as a process: (exit code, stdout, stderr)."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "yoke.cli", *args,
-        env={**os.environ, **env}, cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        out, err = await asyncio.wait_for(process.communicate(), timeout=timeout)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-        raise AssertionError(f"yoke {' '.join(args)} still running after {timeout}s") from None
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
-
-
 async def ok(*args: str, env: dict[str, str]) -> str:
-    code, out, err = await yoke(*args, env=env)
+    code, out, err = await run_yoke(env, *args)
     assert code == 0, f"yoke {' '.join(args)} exited {code}: {err}"
     return out.strip().splitlines()[-1]
 
@@ -168,7 +150,7 @@ async def test_mesh_and_cli_answer_over_amqps_and_mongodb_tls(
 
         async def echoed() -> bool:
             nonlocal answered
-            _, out, _ = await yoke("history", forum, "--json", env=cli_env)
+            _, out, _ = await run_yoke(cli_env, "history", forum, "--json")
             answered = [Message.model_validate_json(line) for line in out.splitlines() if line]
             return any(line.role == "agent" for line in answered)
 
@@ -227,7 +209,7 @@ async def test_the_cli_given_the_wrong_ca_says_so_and_exits_78(
     else:
         env = servers.env(mongodb_ca=other)
         command = ("forum", "create", "--title", "never")
-    code, out, err = await yoke(*command, env=env)
+    code, out, err = await run_yoke(env, *command)
     assert code == EXIT_MISCONFIGURED, err
     # Its last line says what failed and what to set (the client library may log before it).
     last = err.strip().splitlines()[-1]
@@ -302,7 +284,7 @@ async def test_an_unreadable_ca_file_is_refused_naming_the_setting(
     servers: TLSServers, tmp_path: Path, setting: str, command: tuple[str, ...]
 ) -> None:
     missing = tmp_path / "no-such-ca.pem"
-    code, _, err = await yoke(*command, env={**servers.env(), setting: str(missing)})
+    code, _, err = await run_yoke({**servers.env(), setting: str(missing)}, *command)
     assert code == EXIT_MISCONFIGURED, err
     last = err.strip().splitlines()[-1]
     assert last == f"yoke: {setting} {missing}: No such file or directory", err

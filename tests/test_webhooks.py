@@ -11,9 +11,6 @@ import asyncio
 import hashlib
 import hmac
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from services.gateway.webhooks import Leases, WebhookWorker
+from tests.support.cli import run_yoke
 from tests.support.gateway_process import assert_stopped_cleanly, metric, start_gateway
 from tests.support.mesh import JoinFactory, Mesh, say
-from tests.support.processes import ROOT, ServiceProcess, eventually, free_port
+from tests.support.processes import ServiceProcess, eventually, free_port
 from tests.support.webhook_receiver import Receiver
 from yoke.bus import Bus
 from yoke.client import Client
@@ -126,19 +124,6 @@ async def received(receiver: Receiver, path: str, count: int, timeout: float = 6
     await eventually(enough, timeout=timeout, what=f"{count} deliveries to {path}")
 
 
-def yoke(*args: str, mongodb_url: str) -> list[str]:
-    done = subprocess.run(
-        [sys.executable, "-m", "yoke.cli", *args],
-        env={**os.environ, "YOKE_MONGODB_URL": mongodb_url},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return done.stdout.splitlines()
-
-
 async def test_a_delivery_is_signed_and_names_its_line(
     client: Client,
     new_join: JoinFactory,
@@ -149,16 +134,12 @@ async def test_a_delivery_is_signed_and_names_its_line(
 ) -> None:
     forum_id, join = await new_join()
     # Through the CLI: the id, then the secret bare on the last line.
-    lines = await asyncio.to_thread(
-        yoke,
-        "webhook",
-        "add",
-        "--forum",
-        forum_id,
-        "--url",
-        receiver.url("/signed"),
-        mongodb_url=module_mongodb_url,
+    cli_env = {"YOKE_MONGODB_URL": module_mongodb_url}
+    code, out, err = await run_yoke(
+        cli_env, "webhook", "add", "--forum", forum_id, "--url", receiver.url("/signed")
     )
+    assert code == 0, err
+    lines = out.splitlines()
     subscription_id, secret = lines[0], lines[-1]
     line_id = await say(client, forum_id, "is this signed?")
     await received(receiver, "/signed", 1)
@@ -182,13 +163,16 @@ async def test_a_delivery_is_signed_and_names_its_line(
     assert message["meta"]["inReplyTo"] == line_id
     assert request.text == "is this signed?"
 
-    listed = [json.loads(line) for line in yoke("webhook", "list", mongodb_url=module_mongodb_url)]
+    code, out, err = await run_yoke(cli_env, "webhook", "list")
+    assert code == 0, err
+    listed = [json.loads(line) for line in out.splitlines()]
     mine = next(item for item in listed if item["id"] == subscription_id)
     assert "secret" not in mine and mine["url"] == receiver.url("/signed")
     assert mine["cursor"] >= message["seq"] and mine["deadLetters"] == 0
 
     # Removed: the forum's next line goes to a later subscription only.
-    yoke("webhook", "remove", subscription_id, mongodb_url=module_mongodb_url)
+    code, _, err = await run_yoke(cli_env, "webhook", "remove", subscription_id)
+    assert code == 0, err
     after = await add_webhook(store, forum_id, receiver.url("/after-removal"))
     try:
         await say(client, forum_id, "only for the new one")

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 
 import pytest
 
 from services.gateway.webhooks import REFRESH_SECONDS, WebhookWorker
-from tests.support.processes import ROOT, eventually, free_port
+from tests.support.cli import run_yoke
+from tests.support.processes import eventually, free_port
 from tests.support.webhook_receiver import Receiver
 from yoke.bus import Bus
 from yoke.ids import new_id
@@ -74,17 +72,6 @@ async def agent_line(store: Store, bus: Bus, forum_id: str, text: str) -> None:
     )
 
 
-def webhook_add(mongodb_url: str, forum_id: str, url: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "yoke.cli", "webhook", "add", "--forum", forum_id, "--url", url],
-        env={**os.environ, "YOKE_MONGODB_URL": mongodb_url},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 @pytest.mark.parametrize(
     ("url", "said"),
     [
@@ -103,10 +90,12 @@ async def test_yoke_webhook_add_refuses_a_url_that_can_never_be_delivered_to(
     worker_store: Store, mongodb_url: str, url: str, said: str
 ) -> None:
     forum = await create_forum(worker_store, "bad urls")
-    done = await asyncio.to_thread(webhook_add, mongodb_url, forum.id, url)
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
-    assert done.stdout == ""
+    code, out, err = await run_yoke(
+        {"YOKE_MONGODB_URL": mongodb_url}, "webhook", "add", "--forum", forum.id, "--url", url
+    )
+    assert code == 2, (out, err)
+    assert said in err and "Traceback" not in err, err
+    assert out == ""
     assert await collection(worker_store, SUBSCRIPTIONS).count_documents({}) == 0
 
 

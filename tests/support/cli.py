@@ -8,8 +8,16 @@ import os
 import sys
 
 
+def cli_env(amqp_url: str, mongodb_url: str) -> dict[str, str]:
+    """The two servers a ``yoke`` command is pointed at."""
+    return {"YOKE_AMQP_URL": amqp_url, "YOKE_MONGODB_URL": mongodb_url}
+
+
 async def run_yoke(env: dict[str, str], *args: str, timeout: float = 60) -> tuple[int, str, str]:
-    """``yoke ARGS`` with ``env`` over this process's environment: exit code, stdout, stderr."""
+    """``yoke ARGS`` with ``env`` over this process's environment: exit code, stdout, stderr.
+
+    Killed past ``timeout``: a verb left running would go on changing the servers after the
+    test."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -22,9 +30,9 @@ async def run_yoke(env: dict[str, str], *args: str, timeout: float = 60) -> tupl
     try:
         out, err = await asyncio.wait_for(process.communicate(), timeout)
     except TimeoutError:
-        process.kill()  # a verb left running goes on changing the servers after the test
+        process.kill()
         await process.wait()
-        raise
+        raise TimeoutError(f"yoke {' '.join(args)} still running after {timeout:g} s") from None
     assert process.returncode is not None
     return process.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
