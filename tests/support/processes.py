@@ -16,6 +16,16 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# What every new httpx client would build for itself (the CA bundle read into a TLS context: tens
+# of milliseconds of CPU), made once: start-up polls ask several times a second, on a machine the
+# services starting meanwhile need whole.
+_TLS = httpx.create_ssl_context()
+
+
+def local_http(timeout: float) -> httpx.AsyncClient:
+    """A client for the HTTP ports of the processes a test starts."""
+    return httpx.AsyncClient(timeout=timeout, verify=_TLS)
+
 
 # A port handed out is bound by whoever asked only later (often a child process). Under
 # pytest-xdist each worker (PYTEST_XDIST_WORKER=gwN) takes ports in turn from a block of its own
@@ -81,26 +91,31 @@ class ServiceProcess:
     def pid(self) -> int:
         return self.popen.pid
 
-    async def healthy(self) -> bool:
+    async def healthy(self, client: httpx.AsyncClient | None = None) -> bool:
+        """``/healthz`` answers 200 (asked with ``client`` when given, which a poll reuses)."""
         try:
-            async with httpx.AsyncClient(timeout=2) as client:
-                response = await client.get(f"http://127.0.0.1:{self.port}/healthz")
-                return response.status_code == 200
+            if client is None:
+                async with local_http(2) as own:
+                    return await self.healthy(own)
+            response = await client.get(f"http://127.0.0.1:{self.port}/healthz")
+            return response.status_code == 200
         except httpx.HTTPError:
             return False
 
     async def wait_healthy(self, timeout: float = 60) -> None:
-        async def up() -> bool:
-            if self.popen.poll() is not None:
-                raise AssertionError(
-                    f"process exited with {self.popen.returncode}:\n{self.output()[-3000:]}"
-                )
-            return await self.healthy()
+        async with local_http(2) as client:
 
-        await eventually(up, timeout=timeout, what=f"{self.popen.args} to be healthy")
+            async def up() -> bool:
+                if self.popen.poll() is not None:
+                    raise AssertionError(
+                        f"process exited with {self.popen.returncode}:\n{self.output()[-3000:]}"
+                    )
+                return await self.healthy(client)
+
+            await eventually(up, timeout=timeout, what=f"{self.popen.args} to be healthy")
 
     async def metrics(self) -> str:
-        async with httpx.AsyncClient(timeout=5) as client:
+        async with local_http(5) as client:
             response = await client.get(f"http://127.0.0.1:{self.port}/metrics")
             return response.text
 
