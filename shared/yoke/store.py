@@ -144,13 +144,13 @@ class Store:
         "writers",
         "followups",
         "replicas",
-        # The tools' (yoke.tools.catalog, yoke.runtime.open_calls): a call is the first
+        # The tools' (yoke.tools.catalog, yoke.runtime.calls): a call is the first
         # write to two of them, under load.
         "tool_catalog",
         "mcp_servers",
         "tool_calls",
         "tool_call_ends",
-        # Approvals (yoke.runtime.open_calls, yoke.runtime.approvals): the first decision on a
+        # Approvals (yoke.runtime.calls.approvals, .approvers): the first decision on a
         # gated call, and the publishers that may decide.
         "tool_call_decisions",
         "approvers",
@@ -221,7 +221,7 @@ class Store:
         await self.failures.create_index([("stateId", ASCENDING)], name="state")
         # A forum's pending approvals (GET /v1/forums/{id}/approvals, yoke approvals, a stop).
         await self.db["tool_calls"].create_index([("forumId", ASCENDING)], name="forum")
-        # The reaper's key (yoke.runtime.open_calls: a round reads the bucket due now).
+        # The reaper's key (yoke.runtime.calls.reaper: a round reads the bucket due now).
         await self.db["tool_calls"].create_index([("dueBucket", ASCENDING)], name="due")
 
     async def ping(self) -> None:
