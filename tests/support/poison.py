@@ -4,7 +4,8 @@
 
 ``YOKE_TEST_POISON`` is the text that makes a handler raise a (permanent) bug-like error, on
 every attempt; ``YOKE_TEST_POISON_AGENT``, if set, limits that to one agent's instance. The
-product modules know nothing of this: the wrapper replaces the handler before the service runs.
+product modules know nothing of this: the wrapper replaces the handlers of the definitions the
+service hands its actor runtime as it registers (some are built inside ``register``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import sys
 from typing import Any
 
 from yoke.models import Message
-from yoke.runtime.actor import ActorContext, ActorDefinition
-from yoke.runtime.service import run_service
+from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
+from yoke.runtime.service import Service, run_service
 
 
 class PoisonError(RuntimeError):
@@ -40,9 +41,15 @@ def main() -> None:
     app = importlib.import_module(f"services.{name}.app")
     text = os.environ["YOKE_TEST_POISON"]
     agent = os.environ.get("YOKE_TEST_POISON_AGENT") or None
-    for value in vars(app).values():
-        if isinstance(value, ActorDefinition):
-            poison(value, text, agent)
+
+    def poisoned_runtime(
+        service: Service, definitions: list[ActorDefinition[Any, Any]], **options: Any
+    ) -> ActorRuntime:
+        for definition in definitions:
+            poison(definition, text, agent)
+        return ActorRuntime(service, definitions, **options)
+
+    app.ActorRuntime = poisoned_runtime  # type: ignore[attr-defined]
     run_service(name, app.register)
 
 
