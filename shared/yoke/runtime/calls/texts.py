@@ -1,7 +1,7 @@
 """What the model reads when a call ends without its tool's answer.
 
-Each text is the ``output`` of an error result, so it says what happened in words the model can
-act on (wait, retry, tell the person), not how the mesh noticed.
+Each is the ``output`` of the error result that stands in for the answer: it says what happened
+to the call, which is all the model can act on.
 """
 
 from __future__ import annotations
