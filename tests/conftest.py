@@ -16,11 +16,13 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+import httpx
 import pytest
 from pymongo import AsyncMongoClient
 
-from tests.support.broker import fresh_vhost
+from tests.support.broker import Management, fresh_vhost
 from tests.support.fake_openai import FakeOpenAI
+from tests.support.gateway_process import CLEAN_EXITS, running_gateway
 from tests.support.mesh import JoinFactory, Mesh, running_mesh
 from tests.support.unprivileged import stdio_servers_need_root
 from tests.support.webhook_receiver import Receiver
@@ -149,6 +151,12 @@ def amqp_url(servers: tuple[str, str, str]) -> Iterator[str]:
         yield url
 
 
+@pytest.fixture(scope="module")
+def management(servers: tuple[str, str, str], amqp_url: str) -> Management:
+    """RabbitMQ's management API as the suite's user, scoped to the module's vhost."""
+    return Management(servers[2], amqp_url)
+
+
 async def _fresh_database(server_url: str) -> AsyncIterator[str]:
     parts = urlsplit(server_url)
     name = f"yoke_test_{uuid.uuid4().hex[:12]}"
@@ -237,6 +245,46 @@ def new_join(store: Store, poster: Poster, mesh: Mesh) -> JoinFactory:
         return forum_id, join
 
     return make
+
+
+# --- the HTTP gateway beside the mesh -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gateway_env() -> dict[str, str]:
+    """Extra environment for the module's gateway; a test module may override it."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def gateway_exits() -> tuple[int, ...]:
+    """The exit codes the gateway's SIGTERM shutdown may end with; a test module may narrow
+    them."""
+    return CLEAN_EXITS
+
+
+@pytest.fixture(scope="module")
+async def gateway_url(
+    amqp_url: str,
+    module_mongodb_url: str,
+    mesh: Mesh,
+    gateway_env: dict[str, str],
+    gateway_exits: tuple[int, ...],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[str]:
+    """A gateway process on the module's mesh; it must stop cleanly after the module."""
+    log_dir = Path(tmp_path_factory.mktemp("gateway"))
+    async with running_gateway(
+        amqp_url, module_mongodb_url, log_dir, exits=gateway_exits, **gateway_env
+    ) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+async def http(gateway_url: str) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the module's gateway; each request brings its own token."""
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=30) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

@@ -11,25 +11,27 @@ import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import aio_pika
-import httpx
 import pytest
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 from aiormq.exceptions import AMQPError
 from pamqp.common import FieldTable
 
+from tests.support import broker
 from tests.support.cli import run_yoke
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until
 from tests.support.processes import eventually, free_port
+from tests.support.worker_process import as_user
 from yoke import topology
 from yoke.cli.asyncapi import asyncapi_document
 from yoke.cli.publishers import Management, management_of
 from yoke.client import Client
 from yoke.models import Envelope, MessagePosted, ToolCallPart, ToolResultPart
 from yoke.runtime.joins import create_forum
+from yoke.speakers import amqp_vhost
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow
@@ -46,41 +48,18 @@ class Publisher:
     url: str  # the AMQP URL of the module's vhost with this user's name and password
 
 
-def with_user(amqp_url: str, user: str, password: str) -> str:
-    parts = urlsplit(amqp_url)
-    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{parts.hostname}"
-    return urlunsplit(parts._replace(netloc=f"{netloc}:{parts.port or 5672}"))
-
-
-def admin_of(amqp_url: str) -> tuple[str, str]:
-    parts = urlsplit(amqp_url)
-    return unquote(parts.username or "guest"), unquote(parts.password or "guest")
-
-
-def vhost_of(amqp_url: str) -> str:
-    return unquote(urlsplit(amqp_url).path[1:]) or "/"
-
-
-@pytest.fixture(scope="module")
-async def management(
-    servers: tuple[str, str, str], amqp_url: str
-) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=servers[2], auth=admin_of(amqp_url), timeout=30) as api:
-        yield api
-
-
 @pytest.fixture(scope="module")
 async def publisher(
-    mesh: Mesh, amqp_url: str, management: httpx.AsyncClient
+    mesh: Mesh, amqp_url: str, management: broker.Management
 ) -> AsyncIterator[Publisher]:
     name = f"bridge-{uuid.uuid4().hex[:8]}"
     code, out, err = await run_yoke(mesh.env, "publisher", "create", "--name", name)
     assert code == 0, err
     password = out.splitlines()[-1]
     try:
-        yield Publisher(name, with_user(amqp_url, name, password))
+        yield Publisher(name, as_user(amqp_url, name, password))
     finally:
-        await management.delete(f"/api/users/{quote(name, safe='')}")
+        await management.delete_user(name)
 
 
 @dataclass
@@ -110,7 +89,7 @@ def widest_binding(kind: str) -> tuple[str, FieldTable]:
 
 
 async def tap_everything(
-    connection: AbstractRobustConnection, management: httpx.AsyncClient, vhost: str, user: str
+    connection: AbstractRobustConnection, management: broker.Management, vhost: str, user: str
 ) -> Tap:
     tap = Tap()
     channel = await connection.channel()
@@ -148,7 +127,7 @@ async def test_a_publisher_bound_to_everything_it_may_read_sees_forum_lines_and_
     new_join: JoinFactory,
     fake_openai: FakeOpenAI,
     publisher: Publisher,
-    management: httpx.AsyncClient,
+    management: broker.Management,
     amqp_url: str,
 ) -> None:
     fake_openai.script(
@@ -159,7 +138,7 @@ async def test_a_publisher_bound_to_everything_it_may_read_sees_forum_lines_and_
     fence_forum = (await create_forum(store, "fence")).id
     connection = await aio_pika.connect_robust(publisher.url)
     try:
-        tap = await tap_everything(connection, management, vhost_of(amqp_url), publisher.name)
+        tap = await tap_everything(connection, management, amqp_vhost(amqp_url), publisher.name)
         assert tap.bound, f"the publisher may bind nothing at all: {tap.refused}"
 
         async with Client(publisher.url) as bridge:
@@ -213,13 +192,13 @@ async def test_a_publisher_bound_to_everything_it_may_read_sees_forum_lines_and_
         )
         assert {line.id for line in forum} <= seen_ids()
         assert tap.bound == [topology.FORUM_EXCHANGE], tap.refused
-        assert await readable_queues(connection, management, vhost_of(amqp_url)) == []
+        assert await readable_queues(connection, management, amqp_vhost(amqp_url)) == []
     finally:
         await connection.close()
 
 
 async def readable_queues(
-    connection: AbstractRobustConnection, management: httpx.AsyncClient, vhost: str
+    connection: AbstractRobustConnection, management: broker.Management, vhost: str
 ) -> list[str]:
     """The mesh's queues (none of them the bridge's own) that this connection may read from.
 
@@ -268,7 +247,7 @@ def test_the_publisher_may_read_the_forum_exchange_and_its_own_queues_only() -> 
 
 
 async def test_publisher_create_grants_exactly_the_bridge_permissions_and_never_overwrites(
-    amqp_url: str, management: httpx.AsyncClient
+    amqp_url: str, management: broker.Management
 ) -> None:
     name = f"bridge-{uuid.uuid4().hex[:8]}"
     env = {"YOKE_AMQP_URL": amqp_url}
@@ -283,21 +262,21 @@ async def test_publisher_create_grants_exactly_the_bridge_permissions_and_never_
         assert [
             {key: entry[key] for key in ("vhost", "configure", "write", "read")}
             for entry in granted
-        ] == [{"vhost": vhost_of(amqp_url), **topology.publisher_permissions(name)}]
+        ] == [{"vhost": amqp_vhost(amqp_url), **topology.publisher_permissions(name)}]
         assert (await management.get(f"/api/users/{name}/topic-permissions")).json() == []
-        connection = await aio_pika.connect(with_user(amqp_url, name, password))
+        connection = await aio_pika.connect(as_user(amqp_url, name, password))
         await connection.close()
 
         code, out, err = await run_yoke(env, "publisher", "create", "--name", name)
         assert code != 0 and "exists already" in err and out == ""
-        connection = await aio_pika.connect(with_user(amqp_url, name, password))  # unchanged
+        connection = await aio_pika.connect(as_user(amqp_url, name, password))  # unchanged
         await connection.close()
     finally:
         await management.delete(f"/api/users/{name}")
 
 
 async def test_publisher_create_says_why_when_the_management_api_refuses(
-    amqp_url: str, servers: tuple[str, str, str], management: httpx.AsyncClient
+    amqp_url: str, servers: tuple[str, str, str], management: broker.Management
 ) -> None:
     name = f"bridge-{uuid.uuid4().hex[:8]}"
     api = urlsplit(servers[2])

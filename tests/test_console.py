@@ -16,7 +16,7 @@ import asyncio
 import re
 import shutil
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -32,8 +32,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 from services.gateway.tool_calls import ToolCallStates
-from tests.support.gateway_process import running_gateway
-from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
+from tests.support.mesh import JoinFactory, agent_lines, lines_until, say
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, MessageMeta, ToolCallPart, ToolResultPart
@@ -76,15 +75,6 @@ async def worker_tools(store: Store) -> None:
     for name, timeout in ((WAITING_TOOL, 3600.0), (LATE_TOOL, LATE_SECONDS)):
         entry = CatalogEntry(id=name, source="worker", origin=name, timeout_seconds=timeout)
         await catalog.register(entry)
-
-
-@pytest.fixture(scope="module")
-async def gateway_url(
-    amqp_url: str, module_mongodb_url: str, mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[str]:
-    log_dir = Path(tmp_path_factory.mktemp("gateway"))
-    async with running_gateway(amqp_url, module_mongodb_url, log_dir) as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

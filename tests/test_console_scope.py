@@ -36,6 +36,7 @@ MAX_AGENTS = 2
 async def gateway_url(
     amqp_url: str, module_mongodb_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[str]:
+    """A gateway with no mesh under it (conftest's would start one first)."""
     log_dir = Path(tmp_path_factory.mktemp("gateway"))
     limit = str(MAX_AGENTS)
     async with running_gateway(

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import aio_pika
 import httpx
@@ -25,6 +25,7 @@ from tests.support.broker import fresh_vhost
 from tests.support.gateway_process import running_gateway
 from tests.support.mesh import Mesh
 from tests.support.processes import ServiceProcess, eventually
+from tests.support.worker_process import as_user
 from yoke import topology
 from yoke.bus import Bus
 from yoke.cli.publishers import create_publisher, create_user, management_of
@@ -42,12 +43,6 @@ DOOR_ENV = {
     "YOKE_BRIDGE_LINES_PER_MINUTE": str(LIMIT),
     "YOKE_TOKEN_LINES_PER_MINUTE": str(LIMIT),
 }
-
-
-def with_user(amqp_url: str, user: str, password: str) -> str:
-    parts = urlsplit(amqp_url)
-    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{parts.hostname}"
-    return urlunsplit(parts._replace(netloc=f"{netloc}:{parts.port or 5672}"))
 
 
 @dataclass
@@ -146,7 +141,7 @@ async def users(
         name = f"{prefix}-{uuid.uuid4().hex[:8]}"
         password = await create_publisher(management, name)
         made.append(name)
-        return Speaker(name, with_user(amqp_url, name, password))
+        return Speaker(name, as_user(amqp_url, name, password))
 
     yield bridge
     async with httpx.AsyncClient(base_url=management.url, auth=management.auth) as api:
@@ -167,7 +162,7 @@ async def gateway_speaker(
         "read": rf"^(yoke\.forum|{replies})$",
     }
     password = await create_user(management, gateway_user, permissions)
-    yield Speaker(gateway_user, with_user(amqp_url, gateway_user, password))
+    yield Speaker(gateway_user, as_user(amqp_url, gateway_user, password))
     async with httpx.AsyncClient(base_url=management.url, auth=management.auth) as api:
         await api.delete(f"/api/users/{quote(gateway_user, safe='')}")
 

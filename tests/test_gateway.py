@@ -58,20 +58,13 @@ def mesh_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-async def gateway_url(
-    amqp_url: str, module_mongodb_url: str, mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[str]:
-    log_dir = Path(tmp_path_factory.mktemp("gateway"))
-    async with running_gateway(
-        amqp_url, module_mongodb_url, log_dir, exits=(0,), **TEXT_LIMIT
-    ) as url:
-        yield url
+def gateway_env() -> dict[str, str]:
+    return dict(TEXT_LIMIT)
 
 
 @pytest.fixture(scope="module")
-async def http(gateway_url: str) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=gateway_url, timeout=30) as client:
-        yield client
+def gateway_exits() -> tuple[int, ...]:
+    return (0,)
 
 
 @dataclass

@@ -30,7 +30,6 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.support.cli import run_yoke
-from tests.support.gateway_process import running_gateway
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.sse import Event, EventReader
 from yoke.client import Client
@@ -43,21 +42,6 @@ from yoke.store import Store
 from yoke.tokens import create_token, ensure_token_indexes
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-async def gateway_url(
-    amqp_url: str, module_mongodb_url: str, mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[str]:
-    log_dir = Path(tmp_path_factory.mktemp("gateway"))
-    async with running_gateway(amqp_url, module_mongodb_url, log_dir) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-async def http(gateway_url: str) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=gateway_url, timeout=30) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

@@ -57,11 +57,6 @@ async def mesh(
         yield mesh
 
 
-@pytest.fixture(scope="module")
-def management(servers: tuple[str, str, str], amqp_url: str) -> Management:
-    return Management(servers[2], amqp_url)
-
-
 async def _join(store: Store, poster: Poster, forum_id: str, *, agent_id: str | None = None) -> str:
     agent = await create_agent(store, "echo", actor_id=agent_id)
     await join_conversation(store, poster, agent.id, forum_id)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aio_pika
 import httpx
@@ -21,8 +20,7 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from services.gateway import stream as gateway_stream
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env, streamed
-from tests.support.gateway_process import running_gateway
-from tests.support.mesh import JoinFactory, Mesh, lines_until, say
+from tests.support.mesh import JoinFactory, lines_until, say
 from tests.support.processes import eventually
 from tests.support.sse import Event, EventReader
 from yoke import topology
@@ -38,15 +36,6 @@ ANSWER = "Streaming, piece by piece, the answer that the forum's people watch be
 def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
     # A patient provider: a loaded machine must not turn a slow piece into a give-up.
     return openai_env(fake_openai.base_url, give_up_seconds=30)
-
-
-@pytest.fixture(scope="module")
-async def gateway_url(
-    amqp_url: str, module_mongodb_url: str, mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[str]:
-    log_dir = Path(tmp_path_factory.mktemp("gateway"))
-    async with running_gateway(amqp_url, module_mongodb_url, log_dir) as url:
-        yield url
 
 
 Seen = list[MessagePosted | AgentDelta]

@@ -80,11 +80,6 @@ class Tool:
 
 
 @pytest.fixture(scope="module")
-def management(servers: tuple[str, str, str], amqp_url: str) -> Management:
-    return Management(servers[2], amqp_url)
-
-
-@pytest.fixture(scope="module")
 async def tools(
     servers: tuple[str, str, str],
     amqp_url: str,

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote
 
 import aio_pika
-import httpx
 import pytest
 from aiormq.exceptions import ProbableAuthenticationError
 
+from tests.support.broker import Management
 from tests.support.cli import run_yoke
 from tests.support.worker_process import WorkerProcess, as_user
 from yoke import topology
@@ -25,33 +25,17 @@ from yoke.settings import Settings
 from yoke.speakers import amqp_vhost
 
 
-def vhost_of(amqp_url: str) -> str:
-    return unquote(urlsplit(amqp_url).path[1:]) or "/"
-
-
 @pytest.fixture(scope="module")
 def settings(servers: tuple[str, str, str], amqp_url: str) -> Settings:
     return Settings(amqp_url=amqp_url, management_url=servers[2])
 
 
-@pytest.fixture(scope="module")
-async def management(
-    servers: tuple[str, str, str], amqp_url: str
-) -> AsyncIterator[httpx.AsyncClient]:
-    parts = urlsplit(amqp_url)
-    auth = (unquote(parts.username or "guest"), unquote(parts.password or "guest"))
-    async with httpx.AsyncClient(base_url=servers[2], auth=auth, timeout=30) as api:
-        yield api
-
-
 @pytest.fixture
-async def tool_name(management: httpx.AsyncClient, amqp_url: str) -> AsyncIterator[str]:
+async def tool_name(management: Management, amqp_url: str) -> AsyncIterator[str]:
     """A tool name no other test uses; its user is removed after the test whatever happened."""
     name = f"t{uuid.uuid4().hex[:10]}"
     yield name
-    await management.delete(
-        f"/api/users/{quote(topology.tool_user(name, amqp_vhost(amqp_url)), safe='')}"
-    )
+    await management.delete_user(topology.tool_user(name, amqp_vhost(amqp_url)))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +58,7 @@ async def mesh_topology(amqp_url: str) -> AsyncIterator[Callable[[str], Awaitabl
 
 
 async def test_a_tool_user_gets_exactly_the_worker_permissions_and_no_tag(
-    settings: Settings, management: httpx.AsyncClient, amqp_url: str, tool_name: str
+    settings: Settings, management: Management, amqp_url: str, tool_name: str
 ) -> None:
     password = await create_tool_user(settings, tool_name)
 
@@ -87,7 +71,7 @@ async def test_a_tool_user_gets_exactly_the_worker_permissions_and_no_tag(
     assert [
         {key: entry[key] for key in ("vhost", "configure", "write", "read")}
         for entry in granted.json()
-    ] == [{"vhost": vhost_of(amqp_url), **topology.tool_worker_permissions(tool_name)}]
+    ] == [{"vhost": amqp_vhost(amqp_url), **topology.tool_worker_permissions(tool_name)}]
     assert topology.tool_worker_permissions(tool_name)["read"] == (f"^yoke\\.tool\\.{tool_name}$")
     # The password it returned is the one that logs in.
     connection = await aio_pika.connect(as_user(amqp_url, user, password))
@@ -107,7 +91,7 @@ async def test_an_existing_tool_user_is_refused_and_keeps_its_password(
 
 
 async def test_a_name_that_is_not_a_tool_name_makes_no_user(
-    settings: Settings, management: httpx.AsyncClient
+    settings: Settings, management: Management
 ) -> None:
     for bad in ("has space", "dotted.name", "", "x" * 65):
         with pytest.raises(ToolUserRefused, match="must match"):
@@ -118,7 +102,7 @@ async def test_a_name_that_is_not_a_tool_name_makes_no_user(
 
 
 async def test_deleting_a_tool_user_removes_it_and_its_login(
-    settings: Settings, management: httpx.AsyncClient, amqp_url: str, tool_name: str
+    settings: Settings, management: Management, amqp_url: str, tool_name: str
 ) -> None:
     password = await create_tool_user(settings, tool_name)
     user = topology.tool_user(tool_name, amqp_vhost(amqp_url))
@@ -133,7 +117,7 @@ async def test_deleting_a_tool_user_removes_it_and_its_login(
 
 
 async def test_deleting_a_tool_user_takes_an_old_tool_name_users_rights_on_this_vhost(
-    settings: Settings, management: httpx.AsyncClient, amqp_url: str, tool_name: str
+    settings: Settings, management: Management, amqp_url: str, tool_name: str
 ) -> None:
     """Made before names carried the vhost, ``tool-NAME`` is still taken as the tool's worker
     here: removing the tool takes its permissions on this vhost (the user is the broker's)."""
@@ -154,7 +138,7 @@ async def test_deleting_a_tool_user_takes_an_old_tool_name_users_rights_on_this_
         assert (await management.get(granted)).status_code == 404
         assert (await management.get(f"/api/users/{quote(legacy, safe='')}")).status_code == 200
     finally:
-        await management.delete(f"/api/users/{quote(legacy, safe='')}")
+        await management.delete_user(legacy)
 
 
 async def test_a_worker_may_consume_its_own_queue_and_nothing_else(
@@ -198,7 +182,7 @@ async def test_a_worker_may_consume_its_own_queue_and_nothing_else(
 
 
 async def test_a_publisher_may_not_take_a_tool_user_name(
-    servers: tuple[str, str, str], amqp_url: str, management: httpx.AsyncClient
+    servers: tuple[str, str, str], amqp_url: str, management: Management
 ) -> None:
     name = f"tool-{uuid.uuid4().hex[:8]}"
     env = {"YOKE_AMQP_URL": amqp_url, "YOKE_MANAGEMENT_URL": servers[2]}

@@ -18,13 +18,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from urllib.parse import quote, unquote, urlsplit
 
 import aio_pika
-import httpx
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
+from tests.support.broker import Management
 from tests.support.processes import eventually
 from tests.support.worker_process import WorkerProcess, as_user
 from yoke import topology
@@ -104,16 +103,6 @@ async def door(admin: AbstractChannel, amqp_url: str) -> AsyncIterator[Door]:
     await queue.delete()
 
 
-@pytest.fixture(scope="module")
-async def management(
-    servers: tuple[str, str, str], amqp_url: str
-) -> AsyncIterator[httpx.AsyncClient]:
-    parts = urlsplit(amqp_url)
-    auth = (unquote(parts.username or "guest"), unquote(parts.password or "guest"))
-    async with httpx.AsyncClient(base_url=servers[2], auth=auth, timeout=30) as api:
-        yield api
-
-
 @dataclass
 class WorkerTool:
     name: str
@@ -126,7 +115,7 @@ async def new_tool(
     servers: tuple[str, str, str],
     amqp_url: str,
     admin: AbstractChannel,
-    management: httpx.AsyncClient,
+    management: Management,
 ) -> AsyncIterator[Callable[[], Awaitable[WorkerTool]]]:
     """Make a tool queue as the mesh declares it, and its user; both removed after the test."""
     made: list[str] = []
@@ -144,8 +133,7 @@ async def new_tool(
 
     yield make
     for name in made:
-        user = topology.tool_user(name, amqp_vhost(amqp_url))
-        await management.delete(f"/api/users/{quote(user, safe='')}")
+        await management.delete_user(topology.tool_user(name, amqp_vhost(amqp_url)))
         await admin.queue_delete(topology.tool_queue(name))
 
 

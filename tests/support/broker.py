@@ -30,12 +30,13 @@ def fresh_vhost(amqp_url: str, management_url: str, vhost: str) -> Iterator[str]
 
 
 class Management:
-    """The management API of the broker behind ``amqp_url``, scoped to its vhost."""
+    """The management API of the broker behind ``amqp_url``, as its user, scoped to its vhost
+    (``get`` and ``delete`` reach the whole API: users are broker-wide)."""
 
     def __init__(self, management_url: str, amqp_url: str) -> None:
         parts = urlsplit(amqp_url)
         self.vhost = unquote(parts.path[1:]) or "/"
-        self.auth = (parts.username or "guest", parts.password or "guest")
+        self.auth = (unquote(parts.username or "guest"), unquote(parts.password or "guest"))
         self.base = management_url
 
     def _client(self) -> httpx.AsyncClient:
@@ -44,6 +45,18 @@ class Management:
     @property
     def _vhost(self) -> str:
         return quote(self.vhost, safe="")
+
+    async def get(self, path: str) -> httpx.Response:
+        async with self._client() as api:
+            return await api.get(path)
+
+    async def delete(self, path: str) -> httpx.Response:
+        async with self._client() as api:
+            return await api.delete(path)
+
+    async def delete_user(self, user: str) -> None:
+        """Delete a RabbitMQ user (broker-wide) if it exists."""
+        await self.delete(f"/api/users/{quote(user, safe='')}")
 
     async def connections(self) -> list[dict[str, Any]]:
         async with self._client() as api:
