@@ -188,14 +188,16 @@ async def test_a_connection_stopped_between_writing_and_checking_still_takes_its
 # --- 1: a listing the store does not take -----------------------------------------------
 
 
-class RefusesOnce(ToolCatalog):
-    """The store refuses the first listing of the server ``refused``."""
+class RefusesUntilAllowed(ToolCatalog):
+    """The store refuses every listing of the server ``refused`` until the test allows it, so
+    the mark stays however long the test takes to look at it (a retry comes every ping)."""
 
-    refusals = 1
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.allowed = asyncio.Event()
 
     async def replace_source(self, source: str, origin: str, found: list[CatalogEntry]) -> None:
-        if origin == "refused" and self.refusals:
-            self.refusals -= 1
+        if origin == "refused" and not self.allowed.is_set():
             raise WriteError("the document is not valid here", code=2)
         await super().replace_source(source, origin, found)
 
@@ -204,7 +206,8 @@ async def test_a_listing_that_cannot_be_recorded_shows_the_server_unavailable_wi
     own_store: Store, mongodb_url: str
 ) -> None:
     await register(own_store, "refused")
-    hosting = McpHosting(own_store, RefusesOnce(own_store), ping_interval=2.0)
+    catalog = RefusesUntilAllowed(own_store)
+    hosting = McpHosting(own_store, catalog, ping_interval=2.0)
     running = Running(hosting)
     try:
 
@@ -217,7 +220,8 @@ async def test_a_listing_that_cannot_be_recorded_shows_the_server_unavailable_wi
         assert row["reason"] == (
             "its tools could not be recorded: WriteError: the document is not valid here"
         ), row
-        # Recorded again at the next idle moment: the tools are ready, the mark is gone.
+        # Recorded again at the next idle moment once the store takes it: ready, the mark gone.
+        catalog.allowed.set()
         await ready(own_store, "refused__echo")
 
         async def unmarked() -> bool:
