@@ -38,7 +38,7 @@ from yoke.cli.tool_users import create_tool_user, delete_tool_user, tool_user_na
 from yoke.cli.tools import declare_tool_queue
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, ToolCallPart, ToolResultPart
-from yoke.runtime.catalog import CACHE_SECONDS, ToolCatalog
+from yoke.runtime.catalog_store import CACHE_SECONDS, ToolCatalog
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.settings import Settings
 from yoke.tools.catalog import CATALOG, MCP_SERVERS, CatalogEntry, McpServer, mcp_tool_name

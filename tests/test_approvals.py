@@ -53,7 +53,7 @@ from yoke.runtime.calls.records import (
     TOOL_CALL_DECISIONS_COLLECTION,
     TOOL_CALLS_COLLECTION,
 )
-from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster

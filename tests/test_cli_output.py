@@ -23,7 +23,7 @@ from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until
 from tests.support.processes import eventually
 from yoke.client import Client
 from yoke.runtime.calls.approvals import pending_approvals
-from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.posting import Poster
 from yoke.store import Store
 from yoke.tools.catalog import CatalogEntry

@@ -42,7 +42,7 @@ from yoke.runtime.calls.records import (
     own_result_line_id,
     round_results_line_id,
 )
-from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.joins import Join, create_agent, create_forum, join_id
 from yoke.store import Store
 from yoke.tokens import create_token, ensure_token_indexes

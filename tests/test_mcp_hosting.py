@@ -21,7 +21,7 @@ from pymongo.errors import AutoReconnect, WriteError
 from tests.support.cli import run_yoke
 from tests.support.mcp_server import STDIO_COMMAND
 from tests.support.processes import eventually
-from yoke.runtime.catalog import LocalTools, ToolCatalog
+from yoke.runtime.catalog_store import LocalTools, ToolCatalog
 from yoke.runtime.mcp_hosting import McpHosting
 from yoke.store import Store
 from yoke.tools.catalog import MCP_SERVERS, CatalogEntry, McpServer

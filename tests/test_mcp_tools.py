@@ -49,7 +49,7 @@ from yoke.runtime.calls.records import (
     open_call_id,
     own_result_line_id,
 )
-from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.joins import Join, join_id
 from yoke.store import Store
 from yoke.tools.catalog import CatalogEntry

@@ -43,7 +43,7 @@ from yoke.ids import new_id
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, TextPart
 from yoke.outbox import Outbox
-from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.catalog_store import ToolCatalog
 from yoke.store import Store
 from yoke.tools.catalog import CatalogEntry
 from yoke.webhooks import add_webhook, ensure_webhook_indexes

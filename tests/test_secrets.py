@@ -46,7 +46,7 @@ from yoke.provisioning import (
     with_passwords,
 )
 from yoke.redact import redact
-from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.health import HealthServer
 from yoke.runtime.joins import create_forum
 from yoke.runtime.posting import Poster

@@ -29,7 +29,7 @@ from yoke import topology
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, ToolResultPart
-from yoke.runtime.catalog import CLASH_PREFIX, ToolCatalog
+from yoke.runtime.catalog_store import CLASH_PREFIX, ToolCatalog
 from yoke.runtime.join_config import JOIN_CONFIGS
 from yoke.runtime.joins import create_agent, create_forum
 from yoke.store import Store

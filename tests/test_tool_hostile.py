@@ -43,7 +43,7 @@ from yoke.cli.publishers import delete_user, management_of
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, ToolCallPart, ToolResultPart
-from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.catalog_store import ToolCatalog
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from yoke.runtime.calls.records import (
     round_results_line_id,
 )
 from yoke.runtime.calls.repository import OpenCalls
-from yoke.runtime.catalog import LocalTools, ToolCatalog
+from yoke.runtime.catalog_store import LocalTools, ToolCatalog
 from yoke.runtime.dispatch import ToolDispatch
 from yoke.runtime.in_flight import InFlight
 from yoke.runtime.instances import ProcessorConfig, ProcessorState

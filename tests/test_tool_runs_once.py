@@ -45,7 +45,7 @@ from yoke.models import Message, ToolResultPart
 from yoke.runtime.calls.approvals import pending_approvals
 from yoke.runtime.calls.records import TOOL_CALL_ENDS_COLLECTION
 from yoke.runtime.calls.texts import CUT_SHORT
-from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.join_config import JoinConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster

@@ -19,7 +19,7 @@ from yoke.models import Message, ToolResultPart
 from yoke.runtime.calls.records import OpenCall, open_call_id, round_results_line_id
 from yoke.runtime.calls.repository import OpenCalls
 from yoke.runtime.calls.texts import CUT_SHORT
-from yoke.runtime.catalog import LocalTools, ToolCatalog
+from yoke.runtime.catalog_store import LocalTools, ToolCatalog
 from yoke.runtime.dispatch import ToolDispatch
 from yoke.store import Store
 from yoke.tools.base import ToolContext

@@ -48,7 +48,7 @@ from services.gateway.tool_calls import ToolCallStates
 from yoke.dead_letters import list_dead_letters
 from yoke.forum_list import ForumList
 from yoke.models import Participant
-from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.chain import chain_of
 from yoke.runtime.instances import INGESTION, PROCESSOR
 from yoke.runtime.joins import participant_id

@@ -12,7 +12,7 @@ from yoke.runtime.actor import ActorRuntime
 from yoke.runtime.calls.reaper import Reaper, ReapShare
 from yoke.runtime.calls.repository import OpenCalls
 from yoke.runtime.calls.retention import call_rules
-from yoke.runtime.catalog import LocalTools, ToolCatalog
+from yoke.runtime.catalog_store import LocalTools, ToolCatalog
 from yoke.runtime.compaction import swap_rule
 from yoke.runtime.dispatch import ToolDispatch
 from yoke.runtime.in_flight import InFlight

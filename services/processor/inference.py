@@ -26,7 +26,7 @@ from yoke.llm.providers import provider_for
 from yoke.metrics import LLM_COST_ESTIMATED, MODEL_CALLS_CANCELLED
 from yoke.models import AgentActivity, Envelope, Message, Part, TextPart, Usage
 from yoke.runtime.budgets import budget_spent, charge, count_usage, unpriced_under_budget
-from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.drafts import Draft
 from yoke.runtime.in_flight import InFlight, ModelCall, cancelled_here
 from yoke.runtime.instances import Progress

@@ -44,7 +44,7 @@ from yoke.runtime.calls.records import (
     TOOL_CALLS_COLLECTION,
     open_call_id,
 )
-from yoke.runtime.catalog import ToolCatalog
+from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.instances import PROCESSOR
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
 from yoke.settings import Settings

@@ -23,7 +23,7 @@ from yoke.cli.tool_users import (
     delete_tool_user,
     tool_user_name,
 )
-from yoke.runtime.catalog import LocalTools, ToolCatalog, listed_name, registered_servers
+from yoke.runtime.catalog_store import LocalTools, ToolCatalog, listed_name, registered_servers
 from yoke.settings import Settings
 from yoke.store import Store
 from yoke.text import printable

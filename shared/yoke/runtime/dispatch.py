@@ -37,7 +37,7 @@ from yoke.runtime.calls.approvals import Approvals
 from yoke.runtime.calls.records import CallEnd, OpenCall
 from yoke.runtime.calls.repository import OpenCalls
 from yoke.runtime.calls.texts import cut_short_text
-from yoke.runtime.catalog import LocalTools, ToolCatalog
+from yoke.runtime.catalog_store import LocalTools, ToolCatalog
 from yoke.runtime.join_config import ApprovalConfig
 from yoke.tools.base import ToolContext
 from yoke.tools.catalog import CatalogEntry

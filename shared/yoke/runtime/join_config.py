@@ -20,7 +20,7 @@ from yoke.llm.base import ScriptedOutput
 from yoke.lru import LRUCache
 from yoke.metrics import JOIN_CONFIG_READS
 from yoke.models import WireModel
-from yoke.runtime.catalog import matches
+from yoke.runtime.catalog_store import matches
 from yoke.runtime.service import delivery_headers
 from yoke.safe_regex import compile_safe
 from yoke.store import Store

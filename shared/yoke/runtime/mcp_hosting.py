@@ -28,7 +28,7 @@ import contextlib
 import logging
 from typing import Any
 
-from yoke.runtime.catalog import ToolCatalog, registered_servers
+from yoke.runtime.catalog_store import ToolCatalog, registered_servers
 from yoke.store import Store
 from yoke.tools.catalog import MCP_SEPARATOR, MCP_SERVERS, CatalogEntry
 from yoke.tools.mcp import McpHost, OnTools, describe
