@@ -22,7 +22,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
 import uvicorn
@@ -94,7 +94,11 @@ PAGE_READ_LINES = 100
 # An open stream looks its token up again before a chunk at most this often.
 TOKEN_CHECK_SECONDS = 1.0
 # The door's reasons (SubmitReply.code) as HTTP statuses; anything else is a 400.
-STATUS_OF_CODE = {"too_large": 413, "unknown_conversation": 404, "not_a_forum": 404}
+STATUS_OF_CODE: Mapping[str, int] = {
+    "too_large": 413,
+    "unknown_conversation": 404,
+    "not_a_forum": 404,
+}
 
 
 class PostAuthor(WireModel):
@@ -397,7 +401,7 @@ class ApprovalsPage(WireModel):
 
 # The decision door's reasons as HTTP statuses: a later decision, or a call that no longer
 # waits, is a conflict; the door refusing the gateway itself is the operator's to fix.
-STATUS_OF_DECISION_CODE = {
+STATUS_OF_DECISION_CODE: Mapping[str, int] = {
     "unknown_call": 404,
     "already_decided": 409,
     "not_awaiting_approval": 409,

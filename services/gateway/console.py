@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from jinja2 import Environment, FileSystemLoader, StrictUndefined, Template
 
 from services.gateway.deps import (
     ApiError,
@@ -69,15 +70,20 @@ TEMPLATE_ENVIRONMENT = Environment(
     auto_reload=False,
 )
 PAGES = ("index", "forum", "dead_letters")
-TEMPLATES = {name: TEMPLATE_ENVIRONMENT.get_template(f"{name}.html") for name in PAGES}
-STATIC_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
-STATIC = {
+TEMPLATES: Mapping[str, Template] = {
+    name: TEMPLATE_ENVIRONMENT.get_template(f"{name}.html") for name in PAGES
+}
+STATIC_TYPES: Mapping[str, str] = {
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+}
+STATIC: Mapping[str, tuple[bytes, str]] = {
     path.name: (path.read_bytes(), STATIC_TYPES[path.suffix])
     for path in (HERE / "static").iterdir()
     if path.suffix in STATIC_TYPES
 }
 # Pages load only their own script and style and talk only to this origin.
-PAGE_HEADERS = {
+PAGE_HEADERS: Mapping[str, str] = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
     "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'self'; "
     "frame-ancestors 'none'",
