@@ -19,11 +19,13 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import pytest
 from pymongo import AsyncMongoClient
+from selenium.webdriver.remote.webdriver import WebDriver
 
 from tests.support.broker import Management, fresh_vhost
+from tests.support.browser import headless_chromium
 from tests.support.fake_openai import FakeOpenAI
 from tests.support.gateway_process import CLEAN_EXITS, running_gateway
-from tests.support.mesh import JoinFactory, Mesh, running_mesh
+from tests.support.mesh import JoinFactory, Launch, Mesh, running_mesh
 from tests.support.unprivileged import stdio_servers_need_root
 from tests.support.webhook_receiver import Receiver
 from yoke.bus import Bus
@@ -199,15 +201,32 @@ def fake_openai() -> Iterator[FakeOpenAI]:
 
 
 @pytest.fixture(scope="module")
+def mesh_launch() -> Launch:
+    """Services the mesh starts another way (a test-support wrapper, extra environment); a
+    test module may override it."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def before_mesh() -> None:
+    """What the services must find when they start (a tool in the catalog, records aged while
+    the mesh was down): a test module overrides it with a fixture that requests those."""
+
+
+@pytest.fixture(scope="module")
 async def mesh(
     amqp_url: str,
     module_mongodb_url: str,
     mesh_env: dict[str, str],
+    mesh_launch: Launch,
+    before_mesh: None,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[Mesh]:
     """The five services as real processes on the module's vhost and database."""
     log_dir = Path(tmp_path_factory.mktemp("mesh"))
-    async with running_mesh(amqp_url, module_mongodb_url, log_dir, mesh_env) as mesh:
+    async with running_mesh(
+        amqp_url, module_mongodb_url, log_dir, mesh_env, launch=mesh_launch
+    ) as mesh:
         yield mesh
 
 
@@ -285,6 +304,14 @@ async def http(gateway_url: str) -> AsyncIterator[httpx.AsyncClient]:
     """A client of the module's gateway; each request brings its own token."""
     async with httpx.AsyncClient(base_url=gateway_url, timeout=30) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[WebDriver]:
+    """Headless Chromium for the module (tests/support/browser.py); a test requests it after
+    ``gateway_url`` so that it closes before the gateway stops."""
+    with headless_chromium() as driver:
+        yield driver
 
 
 @pytest.fixture(scope="module")

@@ -66,10 +66,14 @@ WORKER_TIMEOUT = 120.0  # the worker tool's own timeout
 
 
 @pytest.fixture(scope="module")
-def mesh_env(fake_openai: FakeOpenAI, registered: Registered) -> dict[str, str]:
-    """The fake OpenAI server; the tools are registered before the mesh starts (a processor
-    trusts its copy of the catalog for a few seconds, and starts the MCP server at once)."""
+def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
     return openai_env(fake_openai.base_url)
+
+
+@pytest.fixture(scope="module")
+def before_mesh(registered: Registered) -> None:
+    """The tools are registered before the mesh starts (a processor trusts its copy of the
+    catalog for a few seconds, and starts the MCP server at once)."""
 
 
 @pytest.fixture(scope="module")

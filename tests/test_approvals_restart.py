@@ -25,7 +25,7 @@ from tests.support.approvals import (
     sums,
     texts,
 )
-from tests.support.mesh import Mesh, lines_until, say
+from tests.support.mesh import START_SECONDS, Mesh, lines_until, say
 from tests.support.processes import eventually
 from tests.support.rabbit_node import RabbitNode
 from yoke import topology
@@ -36,8 +36,6 @@ from yoke.runtime.posting import Poster
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow
-
-START_SECONDS = 120.0  # the most a service may take to start on a loaded machine
 
 
 @pytest.fixture(scope="module")

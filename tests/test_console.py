@@ -14,24 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
 import uuid
-from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from selenium import webdriver
-from selenium.common.exceptions import StaleElementReferenceException
-from selenium.webdriver.chrome.options import Options
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
-from selenium.webdriver.support.ui import WebDriverWait
 
 from services.gateway.tool_calls import ToolCallStates
+from tests.support.browser import page_text, texts, wait_for
 from tests.support.mesh import JoinFactory, agent_lines, lines_until, say
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
@@ -58,8 +52,6 @@ from yoke.webhooks import (
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = "/usr/bin/chromium"
-WAIT_SECONDS = 60
 # Worker tools nobody serves: one whose call stays open through the module, one whose call
 # passes its deadline at once (the processors' reaper ends it). Broker-wide names: unique.
 WAITING_TOOL = f"waiting-{uuid.uuid4().hex[:8]}"
@@ -67,58 +59,14 @@ LATE_TOOL = f"late-{uuid.uuid4().hex[:8]}"
 LATE_SECONDS = 1.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-async def worker_tools(store: Store) -> None:
-    """In the catalog before the mesh starts (autouse: set up first), so the processor's copy
-    of it, read at its start, offers them."""
+@pytest.fixture(scope="module")
+async def before_mesh(store: Store) -> None:
+    """The worker tools are in the catalog when the mesh starts, so the processor's copy of
+    it, read at its start, offers them."""
     catalog = ToolCatalog(store)
     for name, timeout in ((WAITING_TOOL, 3600.0), (LATE_TOOL, LATE_SECONDS)):
         entry = CatalogEntry(id=name, source="worker", origin=name, timeout_seconds=timeout)
         await catalog.register(entry)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[WebDriver]:
-    driver_path = shutil.which("chromedriver")
-    assert driver_path and Path(CHROMIUM).exists(), (
-        "Debian's chromium and chromium-driver are needed: make browser"
-    )
-    options = Options()
-    options.binary_location = CHROMIUM
-    for argument in (
-        "--headless=new",
-        "--no-sandbox",  # root in CI
-        "--disable-dev-shm-usage",
-        "--disable-gpu",
-        "--window-size=1280,900",
-    ):
-        options.add_argument(argument)
-    driver = webdriver.Chrome(options=options, service=Service(executable_path=driver_path))
-    try:
-        yield driver
-    finally:
-        driver.quit()
-
-
-def wait_for(driver: WebDriver, what: str, check: Callable[[WebDriver], object]) -> None:
-    def safely(d: WebDriver) -> object:
-        try:
-            return check(d)
-        except StaleElementReferenceException:  # re-rendered under us: look again
-            return False
-
-    try:
-        WebDriverWait(driver, WAIT_SECONDS, poll_frequency=0.2).until(safely)
-    except Exception as error:
-        raise AssertionError(f"the console never showed {what}:\n{page_text(driver)}") from error
-
-
-def page_text(driver: WebDriver) -> str:
-    return str(driver.execute_script("return document.body.innerText"))[-3000:]
-
-
-def texts(driver: WebDriver, selector: str) -> list[str]:
-    return [item.text for item in driver.find_elements(By.CSS_SELECTOR, selector)]
 
 
 def call_status(driver: WebDriver, tool: str) -> tuple[str, str, str]:

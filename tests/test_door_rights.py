@@ -10,7 +10,6 @@ approvals is given, taken away, and not inherited by a user made again under its
 
 from __future__ import annotations
 
-import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -20,9 +19,15 @@ from typing import Any
 import pytest
 
 from tests.support.cli import run_yoke, run_yoke_commands
-from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, running_mesh, say
-from tests.support.worker_process import WorkerProcess, as_user
-from tests.support.worker_tools import WorkerTool, ask_direct, registered_worker_tool
+from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
+from tests.support.worker_process import as_user
+from tests.support.worker_tools import (
+    CLI_SECONDS,
+    WorkerTool,
+    ask_direct,
+    registered_worker_tool,
+    serving,
+)
 from yoke import topology
 from yoke.cli.publishers import delete_user, management_of
 from yoke.client import Client
@@ -38,7 +43,6 @@ MAX_TEXT_BYTES = 4096  # the mesh's YOKE_MAX_TEXT_BYTES here: small answers cros
 MAX_BODY_BYTES = MAX_TEXT_BYTES * 2 + 4096  # the door's command size limit that follows
 TIMEOUT = 120  # the tool's own: a call ended before it was ended by something else
 WAIT = 60  # the most a test waits for anything the mesh does (well within TIMEOUT)
-CLI_SECONDS = 240
 
 
 @pytest.fixture(scope="module")
@@ -60,27 +64,8 @@ async def tool(
 
 
 @pytest.fixture(scope="module")
-async def mesh(
-    amqp_url: str,
-    module_mongodb_url: str,
-    mesh_env: dict[str, str],
-    tmp_path_factory: pytest.TempPathFactory,
-    tool: WorkerTool,
-) -> AsyncIterator[Mesh]:
-    """The five services, started once the worker tool is in the catalog."""
-    log_dir = Path(tmp_path_factory.mktemp("mesh"))
-    async with running_mesh(amqp_url, module_mongodb_url, log_dir, mesh_env) as mesh:
-        yield mesh
-
-
-@contextlib.asynccontextmanager
-async def serving(tool: WorkerTool, mode: str, *options: str) -> AsyncIterator[WorkerProcess]:
-    worker = await WorkerProcess.start(tool.url, tool.name, mode, *options)
-    try:
-        await worker.line("ready", timeout=WAIT)
-        yield worker
-    finally:
-        await worker.stop()
+def before_mesh(tool: WorkerTool) -> None:
+    """The worker tool is in the catalog when the services start."""
 
 
 async def calling_join(new_join: JoinFactory, tool: WorkerTool, answer: str) -> tuple[str, Join]:

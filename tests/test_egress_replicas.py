@@ -10,13 +10,11 @@ left on it is still in flight when the other receives the new monologue's first 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.mesh import JoinFactory, Mesh, running_mesh, say
+from tests.support.mesh import JoinFactory, Launch, Mesh, say
 from tests.support.processes import ServiceProcess, eventually
 from yoke.client import Client
 from yoke.store import Store
@@ -28,26 +26,27 @@ LINES = 40
 
 
 @pytest.fixture(scope="module")
-async def mesh(
-    amqp_url: str, module_mongodb_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Mesh]:
-    """The five services and a second, slow egress replica, each owning one of two shards."""
-    log_dir = Path(tmp_path_factory.mktemp("egress-replicas"))
-    launch = {
+def mesh_launch() -> Launch:
+    """How the second egress replica starts (the mesh starts only the five services)."""
+    return {
         "egress-slow": (
             ["-m", "tests.support.slow_egress"],
             {"YOKE_REPLICA": "1", "YOKE_TEST_EGRESS_DELAY": "0.3"},
         )
     }
-    async with running_mesh(amqp_url, module_mongodb_url, log_dir, launch=launch) as mesh:
-        await mesh.start("egress-slow").wait_healthy()
-        egresses = [mesh.processes["egress"], mesh.processes["egress-slow"]]
 
-        async def one_shard_each() -> bool:
-            return [await _shards_owned(p) for p in egresses] == [1, 1]
 
-        await eventually(one_shard_each, timeout=30, what="each egress replica owning a shard")
-        yield mesh
+@pytest.fixture(scope="module")
+async def mesh(mesh: Mesh) -> Mesh:
+    """The five services and a second, slow egress replica, each owning one of two shards."""
+    await mesh.start("egress-slow").wait_healthy()
+    egresses = [mesh.processes["egress"], mesh.processes["egress-slow"]]
+
+    async def one_shard_each() -> bool:
+        return [await _shards_owned(p) for p in egresses] == [1, 1]
+
+    await eventually(one_shard_each, timeout=30, what="each egress replica owning a shard")
+    return mesh
 
 
 async def _shards_owned(process: ServiceProcess) -> float:

@@ -14,21 +14,15 @@ import asyncio
 import contextlib
 import json
 import re
-import shutil
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
-from pathlib import Path
 
 import httpx
 import pytest
-from selenium import webdriver
-from selenium.common.exceptions import StaleElementReferenceException
-from selenium.webdriver.chrome.options import Options
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
-from selenium.webdriver.support.ui import WebDriverWait
 
+from tests.support.browser import texts, wait_for
 from tests.support.cli import run_yoke
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.sse import Event, EventReader
@@ -301,43 +295,6 @@ async def test_an_approval_over_http_runs_the_tool_and_the_first_decision_stands
 
 
 # --- the console ------------------------------------------------------------------------
-
-CHROMIUM = "/usr/bin/chromium"
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[WebDriver]:
-    driver_path = shutil.which("chromedriver")
-    assert driver_path and Path(CHROMIUM).exists(), (
-        "Debian's chromium and chromium-driver are needed: make browser"
-    )
-    options = Options()
-    options.binary_location = CHROMIUM
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        options.add_argument(argument)
-    driver = webdriver.Chrome(options=options, service=Service(executable_path=driver_path))
-    try:
-        yield driver
-    finally:
-        driver.quit()
-
-
-def wait_for(driver: WebDriver, what: str, check: Callable[[WebDriver], object]) -> None:
-    def safely(d: WebDriver) -> object:
-        try:
-            return check(d)
-        except StaleElementReferenceException:
-            return False
-
-    try:
-        WebDriverWait(driver, 60, poll_frequency=0.2).until(safely)
-    except Exception as error:
-        shown = str(driver.execute_script("return document.body.innerText"))[-3000:]
-        raise AssertionError(f"the console never showed {what}:\n{shown}") from error
-
-
-def texts(driver: WebDriver, selector: str) -> list[str]:
-    return [node.text for node in driver.find_elements(By.CSS_SELECTOR, selector)]
 
 
 def reject_in_the_console(driver: WebDriver, url: str, secret: str, forum_id: str) -> None:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from services.guardian.guardian import COLLECTION, GUARDIAN_ACTOR_ID
 from tests.support.fake_openai import openai_env
-from tests.support.mesh import JoinFactory, Mesh, lines_until, running_mesh, say
+from tests.support.mesh import JoinFactory, Launch, Mesh, lines_until, say
 from tests.support.processes import ServiceProcess, eventually, free_port
 from tests.support.slow_guardian import RUNS
 from yoke.client import Client
@@ -45,21 +45,18 @@ def mesh_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-async def mesh(
-    amqp_url: str,
-    module_mongodb_url: str,
-    mesh_env: dict[str, str],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> AsyncIterator[Mesh]:
-    """The mesh, its guardian recording each runner's start and end."""
+def mesh_launch() -> Launch:
+    """The guardian recording each runner's start and end."""
+    return {"guardian": (["-m", "tests.support.slow_guardian", "guardian"], {})}
+
+
+@pytest.fixture(scope="module")
+async def before_mesh(module_mongodb_url: str) -> None:
+    """The runners' record, made before traffic (see Store.create_collections)."""
     store = Store(module_mongodb_url)
     await store.ensure_indexes()
-    await store.create_collections(RUNS)  # before traffic (see Store.create_collections)
+    await store.create_collections(RUNS)
     await store.close()
-    launch = {"guardian": (["-m", "tests.support.slow_guardian", "guardian"], {})}
-    log_dir = Path(tmp_path_factory.mktemp("mesh"))
-    async with running_mesh(amqp_url, module_mongodb_url, log_dir, mesh_env, launch=launch) as mesh:
-        yield mesh
 
 
 async def guard(store: Store, join: Join, guardian: GuardianConfig) -> None:

@@ -33,7 +33,7 @@ from prometheus_client import REGISTRY
 
 from tests.support.fake_openai import FakeOpenAI, completion, failure, openai_env
 from tests.support.gateway_process import gateway_process
-from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, running_mesh, say
+from tests.support.mesh import JoinFactory, Launch, Mesh, agent_lines, lines_until, say
 from tests.support.processes import ServiceProcess, eventually, free_port
 from tests.support.prometheus import Prometheus, binary
 from tests.support.webhook_receiver import Receiver
@@ -93,8 +93,6 @@ FILLED_BY = {
 # Panels a demo's echo agent must fill too: fixture models are recorded like any model.
 ECHO_PANELS = {"LLM latency p95 (s)", "LLM requests by outcome", "Tokens per second"}
 POISON = "POISON"
-# Services the tests kill (their exit code is not a clean shutdown's).
-KILLED: set[str] = set()
 # The service with a second replica, stopped during the scenario (its shard handed back).
 REPLICATED = "followup"
 # The gateway's webhook worker looks for new subscriptions every 2 s; short leases as in
@@ -266,24 +264,16 @@ async def worker_tool(store: Store) -> str:
 
 
 @pytest.fixture(scope="module")
-async def mesh(
-    amqp_url: str,
-    module_mongodb_url: str,
-    mesh_env: dict[str, str],
-    worker_tool: str,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> AsyncIterator[Mesh]:
-    """The five services, the processor failing for good on any line holding POISON."""
-    poisoned = (["-m", "tests.support.poison", "processor"], {"YOKE_TEST_POISON": POISON})
-    async with running_mesh(
-        amqp_url,
-        module_mongodb_url,
-        Path(tmp_path_factory.mktemp("mesh")),
-        mesh_env,
-        launch={"processor": poisoned},
-        killed=KILLED,
-    ) as mesh:
-        yield mesh
+def before_mesh(worker_tool: str) -> None:
+    """The worker tool is in the catalog when the services start."""
+
+
+@pytest.fixture(scope="module")
+def mesh_launch() -> Launch:
+    """The processor failing for good on any line holding POISON."""
+    return {
+        "processor": (["-m", "tests.support.poison", "processor"], {"YOKE_TEST_POISON": POISON})
+    }
 
 
 @pytest.fixture(scope="module")
@@ -581,7 +571,7 @@ async def test_a_killed_service_fires_service_down_once_its_for_has_passed(
 
     assert not [alert for alert in await prometheus.alerts() if ours(alert)]
     loop = asyncio.get_running_loop()
-    KILLED.add("guardian")
+    mesh.killed.add("guardian")
     killed_at = loop.time()
     victim.kill()
     seen: dict[str, float] = {}

@@ -9,14 +9,12 @@ for one agent only.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.support.broker import Management
-from tests.support.mesh import Mesh, agent_lines, lines_until, running_mesh, say
+from tests.support.mesh import Launch, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
 from yoke import topology
 from yoke.bus import Bus
@@ -38,23 +36,19 @@ def _poisoned(name: str, extra: dict[str, str] | None = None) -> tuple[list[str]
 
 
 @pytest.fixture(scope="module")
-async def mesh(
-    amqp_url: str, module_mongodb_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Mesh]:
-    async with running_mesh(
-        amqp_url,
-        module_mongodb_url,
-        Path(tmp_path_factory.mktemp("mesh")),
-        {"YOKE_HANDLER_ATTEMPTS": "2"},
-        launch={
-            "processor": _poisoned("processor"),
-            "ingestion": _poisoned(
-                "ingestion",
-                {"YOKE_TEST_POISON": "INGEST-JAM", "YOKE_TEST_POISON_AGENT": POISONED_AGENT},
-            ),
-        },
-    ) as mesh:
-        yield mesh
+def mesh_env() -> dict[str, str]:
+    return {"YOKE_HANDLER_ATTEMPTS": "2"}
+
+
+@pytest.fixture(scope="module")
+def mesh_launch() -> Launch:
+    return {
+        "processor": _poisoned("processor"),
+        "ingestion": _poisoned(
+            "ingestion",
+            {"YOKE_TEST_POISON": "INGEST-JAM", "YOKE_TEST_POISON_AGENT": POISONED_AGENT},
+        ),
+    }
 
 
 async def _join(store: Store, poster: Poster, forum_id: str, *, agent_id: str | None = None) -> str:

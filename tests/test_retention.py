@@ -8,9 +8,7 @@ Records are aged by writing them with old buckets, never by waiting.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,7 +18,7 @@ from services.followup.scheduler import FollowUpDecision, FollowUps, decision_ru
 from services.gateway.webhooks import retention_rules as webhook_rules
 from services.guardian.guardian import COLLECTION as GUARDIAN
 from services.guardian.guardian import retention_rules as guardian_rules
-from tests.support.mesh import JoinFactory, Mesh, lines_until, running_mesh, say
+from tests.support.mesh import JoinFactory, Mesh, lines_until, say
 from tests.support.processes import eventually
 from yoke.ages import day_bucket, hour_bucket
 from yoke.client import Client
@@ -453,17 +451,8 @@ async def aged(store: Store) -> Aged:
 
 
 @pytest.fixture(scope="module")
-async def mesh(
-    aged: Aged,
-    amqp_url: str,
-    module_mongodb_url: str,
-    mesh_env: dict[str, str],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> AsyncIterator[Mesh]:
-    """The mesh, started over records that aged while it was down."""
-    log_dir = Path(tmp_path_factory.mktemp("mesh"))
-    async with running_mesh(amqp_url, module_mongodb_url, log_dir, mesh_env) as mesh:
-        yield mesh
+def before_mesh(aged: Aged) -> None:
+    """The mesh starts over records that aged while it was down."""
 
 
 async def test_each_service_sweeps_its_expired_records_while_it_runs(

@@ -22,22 +22,19 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit
 
-import httpx
 import pytest
 
 from tests.support.broker import Management
 from tests.support.cli import run_yoke_commands
-from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
+from tests.support.mesh import START_SECONDS, JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
 from tests.support.worker_process import WorkerProcess, as_user
+from tests.support.worker_tools import WorkerTool, serving
 from yoke import topology
-from yoke.cli.supervisor import SERVICES
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, ToolResultPart
@@ -68,15 +65,6 @@ OTHER_FORUMS = 20
 ANSWER = "the tool has answered"
 AFTER = "nothing else"
 WAIT = 60.0  # the most any step of a test may take on a loaded machine
-START_SECONDS = 120.0  # the most a service may take to start
-
-
-class Tool:
-    """A registered worker tool: its name and the AMQP URL its workers connect with."""
-
-    def __init__(self, name: str, url: str) -> None:
-        self.name = name
-        self.url = url
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +72,12 @@ async def tools(
     servers: tuple[str, str, str],
     amqp_url: str,
     module_mongodb_url: str,
+    management: Management,
     tmp_path_factory: pytest.TempPathFactory,
-) -> AsyncIterator[dict[str, Tool]]:
+) -> AsyncIterator[dict[str, WorkerTool]]:
     """The tests' worker tools, registered as an operator does, before the mesh starts (a
-    processor trusts its copy of the catalog for a few seconds). Users are per broker: each
+    processor trusts its copy of the catalog for a few seconds), in one ``yoke`` process (a
+    start-up for each would cost more than the module's tests). Users are per broker: each
     name is new, and its user is deleted after the module."""
     schema = Path(tmp_path_factory.mktemp("tools")) / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"q": {"type": "string"}}}))
@@ -97,6 +87,7 @@ async def tools(
         "YOKE_MANAGEMENT_URL": servers[2],
     }
     names = {use: f"w{uuid.uuid4().hex[:10]}" for use in TOOLS}
+    users = {use: topology.tool_user(name, amqp_vhost(amqp_url)) for use, name in names.items()}
 
     commands = [
         [
@@ -118,28 +109,17 @@ async def tools(
         # add-worker prints the new user's password on its last line.
         passwords = [output.strip().splitlines()[-1] for output in outputs]
         yield {
-            use: Tool(
-                names[use],
-                as_user(amqp_url, topology.tool_user(names[use], amqp_vhost(amqp_url)), password),
-            )
+            use: WorkerTool(names[use], users[use], as_user(amqp_url, users[use], password))
             for use, password in zip(TOOLS, passwords, strict=True)
         }
     finally:
-        parts = urlsplit(amqp_url)
-        auth = (unquote(parts.username or "guest"), unquote(parts.password or "guest"))
-        async with httpx.AsyncClient(base_url=servers[2], auth=auth, timeout=30) as api:
-            for name in names.values():
-                await api.delete(
-                    f"/api/users/{quote(topology.tool_user(name, amqp_vhost(amqp_url)), safe='')}"
-                )
+        for user in users.values():
+            await management.delete_user(user)
 
 
-async def start_every_service(mesh: Mesh) -> None:
-    """Start the five services at once and wait until each is healthy (a start on a loaded
-    2-core machine can take a minute)."""
-    started = [mesh.start(name) for name in SERVICES]
-    for process in started:
-        await process.wait_healthy(timeout=START_SECONDS)
+@pytest.fixture(scope="module")
+def before_mesh(tools: dict[str, WorkerTool]) -> None:
+    """The worker tools are in the catalog when the services start."""
 
 
 async def stop_every_service(mesh: Mesh) -> None:
@@ -149,33 +129,7 @@ async def stop_every_service(mesh: Mesh) -> None:
     assert codes == [0] * len(processes), dict(zip(mesh.processes, codes, strict=True))
 
 
-@pytest.fixture(scope="module")
-async def mesh(
-    tools: dict[str, Tool],
-    amqp_url: str,
-    module_mongodb_url: str,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> AsyncIterator[Mesh]:
-    mesh = Mesh(amqp_url, module_mongodb_url, Path(tmp_path_factory.mktemp("mesh")))
-    try:
-        await start_every_service(mesh)
-        yield mesh
-    finally:
-        await stop_every_service(mesh)
-
-
-@asynccontextmanager
-async def worker(tool: Tool, mode: str, *options: str) -> AsyncIterator[WorkerProcess]:
-    """The pika worker, consuming its tool's queue; stopped after, whatever happened."""
-    process = await WorkerProcess.start(tool.url, tool.name, mode, *options)
-    try:
-        await process.line("ready", timeout=WAIT)
-        yield process
-    finally:
-        await process.stop()
-
-
-async def calling_agent(new_join: JoinFactory, tool: Tool) -> tuple[str, str]:
+async def calling_agent(new_join: JoinFactory, tool: WorkerTool) -> tuple[str, str]:
     """A forum whose agent calls ``tool`` at its first line, answers its result with
     :data:`ANSWER` and the line after with :data:`AFTER`; returns (forum, monologue)."""
     script = [
@@ -256,7 +210,7 @@ def acked(shards: list[dict[str, Any]]) -> int:
 
 async def test_a_call_held_open_holds_no_delivery_while_other_forums_are_answered(
     mesh: Mesh,
-    tools: dict[str, Tool],
+    tools: dict[str, WorkerTool],
     management: Management,
     store: Store,
     poster: Poster,
@@ -275,7 +229,7 @@ async def test_a_call_held_open_holds_no_delivery_while_other_forums_are_answere
         return forum.id
 
     others = await asyncio.gather(*(echo_forum(index) for index in range(OTHER_FORUMS)))
-    async with worker(tool, "hold", "--release", str(release), "--marker", "held") as held:
+    async with serving(tool, "hold", "--release", str(release), "--marker", "held") as held:
         await say(client, forum_id, "ask the tool")
         call_id = (await held.line("call", timeout=WAIT))["callId"]
         before = acked(await processor_shards(management))
@@ -313,7 +267,7 @@ async def test_a_call_held_open_holds_no_delivery_while_other_forums_are_answere
 
 async def test_a_call_answered_while_the_processor_is_killed_is_answered_once_after(
     mesh: Mesh,
-    tools: dict[str, Tool],
+    tools: dict[str, WorkerTool],
     store: Store,
     client: Client,
     new_join: JoinFactory,
@@ -322,7 +276,7 @@ async def test_a_call_answered_while_the_processor_is_killed_is_answered_once_af
     tool = tools["processor"]
     release = tmp_path / "release"
     forum_id, monologue_id = await calling_agent(new_join, tool)
-    async with worker(tool, "hold", "--release", str(release), "--marker", "late") as held:
+    async with serving(tool, "hold", "--release", str(release), "--marker", "late") as held:
         await say(client, forum_id, "ask the tool")
         call_id = (await held.line("call", timeout=WAIT))["callId"]
         mesh.processes["processor"].kill()
@@ -342,7 +296,7 @@ async def test_a_call_answered_while_the_processor_is_killed_is_answered_once_af
 
 async def test_a_deadline_passed_while_every_service_was_stopped_ends_the_call_once(
     mesh: Mesh,
-    tools: dict[str, Tool],
+    tools: dict[str, WorkerTool],
     store: Store,
     client: Client,
     new_join: JoinFactory,
@@ -351,7 +305,7 @@ async def test_a_deadline_passed_while_every_service_was_stopped_ends_the_call_o
     tool = tools["deadline"]
     release = tmp_path / "release"
     forum_id, monologue_id = await calling_agent(new_join, tool)
-    async with worker(tool, "hold", "--release", str(release)) as held:
+    async with serving(tool, "hold", "--release", str(release)) as held:
         await say(client, forum_id, "ask the tool")
         call_id = (await held.line("call", timeout=WAIT))["callId"]
         await stop_every_service(mesh)
@@ -365,7 +319,7 @@ async def test_a_deadline_passed_while_every_service_was_stopped_ends_the_call_o
 
         await eventually(past_deadline, timeout=SHORT_TIMEOUT + 1, what="the call's deadline")
         assert await still_open(store, call_id)  # nothing ran meanwhile to end it
-        await start_every_service(mesh)
+        await mesh.start_all()
 
         result = await answered_once(store, client, forum_id, monologue_id, call_id)
         assert result.is_error
@@ -383,7 +337,7 @@ async def test_a_deadline_passed_while_every_service_was_stopped_ends_the_call_o
 
 async def test_a_call_held_by_a_killed_worker_goes_to_another_and_is_answered_once(
     mesh: Mesh,
-    tools: dict[str, Tool],
+    tools: dict[str, WorkerTool],
     store: Store,
     client: Client,
     new_join: JoinFactory,
@@ -392,13 +346,13 @@ async def test_a_call_held_by_a_killed_worker_goes_to_another_and_is_answered_on
     tool = tools["worker"]
     forum_id, monologue_id = await calling_agent(new_join, tool)
     never = str(tmp_path / "never-released")
-    async with worker(tool, "hold", "--release", never, "--marker", "first") as first:
+    async with serving(tool, "hold", "--release", never, "--marker", "first") as first:
         await say(client, forum_id, "ask the tool")
         call = await first.line("call", timeout=WAIT)
         call_id = call["callId"]
         assert call["redelivered"] is False
         # Another worker consumes too, but the call is the first one's until it dies.
-        async with worker(tool, "answer", "--marker", "second") as second:
+        async with serving(tool, "answer", "--marker", "second") as second:
             await first.kill()
             again = await second.line("call", timeout=WAIT, callId=call_id)
             assert again["redelivered"] is True

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import shlex
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import aio_pika
@@ -34,12 +32,10 @@ from tests.support.binary_mcp_server import BINARY_TEXT
 from tests.support.cli import run_yoke
 from tests.support.cpu_hog import HOG_TIMEOUT, plugin_path
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env
-from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, running_mesh, say
-from tests.support.mesh import service_env as mesh_service_env
+from tests.support.mesh import JoinFactory, Launch, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
-from tests.support.worker_process import as_user
+from tests.support.worker_tools import CLI_SECONDS, WorkerTool, registered_worker_tool
 from yoke import topology
-from yoke.cli.publishers import delete_user, management_of
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, ToolCallPart, ToolResultPart
@@ -52,7 +48,6 @@ HOSTILE = "(((9**99)**99)**99)**99"  # a 36 MiB integer, minutes of one core, as
 HOG_SECONDS = 20  # how long cpu_hog computes: the other forum is answered well before
 PROMPT = 12  # the most another forum's line may take meanwhile (a loaded 2-core machine)
 WAIT = 60
-CLI_SECONDS = 240  # the most a ``yoke`` command may take (its imports, on a loaded machine)
 UNSTORABLE = "bin\x00ary \ud800 text"  # what the store cannot hold
 STORED = "bin\ufffdary \ufffd text"  # what it holds instead
 
@@ -62,52 +57,34 @@ def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
     return openai_env(fake_openai.base_url, give_up_seconds=10)
 
 
-@dataclass(frozen=True)
-class WorkerTool:
-    name: str
-    user: str  # its RabbitMQ user, as ``yoke tools add-worker`` named it
-    url: str  # the module's vhost, as that user
-
-
 @pytest.fixture(scope="module")
 async def worker_tool(
     amqp_url: str, module_mongodb_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[WorkerTool]:
     """A worker tool, registered before the services start (so the processor's first read of
     the catalog holds it); its user is deleted afterwards."""
-    schema = Path(tmp_path_factory.mktemp("tool")) / "schema.json"
-    schema.write_text(json.dumps({"type": "object", "properties": {"path": {"type": "string"}}}))
-    name = f"bin{uuid.uuid4().hex[:8]}"
-    env = mesh_service_env(amqp_url, module_mongodb_url)
-    code, out, err = await run_yoke(
-        env, "tools", "add-worker", name, "--schema", str(schema),
-        "--description", "reads a file", "--timeout", str(WAIT), timeout=CLI_SECONDS,
-    )  # fmt: skip
-    assert code == 0, err
-    *_, said, password = out.splitlines()
-    found = re.search(r"RabbitMQ user (\S+) with the password", said)
-    assert found is not None, out
-    user = found.group(1)
-    try:
-        yield WorkerTool(name, user, as_user(amqp_url, user, password))
-    finally:
-        await delete_user(management_of(amqp_url), user)
+    async with registered_worker_tool(
+        amqp_url,
+        module_mongodb_url,
+        f"bin{uuid.uuid4().hex[:8]}",
+        {"type": "object", "properties": {"path": {"type": "string"}}},
+        Path(tmp_path_factory.mktemp("tool")),
+        description="reads a file",
+        timeout=WAIT,
+    ) as tool:
+        yield tool
 
 
 @pytest.fixture(scope="module")
-async def mesh(
-    amqp_url: str,
-    module_mongodb_url: str,
-    mesh_env: dict[str, str],
-    tmp_path_factory: pytest.TempPathFactory,
-    worker_tool: WorkerTool,
-) -> AsyncIterator[Mesh]:
-    """The five services, the processor with ``cpu_hog`` installed beside it."""
+def before_mesh(worker_tool: WorkerTool) -> None:
+    """The worker tool is in the catalog when the services start."""
+
+
+@pytest.fixture(scope="module")
+def mesh_launch(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    """The processor with ``cpu_hog`` installed beside it."""
     plugins = plugin_path(Path(tmp_path_factory.mktemp("plugins")))
-    launch = {"processor": (["-m", "services.processor"], {"PYTHONPATH": plugins})}
-    log_dir = Path(tmp_path_factory.mktemp("mesh"))
-    async with running_mesh(amqp_url, module_mongodb_url, log_dir, mesh_env, launch=launch) as m:
-        yield m
+    return {"processor": (["-m", "services.processor"], {"PYTHONPATH": plugins})}
 
 
 def results(lines: list[Message]) -> list[ToolResultPart]:

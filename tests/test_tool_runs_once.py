@@ -93,7 +93,12 @@ async def worker_tool(
 
 
 @pytest.fixture(scope="module")
-def mesh_env(registered: str, worker_tool: WorkerTool) -> dict[str, str]:
+def before_mesh(registered: str, worker_tool: WorkerTool) -> None:
+    """The tools are in the catalog when the services start."""
+
+
+@pytest.fixture(scope="module")
+def mesh_env() -> dict[str, str]:
     return {"YOKE_OUTBOX_GRACE_SECONDS": "1"}
 
 

@@ -20,17 +20,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
-from tests.support.cli import run_yoke
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env
-from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, running_mesh, say
-from tests.support.mesh import service_env as mesh_service_env
+from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
 from tests.support.worker_process import WorkerProcess, as_user
-from tests.support.worker_tools import ask_direct
+from tests.support.worker_tools import WorkerTool, ask_direct, registered_worker_tool, serving
 from yoke import topology
 from yoke.cli.publishers import create_publisher, delete_user, management_of
 from yoke.client import Client
@@ -38,7 +36,6 @@ from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, SubmitReply, ToolResultPart
 from yoke.runtime.calls.records import own_result_line_id
 from yoke.runtime.joins import Join
-from yoke.speakers import amqp_vhost
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow
@@ -48,19 +45,8 @@ NEVER_TIMEOUT = 3
 # Every other tool's: long enough that only its worker ends its calls.
 TIMEOUT = 120
 WAIT = 60  # the most a test waits for anything the mesh does
-CLI_SECONDS = 240  # the most a ``yoke`` command may take (its imports, on a loaded machine)
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}}
 MARKER = "pika-worker"  # what the pika worker puts in its outputs by default
-
-
-@dataclass(frozen=True)
-class WorkerTool:
-    name: str
-    url: str  # the module's vhost, as the tool's user
-
-    @property
-    def user(self) -> str:
-        return topology.tool_user(self.name, amqp_vhost(self.url))
 
 
 @dataclass(frozen=True)
@@ -71,6 +57,9 @@ class Tools:
     answer: WorkerTool
     second: WorkerTool  # another tool: rounds of two worker calls, another tool's user
     never: WorkerTool  # the short timeout
+
+
+ROLES = ("answer", "second", "never")  # the order of Tools' fields
 
 
 @pytest.fixture(scope="module")
@@ -84,63 +73,37 @@ async def tools(
 ) -> AsyncIterator[Tools]:
     """The module's worker tools, each with its user; the users are deleted afterwards (they
     are broker-wide, so each name is the module's own)."""
-    schema = Path(tmp_path_factory.mktemp("tools")) / "schema.json"
-    schema.write_text(json.dumps(SCHEMA))
-    env = mesh_service_env(amqp_url, module_mongodb_url)
+    folder = Path(tmp_path_factory.mktemp("tools"))
     prefix = f"w{uuid.uuid4().hex[:8]}"
-    roles = ("answer", "second", "never")
-    made: dict[str, WorkerTool] = {}
 
-    async def register(role: str) -> None:
-        name = f"{prefix}-{role}"
+    def registered(role: str) -> contextlib.AbstractAsyncContextManager[WorkerTool]:
         timeout = NEVER_TIMEOUT if role == "never" else TIMEOUT
-        code, out, err = await run_yoke(
-            env,
-            "tools",
-            "add-worker",
-            name,
-            "--schema",
-            str(schema),
-            "--description",
-            f"the {role} test tool",
-            "--timeout",
-            str(timeout),
-            timeout=CLI_SECONDS,
-        )
-        assert code == 0, err
-        password = out.splitlines()[-1]
-        made[role] = WorkerTool(
-            name, as_user(amqp_url, topology.tool_user(name, amqp_vhost(amqp_url)), password)
+        return registered_worker_tool(
+            amqp_url,
+            module_mongodb_url,
+            f"{prefix}-{role}",
+            SCHEMA,
+            folder,
+            description=f"the {role} test tool",
+            timeout=timeout,
         )
 
-    try:
-        # At once: each is a process of its own, and most of its time is its imports.
-        outcomes = await asyncio.gather(*map(register, roles), return_exceptions=True)
+    async with contextlib.AsyncExitStack() as stack:
+        # At once: each is a process of its own, and most of its time is its imports. Each
+        # entered before any failure is raised, so that every one made is deleted after.
+        outcomes = await asyncio.gather(
+            *(stack.enter_async_context(registered(role)) for role in ROLES),
+            return_exceptions=True,
+        )
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
-        yield Tools(**made)
-    finally:
-        # By name: a registration that failed half-way may have made its user all the same.
-        management = management_of(amqp_url)
-        for role in roles:
-            await delete_user(
-                management, topology.tool_user(f"{prefix}-{role}", amqp_vhost(amqp_url))
-            )
+        yield Tools(*cast(list[WorkerTool], outcomes))
 
 
 @pytest.fixture(scope="module")
-async def mesh(
-    amqp_url: str,
-    module_mongodb_url: str,
-    mesh_env: dict[str, str],
-    tmp_path_factory: pytest.TempPathFactory,
-    tools: Tools,
-) -> AsyncIterator[Mesh]:
-    """The five services, started once the module's worker tools are in the catalog."""
-    log_dir = Path(tmp_path_factory.mktemp("mesh"))
-    async with running_mesh(amqp_url, module_mongodb_url, log_dir, mesh_env) as mesh:
-        yield mesh
+def before_mesh(tools: Tools) -> None:
+    """The worker tools are in the catalog when the services start."""
 
 
 @dataclass(frozen=True)
@@ -159,17 +122,6 @@ async def bridge(mesh: Mesh, amqp_url: str) -> AsyncIterator[Bridge]:
         yield Bridge(name, as_user(amqp_url, name, password))
     finally:
         await delete_user(management, name)
-
-
-@contextlib.asynccontextmanager
-async def serving(tool: WorkerTool, mode: str, *options: str) -> AsyncIterator[WorkerProcess]:
-    """The pika worker serving ``tool`` in ``mode``, consuming its queue; stopped after."""
-    worker = await WorkerProcess.start(tool.url, tool.name, mode, *options)
-    try:
-        await worker.line("ready", timeout=WAIT)
-        yield worker
-    finally:
-        await worker.stop()
 
 
 async def answer_as(tool: WorkerTool, call_id: str, mode: str = "as-other") -> dict[str, Any]:

@@ -11,7 +11,6 @@ by the pika worker (tests/support/pika_worker.py) holding its calls.
 from __future__ import annotations
 
 import contextlib
-import json
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -21,25 +20,21 @@ import aio_pika
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
 
-from tests.support.cli import run_yoke
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env, streamed
-from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, running_mesh, say
-from tests.support.mesh import service_env as mesh_service_env
+from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
-from tests.support.worker_process import WorkerProcess, as_user
+from tests.support.worker_process import WorkerProcess
+from tests.support.worker_tools import WorkerTool, registered_worker_tool
 from yoke import topology
-from yoke.cli.publishers import delete_user, management_of
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import AgentDelta, Envelope, Message, ToolResultPart
 from yoke.runtime.calls.records import TOOL_CALL_ENDS_COLLECTION
-from yoke.speakers import amqp_vhost
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow
 
 WAIT = 30  # the most a test waits for anything the mesh does
-CLI_SECONDS = 240  # the most ``yoke tools add-worker`` may take (its imports, on a loaded machine)
 # A slow model step: an answer in PIECES pieces, PAUSE seconds apart (6 s). A step meant to be
 # cancelled is slower still (LONG pieces: 12 s), so that on a loaded machine the line that
 # cancels it arrives in time; it costs nothing unless the cancel fails.
@@ -55,47 +50,24 @@ def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
 @pytest.fixture(scope="module")
 async def worker_tool(
     amqp_url: str, module_mongodb_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[tuple[str, str]]:
-    """A worker tool of the module's own (name, AMQP URL as its user); its user is deleted
-    afterwards (users are broker-wide)."""
-    schema = Path(tmp_path_factory.mktemp("tool")) / "schema.json"
-    schema.write_text(json.dumps({"type": "object", "properties": {"q": {"type": "string"}}}))
-    name = f"busy{uuid.uuid4().hex[:8]}"
-    try:
-        code, out, err = await run_yoke(
-            mesh_service_env(amqp_url, module_mongodb_url),
-            "tools",
-            "add-worker",
-            name,
-            "--schema",
-            str(schema),
-            "--description",
-            "looks something up, slowly",
-            "--timeout",
-            "120",
-            timeout=CLI_SECONDS,
-        )
-        assert code == 0, err
-        yield (
-            name,
-            as_user(amqp_url, topology.tool_user(name, amqp_vhost(amqp_url)), out.splitlines()[-1]),
-        )
-    finally:
-        await delete_user(management_of(amqp_url), topology.tool_user(name, amqp_vhost(amqp_url)))
+) -> AsyncIterator[WorkerTool]:
+    """A worker tool of the module's own; its user is deleted afterwards (users are
+    broker-wide)."""
+    async with registered_worker_tool(
+        amqp_url,
+        module_mongodb_url,
+        f"busy{uuid.uuid4().hex[:8]}",
+        {"type": "object", "properties": {"q": {"type": "string"}}},
+        Path(tmp_path_factory.mktemp("tool")),
+        description="looks something up, slowly",
+        timeout=120,
+    ) as tool:
+        yield tool
 
 
 @pytest.fixture(scope="module")
-async def mesh(
-    amqp_url: str,
-    module_mongodb_url: str,
-    mesh_env: dict[str, str],
-    tmp_path_factory: pytest.TempPathFactory,
-    worker_tool: tuple[str, str],
-) -> AsyncIterator[Mesh]:
-    """The five services, started once the worker tool is in the catalog."""
-    log_dir = Path(tmp_path_factory.mktemp("mesh"))
-    async with running_mesh(amqp_url, module_mongodb_url, log_dir, mesh_env) as mesh:
-        yield mesh
+def before_mesh(worker_tool: WorkerTool) -> None:
+    """The worker tool is in the catalog when the services start."""
 
 
 @contextlib.asynccontextmanager
@@ -282,10 +254,10 @@ async def test_stop_ends_an_open_worker_call_and_the_next_line_is_answered(
     store: Store,
     client: Client,
     new_join: JoinFactory,
-    worker_tool: tuple[str, str],
+    worker_tool: WorkerTool,
     tmp_path: Path,
 ) -> None:
-    tool, url = worker_tool
+    tool, url = worker_tool.name, worker_tool.url
     release = tmp_path / "release"
     worker = await WorkerProcess.start(url, tool, "hold", "--release", str(release))
     try:

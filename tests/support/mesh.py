@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -15,6 +15,10 @@ from yoke.store import Store
 
 # new_join(forum_id=None, name="echo", **join options) -> (forum id, join)
 JoinFactory = Callable[..., Awaitable[tuple[str, Join]]]
+# Per service started another way: the arguments to python (a test-support wrapper, say) and
+# extra environment.
+Launch = dict[str, tuple[list[str], dict[str, str]]]
+START_SECONDS = 120.0  # the most a service may take to become healthy on a loaded machine
 
 
 def service_env(amqp_url: str, mongodb_url: str) -> dict[str, str]:
@@ -35,13 +39,14 @@ class Mesh:
         log_dir: Path,
         env: dict[str, str] | None = None,
         *,
-        launch: dict[str, tuple[list[str], dict[str, str]]] | None = None,
+        launch: Launch | None = None,
     ) -> None:
         self.env = {**(env or {}), **service_env(amqp_url, mongodb_url)}
         self.log_dir = log_dir
-        # Per service: other arguments to python (a test-support wrapper) and extra environment.
         self.launch = launch or {}
         self.processes: dict[str, ServiceProcess] = {}
+        # The services a test killed for good: their exit code is no clean shutdown's.
+        self.killed: set[str] = set()
 
     def start(self, name: str) -> ServiceProcess:
         args, env = self.launch.get(name, (["-m", f"services.{name}"], {}))
@@ -55,7 +60,7 @@ class Mesh:
             self.start(name)
         try:
             for process in self.processes.values():
-                await process.wait_healthy()
+                await process.wait_healthy(timeout=START_SECONDS)
         except BaseException:
             # Nothing stops a mesh whose start failed: left running, its processes would
             # outlive the test (and its vhost) and load everything after it.
@@ -80,16 +85,15 @@ async def running_mesh(
     log_dir: Path,
     env: dict[str, str] | None = None,
     *,
-    launch: dict[str, tuple[list[str], dict[str, str]]] | None = None,
-    killed: Collection[str] = (),
+    launch: Launch | None = None,
 ) -> AsyncIterator[Mesh]:
-    """The five services, healthy; after, each but the ``killed`` ones (read at the end) must
-    have shut down cleanly on SIGTERM."""
+    """The five services, healthy; after, each but those in ``mesh.killed`` must have shut
+    down cleanly on SIGTERM."""
     mesh = Mesh(amqp_url, mongodb_url, log_dir, env, launch=launch)
     await mesh.start_all()
     yield mesh
     codes = mesh.stop_all()
-    assert all(code == 0 for name, code in codes.items() if name not in killed), codes
+    assert all(code == 0 for name, code in codes.items() if name not in mesh.killed), codes
 
 
 async def say(client: Client, forum_id: str, text: str, who: str = "alice") -> str:

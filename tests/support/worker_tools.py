@@ -2,8 +2,9 @@
 
 ``registered_worker_tool`` runs ``yoke tools add-worker`` (a subprocess, as an operator runs it)
 and hands back the tool's name and an AMQP URL as its ``tool-NAME`` user; the user is deleted
-afterwards (RabbitMQ users are broker-wide). ``ask_direct`` publishes one command as any user
-and reads the door's reply on direct reply-to, the one reply queue a worker's user may use.
+afterwards (RabbitMQ users are broker-wide). ``serving`` runs the pika worker for it.
+``ask_direct`` publishes one command as any user and reads the door's reply on direct reply-to,
+the one reply queue a worker's user may use.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from tests.support.cli import run_yoke
 from tests.support.mesh import service_env
-from tests.support.worker_process import as_user
+from tests.support.worker_process import WorkerProcess, as_user
 from yoke import topology
 from yoke.cli.publishers import delete_user, management_of
+from yoke.speakers import amqp_vhost
 
 CLI_SECONDS = 240  # the most a ``yoke`` command may take (its imports, on a loaded machine)
 
@@ -44,13 +46,14 @@ async def registered_worker_tool(
     schema: dict[str, Any],
     folder: Path,
     *,
+    description: str | None = None,
     timeout: float = 120,
 ) -> AsyncIterator[WorkerTool]:
     """``yoke tools add-worker NAME``: the user named on the line before the last, its
-    password on the last."""
+    password on the last. The user is deleted after by the name the tool gives it, so that
+    one made by a registration that failed half-way goes too."""
     schema_file = folder / f"{name}.schema.json"
     schema_file.write_text(json.dumps(schema))
-    user: str | None = None
     try:
         code, out, err = await run_yoke(
             service_env(amqp_url, mongodb_url),
@@ -60,20 +63,33 @@ async def registered_worker_tool(
             "--schema",
             str(schema_file),
             "--description",
-            f"the test tool {name}",
+            description or f"the test tool {name}",
             "--timeout",
             f"{timeout:g}",
             timeout=CLI_SECONDS,
         )
         assert code == 0, err
         *_, named, password = out.splitlines()
-        found = re.search(r"RabbitMQ user (\S+)", named)
+        found = re.search(r"RabbitMQ user (\S+) with the password", named)
         assert found is not None, out
         user = found.group(1)
         yield WorkerTool(name, user, as_user(amqp_url, user, password))
     finally:
-        if user is not None:
-            await delete_user(management_of(amqp_url), user)
+        await delete_user(management_of(amqp_url), topology.tool_user(name, amqp_vhost(amqp_url)))
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    tool: WorkerTool, mode: str, *options: str, ready_within: float = 60
+) -> AsyncIterator[WorkerProcess]:
+    """The pika worker serving ``tool`` in ``mode``, consuming its queue; stopped after,
+    whatever happened."""
+    worker = await WorkerProcess.start(tool.url, tool.name, mode, *options)
+    try:
+        await worker.line("ready", timeout=ready_within)
+        yield worker
+    finally:
+        await worker.stop()
 
 
 async def ask_direct(
