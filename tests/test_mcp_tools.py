@@ -36,7 +36,7 @@ import httpx
 import pytest
 
 from tests.support.cli import run_yoke
-from tests.support.fake_openai import FakeOpenAI, completion, openai_env
+from tests.support.fake_openai import FakeOpenAI, Reply, completion, openai_env
 from tests.support.mcp_server import LONG_NAME, NUL_DESCRIPTION, RAW_SCHEMA
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import ROOT, eventually, free_port
@@ -258,6 +258,59 @@ async def answered(store: Store, forum_id: str, count: int = 1) -> list[str]:
     return [line.text for line in agent_lines(forum)]
 
 
+@dataclass(frozen=True)
+class Turn:
+    """A forum's agent once it has answered: its answers so far and its monologue."""
+
+    forum_id: str
+    join: Join
+    answers: list[str]
+    monologue: list[Message]
+
+    @property
+    def results(self) -> list[tuple[Message, ToolResultPart]]:
+        return results(self.monologue)
+
+
+@dataclass(frozen=True)
+class Agents:
+    """Turns of an OpenAI agent (the fake model) that calls the module's MCP tools."""
+
+    store: Store
+    client: Client
+    new_join: JoinFactory
+    model: FakeOpenAI
+
+    async def turn(
+        self,
+        tools: list[str],
+        line: str,
+        calls: list[tuple[str, str, str]],
+        answer: str,
+        *,
+        then: tuple[Reply, ...] = (),
+    ) -> Turn:
+        """A new agent offered ``tools`` is told ``line``: the model makes ``calls`` (id, tool,
+        input), then says ``answer``, which must be the forum's one answer. ``then``: the
+        model's replies for the turns after (:meth:`again`)."""
+        self.model.script(completion(None, calls), completion(answer), *then)
+        forum_id, join = await self.new_join(model="gpt-test", tools=tools)
+        return await self.again(Turn(forum_id, join, [], []), line, answer)
+
+    async def again(self, turn: Turn, line: str, answer: str) -> Turn:
+        """``line`` said in the turn's forum: ``answer`` must be the forum's next answer."""
+        await say(self.client, turn.forum_id, line)
+        answers = [*turn.answers, answer]
+        assert await answered(self.store, turn.forum_id, len(answers)) == answers
+        monologue = await self.store.history(turn.join.monologue_id)
+        return Turn(turn.forum_id, turn.join, answers, monologue)
+
+
+@pytest.fixture
+def agents(store: Store, client: Client, new_join: JoinFactory, fake_openai: FakeOpenAI) -> Agents:
+    return Agents(store, client, new_join, fake_openai)
+
+
 async def test_registered_servers_are_listed_ready_as_name__tool(
     mesh: Mesh, mcp_servers: Servers
 ) -> None:
@@ -279,25 +332,16 @@ async def test_registered_servers_are_listed_ready_as_name__tool(
 
 
 async def test_the_model_is_offered_a_tools_schema_exactly_as_the_server_sent_it(
-    mcp_servers: Servers,
-    store: Store,
-    client: Client,
-    new_join: JoinFactory,
-    fake_openai: FakeOpenAI,
+    mcp_servers: Servers, agents: Agents, fake_openai: FakeOpenAI
 ) -> None:
     tool = f"{mcp_servers.web}__schematic"
-    fake_openai.script(
-        completion(None, [("call-schematic", tool, json.dumps({"text": "hi"}))]),
-        completion("it answered"),
-    )
-    forum_id, join = await new_join(model="gpt-test", tools=[tool])
-    await say(client, forum_id, "use the schematic tool")
-    assert await answered(store, forum_id) == ["it answered"]
+    call = ("call-schematic", tool, json.dumps({"text": "hi"}))
+    turn = await agents.turn([tool], "use the schematic tool", [call], "it answered")
 
     [spec] = fake_openai.requests[0]["tools"]
     assert spec["function"]["name"] == tool
     assert spec["function"]["parameters"] == RAW_SCHEMA
-    [(_, result)] = results(await store.history(join.monologue_id))
+    [(_, result)] = turn.results
     assert (result.output, result.is_error) == ("schematic: hi", False)
     assert fake_openai.rejected == []
 
@@ -314,30 +358,20 @@ async def test_a_server_slower_to_start_than_its_call_timeout_is_still_connected
 
 @pytest.mark.parametrize("transport", ["stdio", "http"])
 async def test_an_agent_with_name__star_is_offered_the_servers_tools_and_calls_one(
-    transport: str,
-    mcp_servers: Servers,
-    store: Store,
-    client: Client,
-    new_join: JoinFactory,
-    fake_openai: FakeOpenAI,
+    transport: str, mcp_servers: Servers, agents: Agents, fake_openai: FakeOpenAI
 ) -> None:
     server = mcp_servers.files if transport == "stdio" else mcp_servers.web
     text = f"hello over {transport} {uuid.uuid4().hex[:6]}"
-    fake_openai.script(
-        completion(None, [("call-echo", f"{server}__echo", json.dumps({"text": text}))]),
-        completion(f"{server} said it back"),
-    )
-    forum_id, join = await new_join(model="gpt-test", tools=[f"{server}__*"])
-    await say(client, forum_id, "echo something")
-    assert await answered(store, forum_id) == [f"{server} said it back"]
+    call = ("call-echo", f"{server}__echo", json.dumps({"text": text}))
+    turn = await agents.turn([f"{server}__*"], "echo something", [call], f"{server} said it back")
 
     tools = offered(fake_openai.requests[0])
     assert {f"{server}__{tool}" for tool in READY_TOOLS} <= tools
     assert all(name.startswith(f"{server}__") for name in tools)
     assert not {f"{server}__{tool}" for tool in UNUSABLE_TOOLS} & tools
-    monologue = await store.history(join.monologue_id)
-    [(line, result)] = results(monologue)
-    assert line.id == round_results_id(join, calls_line(monologue))  # answered within the step
+    [(line, result)] = turn.results
+    # Answered within the step.
+    assert line.id == round_results_id(turn.join, calls_line(turn.monologue))
     assert (result.call_id, result.output, result.is_error) == ("call-echo", text, False)
     assert fake_openai.rejected == []
     assert len(fake_openai.requests) == 2
@@ -346,29 +380,13 @@ async def test_an_agent_with_name__star_is_offered_the_servers_tools_and_calls_o
 
 
 async def test_a_stdio_server_gets_its_env_and_none_of_the_mesh_secrets(
-    mcp_servers: Servers,
-    store: Store,
-    client: Client,
-    new_join: JoinFactory,
-    fake_openai: FakeOpenAI,
+    mcp_servers: Servers, agents: Agents, fake_openai: FakeOpenAI
 ) -> None:
     asked = ["OPENAI_API_KEY", "YOKE_MONGODB_URL", "YOKE_AMQP_URL", "SERVER_LABEL", "PATH"]
-    fake_openai.script(
-        completion(
-            None,
-            [
-                (f"call-{name}", f"{mcp_servers.files}__env", json.dumps({"name": name}))
-                for name in asked
-            ],
-        ),
-        completion("read the environment"),
-    )
-    forum_id, join = await new_join(model="gpt-test", tools=[f"{mcp_servers.files}__env"])
-    await say(client, forum_id, "what does the server see?")
-    assert await answered(store, forum_id) == ["read the environment"]
-    seen = {
-        part.call_id: part.output for _, part in results(await store.history(join.monologue_id))
-    }
+    tool = f"{mcp_servers.files}__env"
+    calls = [(f"call-{name}", tool, json.dumps({"name": name})) for name in asked]
+    turn = await agents.turn([tool], "what does the server see?", calls, "read the environment")
+    seen = {part.call_id: part.output for _, part in turn.results}
     assert seen["call-OPENAI_API_KEY"] == "<unset>"  # the mesh has one
     assert seen["call-YOKE_MONGODB_URL"] == "<unset>"
     assert seen["call-YOKE_AMQP_URL"] == "<unset>"
@@ -378,33 +396,28 @@ async def test_a_stdio_server_gets_its_env_and_none_of_the_mesh_secrets(
 
 
 async def test_a_server_killed_mid_call_gives_an_error_and_is_started_again(
-    mesh: Mesh,
-    mcp_servers: Servers,
-    store: Store,
-    client: Client,
-    new_join: JoinFactory,
-    fake_openai: FakeOpenAI,
+    mesh: Mesh, mcp_servers: Servers, agents: Agents, fake_openai: FakeOpenAI
 ) -> None:
     server = mcp_servers.files
     first = await server_pid(mesh, server)
-    fake_openai.script(
-        completion(None, [("call-crash", f"{server}__crash", "{}")]),
-        completion("the server fell over"),
-        completion(None, [("call-echo", f"{server}__echo", '{"text": "back again"}')]),
-        completion("the server is back"),
+    turn = await agents.turn(
+        [f"{server}__*"],
+        "crash it",
+        [("call-crash", f"{server}__crash", "{}")],
+        "the server fell over",
+        then=(
+            completion(None, [("call-echo", f"{server}__echo", '{"text": "back again"}')]),
+            completion("the server is back"),
+        ),
     )
-    forum_id, join = await new_join(model="gpt-test", tools=[f"{server}__*"])
-    await say(client, forum_id, "crash it")
-    assert await answered(store, forum_id) == ["the server fell over"]
-    [(_, crashed)] = results(await store.history(join.monologue_id))
+    [(_, crashed)] = turn.results
     assert crashed.is_error
     assert crashed.output == f"the mcp server {server} closed the connection during the call"
 
     second = await server_pid(mesh, server, not_=first)  # the processor started it again
     assert second != first
-    await say(client, forum_id, "try again")
-    assert await answered(store, forum_id, 2) == ["the server fell over", "the server is back"]
-    [_, (_, echoed)] = results(await store.history(join.monologue_id))
+    turn = await agents.again(turn, "try again", "the server is back")
+    [_, (_, echoed)] = turn.results
     assert (echoed.call_id, echoed.output, echoed.is_error) == ("call-echo", "back again", False)
     assert fake_openai.rejected == []
     assert len(fake_openai.requests) == 4
@@ -474,28 +487,19 @@ def aware(moment: datetime) -> datetime:
 
 
 async def test_a_slow_call_past_the_inline_bound_lands_as_its_own_line_answered_once(
-    mcp_servers: Servers,
-    store: Store,
-    client: Client,
-    new_join: JoinFactory,
-    fake_openai: FakeOpenAI,
+    mcp_servers: Servers, agents: Agents, store: Store, fake_openai: FakeOpenAI
 ) -> None:
     slow = f"{mcp_servers.files}__slow"
-    fake_openai.script(
-        completion(None, [("call-slow", slow, '{"seconds": 3}')]), completion("that took a while")
-    )
-    forum_id, join = await new_join(model="gpt-test", tools=[slow])
-    await say(client, forum_id, "take your time")
-    assert await answered(store, forum_id) == ["that took a while"]
+    call = ("call-slow", slow, '{"seconds": 3}')
+    turn = await agents.turn([slow], "take your time", [call], "that took a while")
 
-    monologue = await store.history(join.monologue_id)
-    call_line = calls_line(monologue)
-    [(line, result)] = results(monologue)
-    assert line.id == own_line_id(join, call_line, "call-slow")
+    call_line = calls_line(turn.monologue)
+    [(line, result)] = turn.results
+    assert line.id == own_line_id(turn.join, call_line, "call-slow")
     assert line.parts == [result]
     assert (result.call_id, result.output, result.is_error) == ("call-slow", "slept 3.0", False)
-    assert await store.get_message(round_results_id(join, call_line)) is None
-    assert [text.text for text in agent_lines(monologue) if text.text] == ["that took a while"]
+    assert await store.get_message(round_results_id(turn.join, call_line)) is None
+    assert [text.text for text in agent_lines(turn.monologue) if text.text] == ["that took a while"]
     assert fake_openai.rejected == []
     assert len(fake_openai.requests) == 2
     assert fake_openai.requests[1]["messages"][-1] == {
@@ -506,24 +510,20 @@ async def test_a_slow_call_past_the_inline_bound_lands_as_its_own_line_answered_
 
 
 async def test_tools_list_changed_brings_a_new_tool_to_the_catalog_and_the_agent(
-    mesh: Mesh,
-    mcp_servers: Servers,
-    store: Store,
-    client: Client,
-    new_join: JoinFactory,
-    fake_openai: FakeOpenAI,
+    mcp_servers: Servers, agents: Agents, store: Store, fake_openai: FakeOpenAI
 ) -> None:
     server = mcp_servers.files
-    fake_openai.script(
-        completion(None, [("call-add", f"{server}__add_tool", "{}")]),
-        completion("added a tool"),
-        completion(None, [("call-late", f"{server}__late", '{"text": "new"}')]),
-        completion("used the new tool"),
+    turn = await agents.turn(
+        [f"{server}__*"],
+        "add a tool",
+        [("call-add", f"{server}__add_tool", "{}")],
+        "added a tool",
+        then=(
+            completion(None, [("call-late", f"{server}__late", '{"text": "new"}')]),
+            completion("used the new tool"),
+        ),
     )
-    forum_id, join = await new_join(model="gpt-test", tools=[f"{server}__*"])
-    await say(client, forum_id, "add a tool")
-    assert await answered(store, forum_id) == ["added a tool"]
-    [(_, added)] = results(await store.history(join.monologue_id))
+    [(_, added)] = turn.results
     assert (added.output, added.is_error) == ("added late", False)
 
     await wait_listed(store, server, "late")
@@ -532,21 +532,15 @@ async def test_tools_list_changed_brings_a_new_tool_to_the_catalog_and_the_agent
         server,
         "Registered only by ``add_tool``.",
     )
-    await say(client, forum_id, "use it")
-    assert await answered(store, forum_id, 2) == ["added a tool", "used the new tool"]
+    turn = await agents.again(turn, "use it", "used the new tool")
     assert f"{server}__late" in offered(fake_openai.requests[2])
-    [_, (_, late)] = results(await store.history(join.monologue_id))
+    [_, (_, late)] = turn.results
     assert (late.output, late.is_error) == ("late: new", False)
     assert fake_openai.rejected == []
 
 
 async def test_a_removed_server_leaves_the_catalog_and_a_call_to_it_is_an_error_result(
-    mesh: Mesh,
-    mcp_servers: Servers,
-    store: Store,
-    client: Client,
-    new_join: JoinFactory,
-    fake_openai: FakeOpenAI,
+    mesh: Mesh, mcp_servers: Servers, agents: Agents, store: Store, fake_openai: FakeOpenAI
 ) -> None:
     server = mcp_servers.gone
     await wait_listed(store, server)
@@ -566,14 +560,9 @@ async def test_a_removed_server_leaves_the_catalog_and_a_call_to_it_is_an_error_
     await eventually(stopped, timeout=WAIT, what="the processor to stop the removed server")
     assert not any(name.startswith(f"{server}__") for name in await catalog_entries(store))
 
-    fake_openai.script(
-        completion(None, [("call-gone", f"{server}__echo", '{"text": "anyone?"}')]),
-        completion("that tool is gone"),
-    )
-    forum_id, join = await new_join(model="gpt-test", tools=[f"{server}__echo"])
-    await say(client, forum_id, "use the old tool")
-    assert await answered(store, forum_id) == ["that tool is gone"]
-    [(_, result)] = results(await store.history(join.monologue_id))
+    call = ("call-gone", f"{server}__echo", '{"text": "anyone?"}')
+    turn = await agents.turn([f"{server}__echo"], "use the old tool", [call], "that tool is gone")
+    [(_, result)] = turn.results
     assert result.is_error and f"{server}__echo" in result.output
     assert fake_openai.rejected == []
     assert fake_openai.requests[1]["messages"][-1] == {
