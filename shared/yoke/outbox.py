@@ -45,9 +45,8 @@ log = logging.getLogger(__name__)
 Doc = dict[str, Any]
 
 # A heartbeat this often; a writer silent for ``dead_after(grace)`` (three beats at least) is
-# finished by others. At one a second, with the sweep's read every other second, every idle
-# process asked the store for 1.5 operations a second; a dead writer waits out its silence
-# anyway (9 s at the default grace), so reading for one more often than that buys nothing.
+# finished by others. Every beat is an idle process's store operation, and a dead writer waits
+# out its silence anyway, so beating or reading for one more often than this buys nothing.
 BEAT_SECONDS = 2.0
 # Own overdue publishes are retried this often (memory only); the writers are read every
 # SWEEP_SECONDS for dead ones.

@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 
 REPLICAS = "replicas"
 # One round (a beat and a read of the live set) this often: a third of the expiry, so two beats
-# may be late before a replica is taken for gone, and a join or leave is seen within it. At one
-# a second every idle process asked the store for two operations a second for nothing.
+# may be late before a replica is taken for gone, and a join or leave is seen within it; every
+# round is an idle process's store operations, so a faster one costs for nothing.
 BEAT_SECONDS = 2.0
 # A replica silent this long is gone: its shards go to the others (kill -9 to takeover stays
 # well under 15 s: this, one round, and a subscribe). One on this machine whose process is gone
