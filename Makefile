@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 		>$(VENV)/install.log 2>&1 || (cat $(VENV)/install.log; exit 1)
 	@touch $(STAMP)
 
-# The suite's tool plugins (tests/test_plugins.py), reinstalled only when their files change.
+# The suite's tool plugins (tests/tools/test_plugins.py), reinstalled only when their files change.
 PLUGINS := $(dir $(wildcard tests/plugins/*/pyproject.toml))
 $(VENV)/.plugins: $(wildcard $(addsuffix pyproject.toml,$(PLUGINS)) $(addsuffix */*.py,$(PLUGINS))) | $(STAMP)
 	@$(PY) -m pip install -q $(PLUGINS) >>$(VENV)/install.log 2>&1 || (cat $(VENV)/install.log; exit 1)
@@ -28,7 +28,7 @@ services: install
 services-stop:
 	@deploy/local/services.sh stop
 
-# Debian's chromium and chromium-driver for the console's browser test (tests/test_console.py).
+# Debian's chromium and chromium-driver for the console's browser test (tests/gateway/test_console.py).
 browser:
 	@deploy/local/browser.sh
 
@@ -44,7 +44,7 @@ run: env services
 # pyproject's markers). A pass that PYTEST_ARGS leaves empty (pytest's 5) is no failure.
 TEST_WORKERS ?= 2
 test: services browser $(VENV)/.plugins
-	-@deploy/local/monitoring.sh install  # (without it only tests/test_monitoring.py fails)
+	-@deploy/local/monitoring.sh install  # (without it only tests/deploy/test_monitoring.py fails)
 	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS); \
 	parallel=$$?; [ $$parallel -eq 5 ] && parallel=0; \
 	$(PY) -m pytest -m serial $(PYTEST_ARGS); \
@@ -70,7 +70,7 @@ bench: services
 # The mesh on a 3-node RabbitMQ cluster of its own (extra nodes beside the shared broker, about
 # 2-3 minutes); `make test` runs it too.
 cluster: services
-	@$(PY) -m pytest tests/test_cluster.py -s $(PYTEST_ARGS)
+	@$(PY) -m pytest tests/e2e/test_cluster.py -s $(PYTEST_ARGS)
 
 # Kills services and restarts the RabbitMQ and FerretDB that `make services` started: run alone.
 # CHAOS_ARGS=--tools: agents calling MCP, worker and gated tools while processor replicas and the

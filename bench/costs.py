@@ -1,5 +1,5 @@
 """Store operations and deliveries per turn, from each service's own ``/metrics``: the counts
-tests/test_turn_cost.py pins for one echo turn, here over a whole phase (one GET per service
+tests/e2e/test_turn_cost.py pins for one echo turn, here over a whole phase (one GET per service
 before and after it, so counting costs the run nothing it measures).
 """
 

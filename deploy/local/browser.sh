@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Makes sure headless Chromium and its WebDriver are there for the console's browser test
-# (tests/test_console.py): Debian's `chromium` and `chromium-driver`, installed with apt-get
+# (tests/gateway/test_console.py): Debian's `chromium` and `chromium-driver`, installed with apt-get
 # as root when missing; a no-op when both are present. Elsewhere it says what to install.
 set -euo pipefail
 

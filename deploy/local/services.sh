@@ -182,7 +182,7 @@ wait_for() { # what, python check
 start() {
     [ -x "$python" ] || die "no virtualenv: run 'make install' first"
     local amqp_url="${YOKE_AMQP_URL:-}" mongo_url="${YOKE_MONGODB_URL:-}"
-    # tests/test_tls.py makes its certificates with openssl at test time.
+    # tests/deploy/test_tls.py makes its certificates with openssl at test time.
     if can_install; then apt_install openssl; fi
     if [ -n "$amqp_url" ]; then
         say "YOKE_AMQP_URL is set: using it, starting no RabbitMQ"

@@ -57,7 +57,7 @@ class NodeListConnection(RobustConnection):
         """One (re)connect attempt: each node in turn until one connects.
 
         RobustConnection's reconnect loop calls this private method for every attempt (on
-        aio-pika 10.2.1, which pyproject pins; tests/test_cluster.py checks the behaviour), and
+        aio-pika 10.2.1, which pyproject pins; tests/e2e/test_cluster.py checks the behaviour), and
         its connect reads ``self.url``: so choosing the node here covers the first connect and
         every reconnect, and channels and consumers are restored on whichever node answers.
         """

@@ -89,7 +89,7 @@ def assign(service: str, shards: int, replicas: Iterable[str]) -> dict[str, list
     (so nobody owns more than ``ceil(shards / n)``). Without the bound this is plain
     rendezvous hashing (a change moves only the shards that must move); the bound keeps the
     load even at the cost of an occasional extra move (about one shard per change on average
-    at 16 shards: tests/test_ownership.py).
+    at 16 shards: tests/bus/test_ownership.py).
     """
     members = sorted(set(replicas))
     owned: dict[str, list[int]] = {replica: [] for replica in members}

@@ -963,7 +963,7 @@ def testcontainers_module(run: Run) -> str:
         YOKE_TEST_RABBITMQ_IMAGE=STAND_INS["rabbitmq"],
         YOKE_TEST_MONGODB_IMAGE=STAND_INS["mongo"],
     )
-    module = "tests/test_cli_refused.py"
+    module = "tests/cli/test_cli_refused.py"
     # Watched live, not asked for afterwards: the daemon keeps only its last 256 events, and the
     # mesh's health checks (three events each) push a slow test's container starts out of them.
     watcher = subprocess.Popen(

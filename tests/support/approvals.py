@@ -1,5 +1,5 @@
 """What the approval tests share: agents whose calls wait for approval, and how a test decides
-(tests/test_approvals.py, tests/test_approvals_restart.py)."""
+(tests/tools/test_approvals.py, tests/tools/test_approvals_restart.py)."""
 
 from __future__ import annotations
 

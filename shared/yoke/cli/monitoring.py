@@ -4,7 +4,7 @@
 publishes the same ports on the host, and ``yoke up`` serves them there too. So a local
 configuration is that file with every target's host replaced (the port kept), the rule files
 given as local paths, and a scrape interval short enough to watch a demo. ``make monitoring``
-(``deploy/local/monitoring.sh``) and ``tests/test_monitoring.py`` both build theirs here.
+(``deploy/local/monitoring.sh``) and ``tests/deploy/test_monitoring.py`` both build theirs here.
 
     python -m yoke.cli.monitoring --source deploy/prometheus/prometheus.yml \
         --rules deploy/prometheus/alerts.yml --out .local/prometheus/prometheus.yml

@@ -1,6 +1,6 @@
 """A publisher channel the broker keeps nacking is replaced, and the publish still lands.
 
-RabbitMQ 3.10 was seen (a 3-node cluster, a node killed under load: tests/test_cluster.py) to
+RabbitMQ 3.10 was seen (a 3-node cluster, a node killed under load: tests/e2e/test_cluster.py) to
 nack every publish of one channel to one quorum queue for minutes after that queue's leader
 moved, while other channels' publishes to it were confirmed. Here a real broker nacks for a
 reason of its own (a queue full, refusing publishes) so the bus's response can be watched.

@@ -19,7 +19,7 @@ from tests.support.cli import cli_env, run_yoke
 from yoke import topology
 from yoke.bus import Bus
 
-DEFINITIONS = Path(__file__).resolve().parents[1] / "deploy/rabbitmq/definitions.json"
+DEFINITIONS = Path(__file__).resolve().parents[2] / "deploy/rabbitmq/definitions.json"
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from yoke.cli.supervisor import GATEWAY, SERVICES
 from yoke.metrics import initialize as initialize_metrics
 from yoke.settings import Settings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load(path: str) -> Any:
@@ -147,7 +147,7 @@ def test_the_services_rabbitmq_user_is_no_administrator_and_reaches_only_yoke() 
         assert not re.match(pattern, "bridge.anything") and not re.match(pattern, "amq.topic")
     compose = load("docker-compose.yml")["services"]
     for name in (*SERVICES, GATEWAY):
-        # The gateway has a user of its own (tests/test_compose_config.py).
+        # The gateway has a user of its own (tests/deploy/test_compose_config.py).
         user = "yoke-gateway" if name == GATEWAY else "yoke"
         assert compose[name]["environment"]["YOKE_AMQP_URL"].startswith(f"amqp://{user}:${{")
         assert compose[name]["depends_on"]["rabbitmq-init"] == {

@@ -50,7 +50,7 @@ from yoke.webhooks import add_webhook, ensure_webhook_indexes
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = ROOT / "deploy/prometheus"
 ALERTS = PROMETHEUS_DIR / "alerts.yml"
 ALERT_TESTS = PROMETHEUS_DIR / "tests/alerts_test.yml"
@@ -96,7 +96,7 @@ POISON = "POISON"
 # The service with a second replica, stopped during the scenario (its shard handed back).
 REPLICATED = "followup"
 # The gateway's webhook worker looks for new subscriptions every 2 s; short leases as in
-# tests/test_webhooks.py.
+# tests/gateway/test_webhooks.py.
 GATEWAY_ENV = {"YOKE_WEBHOOK_LEASE_SECONDS": "2", "YOKE_WEBHOOK_BACKOFF_SECONDS": "0.2"}
 WEBHOOK_PATH = "/monitoring"
 # A worker tool nobody serves: its call waits in the store until its deadline ends it.

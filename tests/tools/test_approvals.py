@@ -6,7 +6,7 @@ Agents here mostly call the built-in ``calculator`` (so an approved call runs in
 that owns the conversation, in its lane); one calls a worker tool served by the pika worker and
 one the test MCP server, each gated. The ``fixture-script`` model plays each join's steps, and
 the fake OpenAI server is the model of the test that checks what the model is shown. A pending
-approval across a restart of every service and of RabbitMQ: tests/test_approvals_restart.py.
+approval across a restart of every service and of RabbitMQ: tests/tools/test_approvals_restart.py.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import yaml
 from yoke import provisioning
 from yoke.settings import Settings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OUR_IMAGE = "deploy/Dockerfile"
 OPENAI_KEY = "OPENAI_API_KEY"
 # Who needs which secret: only processor (agents' turns, compaction) and guardian (its

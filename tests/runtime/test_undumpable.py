@@ -5,7 +5,7 @@ in compose), the server is that user too, and only the mark ``prctl(PR_SET_DUMPA
 it out of ``/proc/<processor>/environ``, ``mem`` and the supervisor's: the first test checks
 that on this kernel, as ``nobody``; the second that ``yoke up`` and what it starts (a service
 and the HTTP gateway) carry the mark. (Running as root, servers run as another user:
-tests/test_secrets.py.)
+tests/deploy/test_secrets.py.)
 """
 
 from __future__ import annotations

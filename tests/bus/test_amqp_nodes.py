@@ -1,7 +1,7 @@
 """``YOKE_AMQP_URL`` as a comma-separated node list: tried in turn on connect and reconnect.
 
 Two TCP proxies in front of the shared broker stand for two cluster nodes (the real 3-node
-cluster is tests/test_cluster.py): killing the proxy a bus is connected through is what a
+cluster is tests/e2e/test_cluster.py): killing the proxy a bus is connected through is what a
 stopped node looks like to it.
 """
 

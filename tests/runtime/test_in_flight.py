@@ -1,7 +1,7 @@
 """The registry of model calls in flight (yoke.runtime.in_flight): who may cancel what, and
 which lines the processor tells it of.
 
-Pure logic over asyncio tasks; the mesh-level behaviour is in tests/test_while_busy.py.
+Pure logic over asyncio tasks; the mesh-level behaviour is in tests/processor/test_while_busy.py.
 """
 
 from __future__ import annotations

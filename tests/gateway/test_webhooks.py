@@ -605,7 +605,7 @@ async def test_a_receiver_accepts_a_real_delivery_by_its_signature_and_no_forger
 ) -> None:
     """``signature_matches`` as a receiver uses it, on what the worker really sent: the
     delivery's body, signature and timestamp pass; another body, another secret or a bare
-    digest do not (stale and replayed deliveries: tests/test_webhooks_hardening.py)."""
+    digest do not (stale and replayed deliveries: tests/gateway/test_webhooks_hardening.py)."""
     forum = await create_forum(worker_store, "signed in process")
     subscription = await add_webhook(worker_store, forum.id, receiver.url("/in-process"))
     worker = WebhookWorker(Settings(amqp_url=amqp_url, mongodb_url=mongodb_url), worker_store)

@@ -54,7 +54,7 @@ from yoke.settings import Settings
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TAG = uuid.uuid4().hex[:10]
 SERVICES_PASSWORD = f"svc{TAG}MustNeverBeShown"
 PUBLISHER_PASSWORD = f"pub{TAG}MustNeverBeShown"

@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from pymongo.errors import AutoReconnect
 
-from tests.test_tool_round_steps import Monologue, StorePoster
+from tests.processor.test_tool_round_steps import Monologue, StorePoster
 from yoke.models import Message, ToolResultPart
 from yoke.runtime.calls.records import OpenCall, open_call_id, round_results_line_id
 from yoke.runtime.calls.repository import OpenCalls

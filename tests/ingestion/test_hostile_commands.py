@@ -28,7 +28,7 @@ from yoke.ids import new_id
 from yoke.runtime.joins import create_forum
 from yoke.store import Store
 
-DATA = json.loads((Path(__file__).parent / "data" / "hostile_commands.json").read_text())
+DATA = json.loads((Path(__file__).parents[1] / "data" / "hostile_commands.json").read_text())
 REJECTED: list[dict[str, Any]] = DATA["rejected"]
 ACCEPTED: list[dict[str, Any]] = DATA["accepted"]
 # Collections a submit writes to: none of them may change for a rejected command.

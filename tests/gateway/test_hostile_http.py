@@ -25,7 +25,7 @@ from yoke.tokens import create_token, ensure_token_indexes
 
 pytestmark = pytest.mark.slow
 
-CORPUS = json.loads((Path(__file__).parent / "data" / "hostile_http.json").read_text())["cases"]
+CORPUS = json.loads((Path(__file__).parents[1] / "data" / "hostile_http.json").read_text())["cases"]
 CHUNK = 16384
 
 

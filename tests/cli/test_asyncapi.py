@@ -10,7 +10,7 @@ from yoke import topology
 from yoke.cli.asyncapi import asyncapi_document, render
 from yoke.models import ToolCallRequest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def refs(node: Any) -> list[str]:

@@ -333,7 +333,7 @@ async def test_a_model_that_never_stops_calling_ends_the_turn_at_max_rounds() ->
 
 
 async def test_the_plugin_tests_in_docs_tools_md_pass() -> None:
-    docs = (Path(__file__).parents[1] / "docs" / "tools.md").read_text()
+    docs = (Path(__file__).parents[2] / "docs" / "tools.md").read_text()
     section = docs.split("### 5. Test it without a mesh", 1)[1]
     [example] = re.findall(r"```python\n(.*?)```", section.split("\n## ", 1)[0], re.DOTALL)
     namespace: dict[str, Any] = {}
