@@ -70,9 +70,12 @@ async def test_a_flood_of_refused_commands_keeps_the_newest_letters_and_counts_t
         channel = await connection.channel(publisher_confirms=True)
         commands = await channel.get_exchange(topology.COMMANDS_EXCHANGE)
         sent = []
+        # One conversation, so one shard's lane refuses them in the order they were sent (one
+        # each would spread over the shards, refused and dead-lettered side by side).
+        nowhere = f"nowhere-{uuid.uuid4().hex}"
         for index in range(FLOOD):
             body = {
-                "conversationId": f"nowhere-{uuid.uuid4().hex}",
+                "conversationId": nowhere,
                 "author": {"externalId": "flood", "displayName": "Flood"},
                 "text": f"line {index}",
                 "idempotencyKey": f"flood-{index}",
