@@ -6,7 +6,7 @@ round calls the stdio MCP server and the HTTP one inline; the forum's kind adds 
 waits in the store: a worker's, a slow stdio or HTTP MCP call (past the 2 s inline bound), or
 a gated call the harness approves after a while. The tools record each run they start in a
 file (tests/chaos/runs.py), so runs per call are counted where the work happens; calls made,
-their results and the answers are read from the store. What must hold (DESIGN §2, 12 and 15):
+their results and the answers are read from the store. What must hold (architecture.md, 12 and 15):
 every call made ends exactly once, no MCP call runs twice, a worker's call runs again only
 after a crash (its worker killed, a processor killed as it sent the call, the broker gone under
 the unacked call), and every line is answered once.

@@ -1,4 +1,4 @@
-"""Outside text made storable once, where it enters (yoke.text.storable; DESIGN invariant 15)."""
+"""Outside text made storable once, where it enters (yoke.text.storable; invariant 15)."""
 
 from __future__ import annotations
 

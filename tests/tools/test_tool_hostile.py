@@ -7,7 +7,7 @@ function computes for :data:`HOG_SECONDS` without one ``await``; meanwhile a ``f
 agent in another forum must still answer, well before the hog would be done, and the hostile
 call ends with an error result, once.
 
-Text (DESIGN invariant 15): U+0000 and lone surrogates, which the store cannot hold, in an MCP
+Text (invariant 15): U+0000 and lone surrogates, which the store cannot hold, in an MCP
 tool's answer (tests/support/binary_mcp_server.py, registered with ``yoke tools add-mcp``), in a
 worker's answer (JSON ``\u0000`` and ``\ud800``, published by this test as the tool's user)
 and in an OpenAI model's text and tool-call arguments (the fake OpenAI server): each round ends
