@@ -12,6 +12,7 @@ import aio_pika
 import httpx
 
 from yoke import topology
+from yoke.cli.publishers import delete_user, management_of
 
 
 @contextmanager
@@ -38,6 +39,7 @@ class Management:
         self.vhost = unquote(parts.path[1:]) or "/"
         self.auth = (unquote(parts.username or "guest"), unquote(parts.password or "guest"))
         self.base = management_url
+        self.amqp_url = amqp_url
 
     def _client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.base, auth=self.auth, timeout=30)
@@ -55,8 +57,8 @@ class Management:
             return await api.delete(path)
 
     async def delete_user(self, user: str) -> None:
-        """Delete a RabbitMQ user (broker-wide) if it exists."""
-        await self.delete(f"/api/users/{quote(user, safe='')}")
+        """Delete a RabbitMQ user (broker-wide) if it exists, as ``yoke publisher`` does."""
+        await delete_user(management_of(self.amqp_url, self.base), user)
 
     async def connections(self) -> list[dict[str, Any]]:
         async with self._client() as api:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.support.processes import eventually, free_port
+from tests.support.processes import eventually, free_port, local_http
 
 
 def binary(name: str) -> str:
@@ -50,16 +50,17 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{self.port}"
 
     async def wait_ready(self, timeout: float = 60) -> None:
-        async def ready() -> bool:
-            if self.popen.poll() is not None:
-                raise AssertionError(f"prometheus exited:\n{self.output()[-3000:]}")
-            try:
-                async with httpx.AsyncClient(timeout=2) as http:
-                    return (await http.get(f"{self.url}/-/ready")).status_code == 200
-            except httpx.HTTPError:
-                return False
+        async with local_http(2) as http:
 
-        await eventually(ready, timeout=timeout, what="prometheus to be ready")
+            async def ready() -> bool:
+                if self.popen.poll() is not None:
+                    raise AssertionError(f"prometheus exited:\n{self.output()[-3000:]}")
+                try:
+                    return (await http.get(f"{self.url}/-/ready")).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            await eventually(ready, timeout=timeout, what="prometheus to be ready")
 
     async def api(self, path: str, **params: str) -> Any:
         async with httpx.AsyncClient(timeout=10) as http:

@@ -19,10 +19,8 @@ import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit
 
 import aio_pika
-import httpx
 import pytest
 
 from tests.support.approvals import (
@@ -36,6 +34,7 @@ from tests.support.approvals import (
     sums,
     texts,
 )
+from tests.support.broker import Management
 from tests.support.cli import run_yoke, run_yoke_commands
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env
 from tests.support.mesh import Mesh, lines_until, say
@@ -146,11 +145,9 @@ async def registered(
 
 
 async def delete_users(management: str, amqp_url: str, users: list[str]) -> None:
-    parts = urlsplit(amqp_url)
-    auth = (unquote(parts.username or "guest"), unquote(parts.password or "guest"))
-    async with httpx.AsyncClient(base_url=management, auth=auth, timeout=30) as api:
-        for user in users:
-            await api.delete(f"/api/users/{quote(user, safe='')}")
+    api = Management(management, amqp_url)
+    for user in users:
+        await api.delete_user(user)
 
 
 @pytest.fixture(scope="module")
