@@ -107,6 +107,8 @@ class Settings(BaseSettings):
     gateway_max_response_bytes: int = Field(default=8 * 1024 * 1024, ge=65536)
     gateway_publish_timeout_seconds: float = Field(default=5.0, gt=0)
     gateway_bind_timeout_seconds: float = Field(default=5.0, gt=0)
+    # How long an MCP tools/call waits for the agent's answer before it names the conversation.
+    mcp_call_timeout_seconds: float = Field(default=120.0, gt=0)
     # Outgoing webhooks: one POST's timeout; a failing receiver is retried with backoff from
     # the first wait up to the cap, for up to the window, then its lines are dead-lettered.
     webhook_timeout_seconds: float = Field(default=10.0, gt=0)
