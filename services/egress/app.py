@@ -158,6 +158,7 @@ class Egress:
                     causation_id=notice.id,
                     in_reply_to=notice.meta.in_reply_to,
                     agent_hops=notice.meta.agent_hops + 1,
+                    notice_reason=told.reason,
                 ),
             )
         )

@@ -31,6 +31,7 @@ from yoke.models import (
     MAX_ID_CHARS,
     Actor,
     AgentForumJoined,
+    KeptForum,
     Message,
     MessageMeta,
     SubmitApproval,
@@ -49,6 +50,7 @@ from yoke.runtime.chain import carry_tail, copy_target
 from yoke.runtime.instances import INGESTION, IngestionConfig, IngestionState
 from yoke.runtime.join_config import FollowedForums
 from yoke.runtime.joins import ensure_participant_id
+from yoke.runtime.kept_forums import KeptForumRefused, KeptForums
 from yoke.runtime.service import Service
 from yoke.speakers import DoorUsers, ForeignNamespace, token_namespace
 from yoke.text import storable_input
@@ -207,6 +209,7 @@ class Door:
         }
         # People's lines reach the follow-up service only in forums where a join has it.
         self.followed = FollowedForums(self.store)
+        self.kept_forums = KeptForums(self.store, service.poster)
 
     def key(self, message: AbstractIncomingMessage) -> str:
         return command_key(message, self.max_body_bytes)
@@ -264,6 +267,15 @@ class Door:
                 "externalId and idempotencyKey from the HTTP gateway must share one token's "
                 "namespace",
             )
+        # The id derives from the idempotency key: a repeat finds the line already written.
+        message_id = derive_id("submit", command.conversation_id, key)
+        limited = False
+        if command.kept is not None:
+            # Counted before the forum is made: a flood of new keys makes no forums.
+            refused = await self.open_kept(command.conversation_id, command.kept, user, key)
+            if refused is not None:
+                return refused
+            limited = True
         forum = await self.store.get_conversation(command.conversation_id)
         if forum is None:
             return SubmitReply.rejected(
@@ -273,9 +285,7 @@ class Door:
             return SubmitReply.rejected(
                 "not_a_forum", f"conversation {forum.id!r} is a {forum.kind}; submit to a forum"
             )
-        # The id derives from the idempotency key: a repeat finds the line already written.
-        message_id = derive_id("submit", forum.id, key)
-        refused = await self.over_limit(user, key, message_id)
+        refused = None if limited else await self.over_limit(user, key, message_id)
         if refused is not None:
             return refused
         author = await self.store.save_actor(
@@ -304,6 +314,25 @@ class Door:
             route={topology.FOLLOWED_HEADER: "yes"} if followed else None,
         )
         return SubmitReply(status="accepted", message_id=stored.id, duplicate=not created)
+
+    async def open_kept(
+        self, forum_id: str, kept: KeptForum, user: str, key: str
+    ) -> SubmitReply | None:
+        """A line from the gateway's MCP or A2A door: its caller's forum, made and joined on
+        first use (:mod:`yoke.runtime.kept_forums`), or the refusal."""
+        namespace = token_namespace(key)
+        if not self.users.is_mesh(user) or namespace is None:
+            return SubmitReply.rejected(
+                "not_allowed", "only the HTTP gateway opens a caller's kept forum"
+            )
+        try:
+            opening = await self.kept_forums.check(forum_id, kept, namespace)
+        except KeptForumRefused as error:
+            return SubmitReply.rejected("unknown_conversation", str(error))
+        refused = await self.over_limit(user, key, derive_id("submit", forum_id, key))
+        if refused is None and opening is not None:
+            await self.kept_forums.open(opening)
+        return refused
 
     async def over_limit(self, user: str, key: str, message_id: str) -> SubmitReply | None:
         """The refusal of a line past its bridge's or token's lines per minute, else None (a

@@ -168,6 +168,7 @@ async def carry_out_stop(context: Context, trigger: Message, open_calls: OpenCal
     meta.forum_notice = ForumNotice(
         agent_actor_id=context.config.agent_actor_id,
         text=f"Stopped, as {by.display_name} asked: I will not answer the earlier messages.",
+        reason="stopped",
     )
     await context.post(
         Message(

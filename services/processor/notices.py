@@ -36,7 +36,9 @@ FORUM_NOTICES: Mapping[str, str] = {
 
 def forum_notice(config: ProcessorConfig, reason: str, text: str | None = None) -> ForumNotice:
     """What egress posts in the forum for a notice of ``reason`` (``text`` instead, if given)."""
-    return ForumNotice(agent_actor_id=config.agent_actor_id, text=text or FORUM_NOTICES[reason])
+    return ForumNotice(
+        agent_actor_id=config.agent_actor_id, text=text or FORUM_NOTICES[reason], reason=reason
+    )
 
 
 async def post_notice(

@@ -125,6 +125,9 @@ class ForumNotice(WireModel):
 
     agent_actor_id: str
     text: str
+    # Why (the processor's notice reason: "failed", "approval", "stopped", ...): a caller of a
+    # published agent tells a turn that waits ("approval") from one that ended.
+    reason: str | None = None
 
 
 class MessageMeta(WireModel):
@@ -147,6 +150,8 @@ class MessageMeta(WireModel):
     carried_from: str | None = None
     # On a monologue notice that concerns the forum's people: what egress tells them there.
     forum_notice: ForumNotice | None = None
+    # On the forum's notice line egress makes of it: the notice's reason (ForumNotice.reason).
+    notice_reason: str | None = None
 
 
 class Usage(WireModel):
@@ -487,6 +492,20 @@ class CommandAuthor(WireModel):
     ]
 
 
+# The mesh's doors for outside callers of a published agent (the gateway's MCP and A2A).
+CallerDoor = Literal["mcp", "a2a"]
+
+
+class KeptForum(WireModel):
+    """On a line from the HTTP gateway: the forum is the one kept for this caller (its token's
+    namespace, the door, the published agent and the caller's key), made and joined by the door
+    with this first line when it is not there yet. The gateway cannot make forums itself."""
+
+    door: CallerDoor
+    agent: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    key: Annotated[str, Field(min_length=1, max_length=128), BeforeValidator(check_storable)]
+
+
 class SubmitMessage(WireModel):
     """``conversation.message.submit``, published by outside systems on ``yoke.commands``.
 
@@ -500,6 +519,7 @@ class SubmitMessage(WireModel):
     text: Annotated[str, Field(min_length=1), BeforeValidator(check_storable)]
     idempotency_key: CommandKey
     meta: dict[str, JsonValue] | None = None
+    kept: KeptForum | None = None
 
     @field_validator("meta")
     @classmethod

@@ -26,8 +26,9 @@ from yoke.settings import Settings
 # What no bridge may start a value with: other doors' namespaces. ``cli:`` is not among them:
 # the CLI names its people ``cli:NAME`` whoever runs it, and a bridge user's CLI (compose's
 # ``cli`` service) gets them as ``amqp:<user>:cli:NAME``, never the operator's ``cli:NAME``.
-RESERVED_NAMESPACES = ("http:", "amqp:")
+RESERVED_NAMESPACES = ("http:", "amqp:", "mcp:", "a2a:")
 HTTP_NAMESPACE = "http:"
+CALLER_NAMESPACES = ("mcp:", "a2a:")
 
 # Which limit a line counts against (and the label of yoke_lines_rate_limited_total).
 LimitedAs = Literal["bridge", "token"]
@@ -50,7 +51,12 @@ def amqp_vhost(amqp_url: str) -> str:
 
 
 def token_namespace(value: str) -> str | None:
-    """``NS`` of ``http:NS:rest``, or None when ``value`` is not in a token's namespace."""
+    """``NS`` of ``http:NS:rest`` (a REST caller's person or key), of ``mcp:NS`` and of
+    ``a2a:NS`` (the one caller of the gateway's MCP and A2A doors, a token's own), or None when
+    ``value`` is not in a token's namespace."""
+    if value.startswith(CALLER_NAMESPACES):
+        namespace = value.partition(":")[2]
+        return namespace if namespace and ":" not in namespace else None
     if not value.startswith(HTTP_NAMESPACE):
         return None
     namespace, colon, rest = value[len(HTTP_NAMESPACE) :].partition(":")

@@ -10,8 +10,9 @@ before namespaces were random keep their name as namespace. Deciding a tool call
 is a right of its own (``can_approve``): a token that only posts lines, say a website's,
 cannot also let an agent's tool run. So is reading what an agent keeps to itself, its
 monologues (``can_read_monologues``): such a token reads its forums, never the agents' private
-working there. A right absent from a stored token is a right it has not (stored before it
-existed, it never gains it).
+working there. Calling a published agent (:mod:`yoke.publishing`) through the MCP and A2A doors
+is a right per name (``can_call``). A right absent from a stored token is a right it has not
+(stored before it existed, it never gains it).
 """
 
 from __future__ import annotations
@@ -46,12 +47,17 @@ class Token(Document):
     forums: list[str] | None = None
     can_approve: bool = False
     can_read_monologues: bool = False
+    # Published agents' names its callers may call through the MCP and A2A doors.
+    can_call: list[str] = Field(default_factory=list)
     created_at: datetime = Field(default_factory=utcnow)
     # None on tokens stored before namespaces were random: their name is their namespace.
     namespace: str | None = None
 
     def allows(self, forum_id: str) -> bool:
         return self.forums is None or forum_id in self.forums
+
+    def may_call(self, name: str) -> bool:
+        return name in self.can_call
 
     def namespaced(self, value: str) -> str:
         return namespaced(self.namespace or self.id, value)
@@ -92,10 +98,15 @@ async def create_token(
     *,
     can_approve: bool = False,
     can_read_monologues: bool = False,
+    can_call: list[str] | None = None,
 ) -> tuple[Token, str]:
     """A new token and its secret (the only time the secret exists outside the caller)."""
     if not NAME_PATTERN.match(name):
         raise TokenError(f"invalid token name {name!r}: use 1-64 letters, digits, '-' or '_'")
+    for callee in can_call or []:
+        # A published agent's name follows the token names' rule (yoke.publishing).
+        if not NAME_PATTERN.match(callee):
+            raise TokenError(f"invalid --can-call name {callee[:80]!r}")
     secret = SECRET_PREFIX + secrets.token_urlsafe(32)
     token = Token(
         id=name,
@@ -103,6 +114,7 @@ async def create_token(
         forums=sorted(set(forums)) if forums else None,
         can_approve=can_approve,
         can_read_monologues=can_read_monologues,
+        can_call=sorted(set(can_call or [])),
         namespace=new_namespace(name),
     )
     if not await store.insert_if_absent(collection(store), token.to_document()):

@@ -33,7 +33,8 @@ from yoke.client import Client
 from yoke.dead_letters import list_dead_letters, replay_dead_letters
 from yoke.ids import derive_id
 from yoke.models import SubmitReply
-from yoke.runtime.joins import create_agent, create_forum, join_conversation
+from yoke.publishing import kept_forum_id, publish_agent
+from yoke.runtime.joins import create_agent, create_forum, join_conversation, participant_id
 from yoke.runtime.posting import Poster
 from yoke.store import Store
 from yoke.tokens import Token, create_token, ensure_token_indexes, revoke_token
@@ -466,3 +467,65 @@ async def test_lines_past_the_rate_limit_are_refused_with_when_to_retry(
     assert limited.status_code == 429, limited.text
     assert 0 < int(limited.headers["Retry-After"]) <= 60
     assert limited.json()["code"] == "rate_limited"
+
+
+async def test_only_the_gateway_opens_a_callers_kept_forum_and_only_the_one_derived(
+    users: Callable[[str], Awaitable[Speaker]],
+    gateway_speaker: Speaker,
+    store: Store,
+) -> None:
+    """A line of the MCP or A2A door makes its caller's forum and joins the published agent
+    (the gateway may not write either); it opens no other forum, for nobody else."""
+    agent = await create_agent(store, "published")
+    name = f"helper-{uuid.uuid4().hex[:6]}"
+    published = await publish_agent(store, name, agent.id, "Helps.")
+    namespace = f"caller~{uuid.uuid4().hex[:8]}"
+    forum_id = kept_forum_id("mcp", namespace, published, "chat-1")
+
+    def kept_line(forum: str, idempotency_key: str, **kept: str) -> dict[str, Any]:
+        key = f"http:{namespace}:{idempotency_key}"
+        body = line(forum, f"mcp:{namespace}", key, "what is new?")
+        body["kept"] = {"door": "mcp", "agent": name, "key": "chat-1", **kept}
+        return body
+
+    async def ask(body: dict[str, Any]) -> SubmitReply:
+        queue = f"yoke.gateway.replies.{uuid.uuid4().hex}"
+        reply = await gateway_speaker.ask(body, queue_name=queue)
+        assert reply is not None
+        return reply
+
+    first = await ask(kept_line(forum_id, "k1"))
+    assert first.status == "accepted" and not first.duplicate, first
+    forum = await store.get_conversation(forum_id)
+    assert forum is not None and forum.kind == "forum"
+    participant = await store.get_participant(participant_id(forum_id, agent.id))
+    assert participant is not None and participant.metadata.get("monologueId")
+    stored = await store.get_message(first.message_id or "")
+    assert stored is not None and stored.conversation_id == forum_id
+    _, external, _ = await author_of(store, stored.id)
+    assert external == f"mcp:{namespace}"
+    second = await ask(kept_line(forum_id, "k2"))
+    assert second.status == "accepted" and second.message_id != first.message_id, second
+
+    # Not another forum (one that exists, or another key's), nor an unpublished name.
+    other = await create_forum(store, "somebody's")
+    for body in (
+        kept_line(other.id, "k3"),
+        kept_line(forum_id, "k4", key="chat-2"),
+        kept_line(forum_id, "k5", agent="not-published"),
+    ):
+        refused = await ask(body)
+        assert refused.code == "unknown_conversation" and refused.error, (body, refused)
+    assert await store.get_participant(participant_id(other.id, agent.id)) is None
+    unasked = kept_forum_id("mcp", namespace, published, "chat-2")
+    assert await store.get_conversation(unasked) is None
+
+    # A bridge opens nothing, nor may the caller's person and key be two tokens'.
+    bridge = await users("bridge")
+    body = line(kept_forum_id("mcp", "x", published, "k"), "ann", "k6")
+    body["kept"] = {"door": "mcp", "agent": name, "key": "k"}
+    by_bridge = await bridge.ask(body)
+    assert by_bridge is not None and by_bridge.code == "not_allowed", by_bridge
+    mixed = kept_line(forum_id, "k7")
+    mixed["author"]["externalId"] = "mcp:someone~else"
+    assert (await ask(mixed)).code == "foreign_namespace"

@@ -19,6 +19,7 @@ from yoke.cli.approvals import add_approval_options, approval_data, approval_of
 from yoke.cli.approvals import register as register_approvals
 from yoke.cli.base import CommandError, UsageError, refusals_as_errors, with_store
 from yoke.cli.publishers import register as register_publishers
+from yoke.cli.publishing import register as register_publishing
 from yoke.cli.status import register as register_status
 from yoke.cli.tokens import register as register_tokens
 from yoke.cli.tools import check_tool_names
@@ -351,6 +352,7 @@ def parser() -> argparse.ArgumentParser:
     create.add_argument("--instructions", help="the agent's system instructions")
     add_approval_options(create, "the agent's default")
     add_while_busy(create, "a person's line while the agent is busy (default queue)")
+    register_publishing(agent)
 
     forum = commands.add_parser("forum", help="manage forums").add_subparsers(
         dest="sub", required=True

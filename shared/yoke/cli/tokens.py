@@ -36,6 +36,7 @@ async def _create(store: Store, args: argparse.Namespace) -> None:
         forums or None,
         can_approve=args.can_approve,
         can_read_monologues=args.can_read_monologues,
+        can_call=args.can_call,
     )
     scope = ", ".join(token.forums) if token.forums else "all forums"
     rights = "".join(
@@ -43,6 +44,7 @@ async def _create(store: Store, args: argparse.Namespace) -> None:
         for right, has in (
             ("decide approvals", token.can_approve),
             ("read the agents' monologues", token.can_read_monologues),
+            (f"call {', '.join(token.can_call)}", bool(token.can_call)),
         )
         if has
     )
@@ -57,6 +59,7 @@ async def _list(store: Store, args: argparse.Namespace) -> None:
             "forums": token.forums,
             "canApprove": token.can_approve,
             "canReadMonologues": token.can_read_monologues,
+            "canCall": token.can_call,
             "createdAt": token.created_at,
         }
         print(json.dumps(entry, default=str, separators=(",", ":")))
@@ -80,9 +83,13 @@ async def token_revoke(args: argparse.Namespace) -> None:
     await _with_store(_revoke, args)
 
 
+def _names(value: str) -> list[str]:
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
 def register(commands: Any) -> None:
     """``yoke token create --name NAME [--forum ID ...] [--can-approve]
-    [--can-read-monologues]``, ``yoke token list``,
+    [--can-read-monologues] [--can-call NAME[,NAME]]``, ``yoke token list``,
     ``yoke token revoke NAME``."""
     token = commands.add_parser("token", help="the HTTP gateway's tokens").add_subparsers(
         dest="sub", required=True
@@ -108,9 +115,17 @@ def register(commands: Any) -> None:
         help="its callers may read the monologues of its forums' agents (the console's "
         "monologue view: their private working, tool inputs and outputs, notices)",
     )
+    create.add_argument(
+        "--can-call",
+        type=_names,
+        default=[],
+        metavar="NAME[,NAME]",
+        help="published agents (yoke agent publish) its callers may call through the gateway's "
+        "MCP and A2A doors",
+    )
     help = (
         "one JSON line per token: name, forums (null: all), canApprove, canReadMonologues, "
-        "createdAt"
+        "canCall, createdAt"
     )
     token.add_parser("list", help=help, description=help).set_defaults(handler=token_list)
     help = "delete a token: it stops working at once"
