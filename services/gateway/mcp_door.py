@@ -1,0 +1,444 @@
+"""The MCP door (``/mcp``): every published agent a tool of an MCP server, for the systems that
+call agents as tools (Claude Desktop, Cursor, another agent). DESIGN §3, "Agents others call".
+
+Served by the ``mcp`` package's lowlevel ``Server``, not ``MCPServer``: ``MCPServer``'s tools
+are one list of registered functions for every caller, while here ``tools/list`` is the
+published agents *this token* may call, read from the store at each request (publishing shows
+without a restart), and ``tools/call`` resolves the name against the token the same way.
+
+Streamable HTTP, stateless, answered as an event stream:
+- **Stateless**: a stateful session lives in one process's memory, so every POST of a session
+  would have to reach the replica that opened it (sticky sessions), and a restart would lose
+  them all. Stateless, any replica answers any POST: what a call needs outlives the process
+  in the store (the caller's kept forum, its lines, the answer owed after a deadline).
+- **Event stream, not a JSON response**: progress notifications (the agent's deltas) ride the
+  POST's own response stream; in JSON-response mode the SDK drops them. No GET stream (405):
+  stateless, nothing would ever be sent on one.
+
+The bearer token is checked before the SDK sees a request (401 as on every route, with the
+gateway's own check), the body is bounded in bytes, time and depth as the REST API's is, and
+the token rides in the ASGI scope to the handlers. Handlers never raise past themselves: the
+SDK would put an unexpected exception's text on the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, Literal
+
+import anyio
+from fastapi import FastAPI
+from fastapi.security import HTTPBearer
+from mcp.server.context import ServerRequestContext
+from mcp.server.lowlevel import Server
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from mcp.shared.exceptions import MCPError
+from mcp.types import (
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    PARSE_ERROR,
+    CallToolRequestParams,
+    CallToolResult,
+    ErrorData,
+    JSONRPCError,
+    ListToolsResult,
+    PaginatedRequestParams,
+    TextContent,
+    Tool,
+)
+from prometheus_client import Counter, Histogram
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+from starlette.routing import Route
+from starlette.types import Message as AsgiMessage
+from starlette.types import Receive, Scope, Send
+
+from services.gateway import calling
+from services.gateway.deps import ApiError, Gateway, gateway, require_token
+from services.gateway.limits import REFUSALS
+from yoke.errors import describe_validation_error, is_transient
+from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
+from yoke.models import Message, check_storable
+from yoke.publishing import PublishedAgent
+from yoke.settings import Settings
+from yoke.tokens import Token
+
+log = logging.getLogger(__name__)
+
+Outcome = Literal["answered", "failed", "timeout", "refused", "rate_limited", "invalid"]
+CALLS = Counter("yoke_mcp_calls", "MCP tools/call requests answered, by outcome", ["outcome"])
+CALL_SECONDS = Histogram(
+    "yoke_mcp_call_seconds",
+    "Time from an MCP tools/call to its answer, by outcome",
+    ["outcome"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
+
+PATH = "/mcp"
+DOOR: Literal["mcp"] = "mcp"
+# The forum a call without ``conversation`` goes to: one per token and agent, so it costs one
+# join, not one a call.
+DEFAULT_CONVERSATION = "default"
+# Visible ASCII, spaces only inside: a key a caller can write back exactly as it was told.
+CONVERSATION_PATTERN = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]{0,126}[\x21-\x7e])?")
+# A Content-Length as ASCII digits, few enough for int() to read at once.
+LENGTH_PATTERN = re.compile(r"[0-9]{1,18}")
+TOKEN_SCOPE_KEY = "yoke.token"
+INPUT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "message": {"type": "string", "minLength": 1, "description": "What you say to the agent."},
+        "conversation": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 128,
+            "description": "Continue a conversation of yours by its key (any 1-128 visible "
+            f"characters of your choosing); without it, your {DEFAULT_CONVERSATION!r} one.",
+        },
+    },
+    "required": ["message"],
+    "additionalProperties": False,
+}
+
+
+def check_conversation(key: str) -> str:
+    if not CONVERSATION_PATTERN.fullmatch(key):
+        raise ValueError("use 1-128 visible ASCII characters (spaces only inside)")
+    return key
+
+
+class CallArguments(BaseModel):
+    """A tool's arguments (INPUT_SCHEMA); the message's bytes are checked against the
+    settings, which a schema cannot say."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    message: Annotated[str, Field(min_length=1), BeforeValidator(check_storable)]
+    conversation: Annotated[str, AfterValidator(check_conversation)] | None = None
+
+
+class McpDoor:
+    """The SDK's server and session manager, behind the gateway's token and body checks."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.body_limit = settings.max_text_bytes * 2 + 4096
+        self.server: Server[Any] = Server(
+            "yoke-mesh",
+            description="The mesh's published agents, each a tool: call one with a message.",
+            on_list_tools=self.list_tools,
+            on_call_tool=self.call_tool,
+        )
+        self.sessions = StreamableHTTPSessionManager(
+            app=self.server,
+            stateless=True,
+            json_response=False,
+            max_request_body_size=self.body_limit,
+            # Bearer tokens, not cookies, and no CORS: a rebound page holds no token to send.
+            security_settings=None,
+        )
+        self._bearer = HTTPBearer(auto_error=False)
+        # Every method reaches the door, so that each is answered in JSON-RPC words.
+        self.route = Route(PATH, self, include_in_schema=False)
+
+    # --- HTTP -------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The route as the gateway's request metrics name it (a plain Route sets no "route").
+        scope["route"] = self.route
+        request = Request(scope, receive)
+        try:
+            token = await require_token(request, await self._bearer(request))
+        except ApiError as error:
+            await _refuse(send, error.status, INVALID_REQUEST, error.error, error.headers)
+            return
+        if request.method != "POST":
+            # Stateless: no session to stream to (GET) or to end (DELETE).
+            await _refuse(send, 405, INVALID_REQUEST, "POST JSON-RPC to /mcp", {"Allow": "POST"})
+            return
+        body = await self._read_body(request, send)
+        if body is None:
+            return
+        scope[TOKEN_SCOPE_KEY] = token
+        await self.sessions.handle_request(scope, _replay(body, receive), send)
+
+    async def _read_body(self, request: Request, send: Send) -> bytes | None:
+        """The whole body, or None once refused: past the limit (413, before it is all read),
+        slower than a request's head may be (408), or nested past MAX_BODY_DEPTH."""
+        timeout = self.settings.gateway_header_timeout_seconds
+        declared = request.headers.get("content-length")
+        if declared is not None and (
+            not LENGTH_PATTERN.fullmatch(declared) or int(declared) > self.body_limit
+        ):
+            await _refuse(send, 413, INVALID_REQUEST, f"the body is over {self.body_limit} bytes")
+            return None
+        body = bytearray()
+        try:
+            async with asyncio.timeout(timeout):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > self.body_limit:
+                        error = f"the body is over {self.body_limit} bytes"
+                        await _refuse(send, 413, INVALID_REQUEST, error)
+                        return None
+        except TimeoutError:
+            REFUSALS.labels("body_timeout").inc()
+            await _refuse(
+                send, 408, INVALID_REQUEST, f"the body did not arrive within {timeout:g} s"
+            )
+            return None
+        if nesting_depth(bytes(body)) > MAX_BODY_DEPTH:
+            error = f"the body is nested too deeply (more than {MAX_BODY_DEPTH} levels)"
+            await _refuse(send, 400, PARSE_ERROR, error)
+            return None
+        return bytes(body)
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The SDK's task group for the door's requests: entered inside the gateway's lifespan,
+        after its connections are up; left first, so calls in flight end before they close."""
+        async with self.sessions.run():
+            yield
+
+    # --- MCP --------------------------------------------------------------------------------
+
+    async def list_tools(
+        self, ctx: ServerRequestContext[Any], params: PaginatedRequestParams | None
+    ) -> ListToolsResult:
+        """The published agents the token may call (a handful: one page)."""
+        state, token = _caller(ctx)
+        agents = await calling.callable_agents(state, token)
+        return ListToolsResult(tools=[_tool(agent) for agent in agents])
+
+    async def call_tool(
+        self, ctx: ServerRequestContext[Any], params: CallToolRequestParams
+    ) -> CallToolResult:
+        """A line to the agent, answered with its reply (see :func:`answer_call`)."""
+        started = time.perf_counter()
+        outcome: Outcome = "failed"
+        try:
+            outcome, result = await self._answer(ctx, params)
+            return result
+        except MCPError as error:
+            outcome = "refused" if error.error.code == INVALID_PARAMS else "failed"
+            raise
+        except Exception as error:
+            if is_transient(error):
+                return _error("the store or the broker is not answering; try again")
+            log.exception("MCP call of %r failed", params.name[:80])
+            return _error("internal error: the call failed; try again")
+        finally:
+            CALLS.labels(outcome).inc()
+            CALL_SECONDS.labels(outcome).observe(time.perf_counter() - started)
+
+    async def _answer(
+        self, ctx: ServerRequestContext[Any], params: CallToolRequestParams
+    ) -> tuple[Outcome, CallToolResult]:
+        state, token = _caller(ctx)
+        agent = await calling.callable_agent(state, token, params.name)
+        if agent is None:
+            # An unpublished name and one the token may not call look alike (invariant 13).
+            raise MCPError(
+                code=INVALID_PARAMS,
+                message=f"unknown tool {params.name[:80]!r}: no published agent of that name "
+                "that this token may call (yoke token create --can-call NAME)",
+            )
+        try:
+            arguments = CallArguments.model_validate(params.arguments or {})
+        except ValidationError as error:
+            return "invalid", _error(f"invalid arguments: {describe_validation_error(error)}")
+        size = len(arguments.message.encode())
+        if size > state.settings.max_text_bytes:
+            limit = state.settings.max_text_bytes
+            return "invalid", _error(f"message is {size} bytes; the limit is {limit}")
+        key = arguments.conversation or DEFAULT_CONVERSATION
+        progress = Progress(ctx)
+        owed = await owed_line(state, token, agent, key)
+        if owed is not None:
+            return await self._follow(state, token, agent, key, owed, progress, collected=True)
+        try:
+            line = await calling.post_line(state, token, DOOR, agent, key, arguments.message)
+        except ApiError as error:
+            return _refused_line(error)
+        return await self._follow(state, token, agent, key, line, progress, collected=False)
+
+    async def _follow(
+        self,
+        state: Gateway,
+        token: Token,
+        agent: PublishedAgent,
+        key: str,
+        line: Message,
+        progress: Progress,
+        *,
+        collected: bool,
+    ) -> tuple[Outcome, CallToolResult]:
+        """Follow ``line``'s turn to its end or the deadline; on the deadline (or a caller that
+        went) the answer is owed to the conversation, and its next call collects it."""
+        forum_id = line.conversation_id
+        ended: calling.Answered | calling.Failed | None = None
+        try:
+            # anyio's deadline, as the SDK's task groups are anyio's.
+            with anyio.move_on_after(self.settings.mcp_call_timeout_seconds):
+                # Read to its end (it stops after the outcome), or cut short by an exception
+                # that passes through it: its subscription is closed either way.
+                async for event in calling.follow_turn(state, forum_id, line):
+                    if isinstance(event, calling.Delta):
+                        await progress.send(event.text)
+                    elif isinstance(event, calling.Waiting):
+                        await progress.send(f"waiting for a person to approve: {event.tool}")
+                    else:
+                        ended = event
+        except ApiError as error:  # the forum's events could not be bound: the mesh is busy
+            await owe(state, forum_id, line)
+            return "failed", _error(error.error)
+        except BaseException:
+            # The caller went (or the gateway stops): its next call collects the answer.
+            with anyio.CancelScope(shield=True):
+                await owe(state, forum_id, line)
+            raise
+        if ended is None:
+            await owe(state, forum_id, line)
+            seconds = self.settings.mcp_call_timeout_seconds
+            text = (
+                f"{agent.id} is still working on your message (past {seconds:g} s). Its answer "
+                f"stays in your conversation {key!r}: call {agent.id} again with conversation="
+                f"{key!r} to collect it."
+            )
+            return "timeout", CallToolResult(content=[TextContent(type="text", text=text)])
+        if collected:
+            await paid(state, forum_id)
+        if isinstance(ended, calling.Failed):
+            return "failed", _error(ended.text)
+        content = [TextContent(type="text", text=ended.message.text)]
+        if collected:
+            note = (
+                "That was the answer to your earlier message in this conversation, which ran "
+                "out of time; this call's message was not sent: call again to send it."
+            )
+            content.append(TextContent(type="text", text=note))
+        return "answered", CallToolResult(content=content)
+
+
+class Progress:
+    """Progress notifications for one call, when its caller asked for them (a progressToken):
+    each piece's text as the message, the count so far as the progress (it must grow)."""
+
+    def __init__(self, ctx: ServerRequestContext[Any]) -> None:
+        self.session = ctx.session
+        self.sent = 0
+
+    async def send(self, message: str) -> None:
+        self.sent += 1
+        # A no-op without a progressToken; the request's own stream carries it.
+        await self.session.report_progress(self.sent, None, message)
+
+
+# --- the answer a conversation is owed -------------------------------------------------------
+
+OWED_COLLECTION = "mcp_owed_answers"
+
+
+async def owed_line(
+    state: Gateway, token: Token, agent: PublishedAgent, key: str
+) -> Message | None:
+    """The line of this conversation whose answer its caller has not had (a call that ran out
+    of time, or one whose caller went), if any: one read by id."""
+    forum_id = calling.kept_forum_id(token, DOOR, agent, key)
+    found = await state.store.db[OWED_COLLECTION].find_one({"_id": forum_id})
+    if found is None:
+        return None
+    line = await state.store.get_message(str(found["lineId"]))
+    if line is None:  # the forum's lines were deleted meanwhile: nothing is owed any more
+        await paid(state, forum_id)
+    return line
+
+
+async def owe(state: Gateway, forum_id: str, line: Message) -> None:
+    """Remember (bookkeeping, as a webhook's cursor) that ``line``'s answer is owed."""
+    await state.store.db[OWED_COLLECTION].replace_one(
+        {"_id": forum_id}, {"_id": forum_id, "lineId": line.id, "at": time.time()}, upsert=True
+    )
+
+
+async def paid(state: Gateway, forum_id: str) -> None:
+    await state.store.db[OWED_COLLECTION].delete_one({"_id": forum_id})
+
+
+# --- pieces -----------------------------------------------------------------------------------
+
+
+def _caller(ctx: ServerRequestContext[Any]) -> tuple[Gateway, Token]:
+    """The gateway and the token :meth:`McpDoor.__call__` checked for this request."""
+    request = ctx.request
+    assert isinstance(request, Request), "the MCP door is served over HTTP only"
+    token = request.scope[TOKEN_SCOPE_KEY]
+    assert isinstance(token, Token)
+    return gateway(request), token
+
+
+def _tool(agent: PublishedAgent) -> Tool:
+    return Tool(name=agent.id, description=agent.description, input_schema=INPUT_SCHEMA)
+
+
+def _error(text: str) -> CallToolResult:
+    return CallToolResult(content=[TextContent(type="text", text=text)], is_error=True)
+
+
+def _refused_line(error: ApiError) -> tuple[Outcome, CallToolResult]:
+    """The door's refusal of the line, in its words (the REST API's statuses, as outcomes)."""
+    if error.status == 429:
+        retry = error.headers.get("Retry-After", "60")
+        return "rate_limited", _error(f"{error.error}: retry after {retry} s")
+    if error.status in (400, 404, 413):
+        return "invalid", _error(error.error)
+    return "failed", _error(error.error)
+
+
+async def _refuse(
+    send: Send, status: int, code: int, message: str, headers: dict[str, str] | None = None
+) -> None:
+    """A refusal before the SDK: a JSON-RPC error body, which the mcp client shows as is."""
+    body = JSONRPCError(jsonrpc="2.0", id=None, error=ErrorData(code=code, message=message))
+    encoded = body.model_dump_json(by_alias=True, exclude_unset=True).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(encoded)).encode())]
+    head += [(name.lower().encode(), value.encode()) for name, value in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": encoded})
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """``receive`` with the body already read handed over first; after it, the client's
+    disconnect (which ends an event stream early) comes through as it would."""
+    given = False
+
+    async def replay() -> AsgiMessage:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def mount(app: FastAPI, settings: Settings) -> McpDoor:
+    """Serve ``/mcp`` on ``app``: the route, and the SDK's task group run inside the app's
+    lifespan (after the gateway's state is up, before it goes down)."""
+    door = McpDoor(settings)
+    app.router.routes.append(door.route)
+    inner: Callable[[FastAPI], contextlib.AbstractAsyncContextManager[Any]]
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[Any]:
+        async with inner(app) as state, door.running():
+            yield state
+
+    app.router.lifespan_context = lifespan
+    return door
