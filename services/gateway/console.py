@@ -30,7 +30,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 from fastapi import APIRouter, Query, Request
 from fastapi import Path as PathParam
@@ -48,7 +48,7 @@ from services.gateway.deps import (
 from services.gateway.tool_calls import ToolCallStates
 from yoke.dead_letters import list_dead_letters
 from yoke.forum_list import ForumList
-from yoke.models import Participant
+from yoke.models import CallerDoor, Participant
 from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.chain import chain_of
 from yoke.runtime.instances import INGESTION, PROCESSOR
@@ -251,6 +251,8 @@ async def names(
     if await readable_forum(store, token, conversation) is None:
         raise ApiError(403, "forbidden", f"this token may not read {conversation!r}")
     found: dict[str, str] = {}
+    # The callers of a published agent (the MCP and A2A doors), by the door they came through.
+    doors: dict[str, str] = {}
     for actor_id in [i for i in ids.split(",") if i][:MAX_NAMES]:
         actor = await store.get_actor(actor_id)
         if actor is None:
@@ -258,7 +260,10 @@ async def names(
         took_part = await store.get_participant(participant_id(conversation, actor_id))
         if took_part is not None or actor.kind in OPEN_KINDS:
             found[actor_id] = actor.name
-    return JSONResponse({"names": found})
+            door = (actor.external_id or "").partition(":")[0]
+            if door in get_args(CallerDoor):
+                doors[actor_id] = door
+    return JSONResponse({"names": found, "doors": doors})
 
 
 async def join_of_monologue(store: Store, monologue_id: str) -> tuple[str, str] | None:

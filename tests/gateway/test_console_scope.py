@@ -45,10 +45,12 @@ async def gateway_url(
         yield url
 
 
-async def person(store: Store, forum_id: str, name: str) -> Actor:
+async def person(
+    store: Store, forum_id: str, name: str, *, external_id: str | None = None
+) -> Actor:
     """A person who posted in the forum: a human actor and its participant there."""
     actor = await store.save_actor(
-        Actor(id=new_id(), kind="human", name=name, external_id=f"http:t:{new_id()}")
+        Actor(id=new_id(), kind="human", name=name, external_id=external_id or f"http:t:{new_id()}")
     )
     await ensure_participant(store, forum_id, actor.id)
     return actor
@@ -69,14 +71,22 @@ async def test_a_scoped_token_learns_the_names_of_its_forums_people_only(
     join = await join_conversation(store, poster, agent.id, mine.id)
     ada = await person(store, mine.id, "Ada")
     bob = await person(store, theirs.id, "Bob")  # a human id can be derived: it is no secret
+    # A caller of a published agent through the MCP door: its lines are marked "via MCP".
+    caller = await person(store, mine.id, "site", external_id="mcp:site~1234")
     await ensure_token_indexes(store)
     _, scoped = await create_token(store, "names-scoped", [mine.id], can_read_monologues=True)
     _, everything = await create_token(store, "names-all", can_read_monologues=True)
-    ids = ",".join([ada.id, bob.id, agent.id, "system"])
+    ids = ",".join([ada.id, bob.id, agent.id, "system", caller.id])
 
     answer = await get(gateway_url, "/console/api/names", scoped, ids=ids, conversation=mine.id)
     assert answer.status_code == 200, answer.text
-    assert answer.json()["names"] == {ada.id: "Ada", agent.id: "helper", "system": "system"}
+    assert answer.json()["names"] == {
+        ada.id: "Ada",
+        agent.id: "helper",
+        "system": "system",
+        caller.id: "site",
+    }
+    assert answer.json()["doors"] == {caller.id: "mcp"}
     # Through the monologue of a join in scope: its agent, and nobody of another forum.
     answer = await get(
         gateway_url, "/console/api/names", scoped, ids=ids, conversation=join.monologue_id

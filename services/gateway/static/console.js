@@ -12,6 +12,8 @@ const DRAFT_STALE_MS = 60000;
 
 const $ = (id) => document.getElementById(id);
 const names = new Map();
+// Authors who called through the gateway's MCP or A2A door: their lines are marked so.
+const doors = new Map();
 
 function token() {
   return sessionStorage.getItem(TOKEN_KEY);
@@ -54,7 +56,10 @@ async function resolveNames(ids, conversationId) {
     const batch = missing.slice(i, i + 100);
     const query = "ids=" + encodeURIComponent(batch.join(",")) + "&conversation=" + encodeURIComponent(conversationId);
     const body = await api("/console/api/names?" + query);
-    for (const id of batch) names.set(id, body.names[id] || id.slice(0, 8));
+    for (const id of batch) {
+      names.set(id, body.names[id] || id.slice(0, 8));
+      if (body.doors && body.doors[id]) doors.set(id, body.doors[id]);
+    }
   }
 }
 
@@ -83,6 +88,8 @@ function renderLine(message) {
   const head = element("div", "head");
   head.append(element("span", "seq", "#" + message.seq));
   head.append(element("span", "author", nameOf(message.authorActorId)));
+  const door = doors.get(message.authorActorId);
+  if (door) head.append(element("span", "tag door", "via " + door.toUpperCase()));
   if (label) head.append(element("span", "tag", label));
   item.append(head);
   for (const part of message.parts || []) {
