@@ -109,6 +109,10 @@ class Settings(BaseSettings):
     gateway_bind_timeout_seconds: float = Field(default=5.0, gt=0)
     # How long an MCP tools/call waits for the agent's answer before it names the conversation.
     mcp_call_timeout_seconds: float = Field(default=120.0, gt=0)
+    # The A2A door's bounds (invariant 14): the tasks one token keeps (past it, its oldest are
+    # forgotten) and the push notification configs one task may hold.
+    a2a_tasks_per_token: int = Field(default=1000, ge=1)
+    a2a_push_configs_per_task: int = Field(default=4, ge=1)
     # Outgoing webhooks: one POST's timeout; a failing receiver is retried with backoff from
     # the first wait up to the cap, for up to the window, then its lines are dead-lettered.
     webhook_timeout_seconds: float = Field(default=10.0, gt=0)
@@ -135,6 +139,8 @@ class Settings(BaseSettings):
     retention_failure_days: float = Field(default=14.0, gt=0)
     # Days kept: webhook dead letters (the console and `yoke webhook list` show them).
     retention_webhook_dead_letter_days: float = Field(default=14.0, gt=0)
+    # Days kept: A2A tasks (tasks/get finds one until then, if its token's cap kept it).
+    retention_a2a_task_days: float = Field(default=7.0, gt=0)
     # Hours kept: lapsed leases, stale outbox claims and silent replicas' documents.
     retention_lease_hours: float = Field(default=6.0, gt=0)
 
