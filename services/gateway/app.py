@@ -34,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BeforeValidator, Field, ValidationError
 from starlette.background import BackgroundTask
 
-from services.gateway import console
+from services.gateway import console, mcp_door
 from services.gateway.deps import (
     REQUEST_SECONDS,
     REQUESTS,
@@ -797,6 +797,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.include_router(api)
     app.include_router(console.router)
+    mcp_door.mount(app, settings)
     return app
 
 

@@ -1,0 +1,470 @@
+"""The gateway's MCP door (services/gateway/mcp_door.py) end to end, with the official ``mcp``
+client: the mesh and the gateway as real processes, agents answering with fixture models.
+
+Tools are the published agents a token may call (and follow publishing without a restart); a
+call is answered with the agent's reply, its deltas as progress notifications; past the
+deadline the answer names the conversation, and calling there again collects it; unpublished
+names, names without ``--can-call``, failed steps, bad arguments and hostile JSON-RPC bodies
+are each answered in the protocol's words, never with a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+import httpx2
+import pytest
+from mcp import ClientSession, MCPError
+from mcp.client.streamable_http import streamable_http_client
+from mcp.types import INVALID_PARAMS, METHOD_NOT_FOUND, CallToolResult, TextContent
+
+from services.gateway.calling import caller_id, kept_forum_id
+from services.gateway.mcp_door import DEFAULT_CONVERSATION, OWED_COLLECTION
+from tests.support.fake_openai import FakeOpenAI, completion, openai_env
+from tests.support.gateway_process import metric
+from tests.support.mesh import Mesh
+from yoke.publishing import PublishedAgent, publish_agent, unpublish_agent
+from yoke.runtime.join_config import ApprovalConfig
+from yoke.runtime.joins import create_agent
+from yoke.store import Store
+from yoke.tokens import Token, create_token, ensure_token_indexes
+
+pytestmark = pytest.mark.slow
+
+MAX_TEXT_BYTES = 2048
+# Long enough for any echo turn on a loaded machine, short enough to wait out in a test; the
+# slow model answers after it, and before a second call's deadline.
+CALL_TIMEOUT_SECONDS = 8.0
+SLOW_MODEL = "fixture-slow-12"
+TEXT_LIMIT = {"YOKE_MAX_TEXT_BYTES": str(MAX_TEXT_BYTES)}
+# Lines a token may send a minute: more than any test but the one that passes it sends.
+LINES_PER_MINUTE = 5
+
+
+@pytest.fixture(scope="module")
+def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
+    # The fake OpenAI server for the agent whose tool call waits for an approver.
+    return {
+        **openai_env(fake_openai.base_url, give_up_seconds=10),
+        **TEXT_LIMIT,
+        "YOKE_TOKEN_LINES_PER_MINUTE": str(LINES_PER_MINUTE),
+    }
+
+
+@pytest.fixture(scope="module")
+def gateway_env() -> dict[str, str]:
+    return {**TEXT_LIMIT, "YOKE_MCP_CALL_TIMEOUT_SECONDS": str(CALL_TIMEOUT_SECONDS)}
+
+
+@pytest.fixture(scope="module")
+def gateway_exits() -> tuple[int, ...]:
+    return (0,)
+
+
+@dataclass
+class Caller:
+    """A token that may call some names, and the secret its client sends."""
+
+    token: Token
+    secret: str
+
+
+@dataclass
+class Agents:
+    """Publishes fixture-model agents under fresh names and makes tokens to call them."""
+
+    store: Store
+
+    async def publish(
+        self, model: str = "fixture-echo", description: str = "", **options: object
+    ) -> PublishedAgent:
+        name = f"agent-{uuid.uuid4().hex[:6]}"
+        agent = await create_agent(self.store, name, model=model, **options)  # type: ignore[arg-type]
+        name = f"a-{uuid.uuid4().hex[:8]}"
+        return await publish_agent(self.store, name, agent.id, description or f"Ask {name}.")
+
+    async def caller(self, *names: str) -> Caller:
+        token, secret = await create_token(
+            self.store, f"mcp-{uuid.uuid4().hex[:8]}", can_call=list(names)
+        )
+        return Caller(token, secret)
+
+
+@pytest.fixture(scope="module")
+async def agents(store: Store, mesh: Mesh) -> Agents:
+    await ensure_token_indexes(store)
+    return Agents(store)
+
+
+@asynccontextmanager
+async def mcp_client(gateway_url: str, secret: str | None) -> AsyncIterator[ClientSession]:
+    """A session of the official client (not yet initialised), sending ``secret`` as its
+    bearer."""
+    headers = {"Authorization": f"Bearer {secret}"} if secret is not None else {}
+    timeout = httpx2.Timeout(30.0, read=120.0)
+    async with (
+        httpx2.AsyncClient(headers=headers, timeout=timeout) as http_client,
+        streamable_http_client(f"{gateway_url}/mcp", http_client=http_client) as (read, write),
+        ClientSession(read, write) as session,
+    ):
+        yield session
+
+
+@asynccontextmanager
+async def mcp_session(gateway_url: str, secret: str) -> AsyncIterator[ClientSession]:
+    """An initialised session of the official client."""
+    async with mcp_client(gateway_url, secret) as session:
+        await session.initialize()
+        yield session
+
+
+def text_of(result: CallToolResult) -> list[str]:
+    return [part.text for part in result.content if isinstance(part, TextContent)]
+
+
+async def calls_counted(gateway_url: str, outcome: str) -> float:
+    return await metric(gateway_url, "yoke_mcp_calls_total", outcome=outcome)
+
+
+# --- listing ------------------------------------------------------------------------------
+
+
+async def test_the_tools_are_the_published_agents_the_token_may_call(
+    gateway_url: str, agents: Agents, store: Store
+) -> None:
+    mine = await agents.publish(description="Answers questions about the weather.")
+    others = await agents.publish()  # published, but not for this token
+    later = f"a-{uuid.uuid4().hex[:8]}"  # may be called once it is published
+    caller = await agents.caller(mine.id, later)
+    async with mcp_session(gateway_url, caller.secret) as session:
+        listed = (await session.list_tools()).tools
+        assert [tool.name for tool in listed] == [mine.id]
+        (tool,) = listed
+        assert tool.description == "Answers questions about the weather."
+        schema = tool.input_schema
+        assert schema["required"] == ["message"]
+        assert set(schema["properties"]) == {"message", "conversation"}
+        assert schema["properties"]["message"]["type"] == "string"
+
+        # Publishing shows at the next listing, without a restart.
+        await publish_agent(store, later, mine.agent_actor_id, "Published later.")
+        assert sorted(tool.name for tool in (await session.list_tools()).tools) == sorted(
+            [mine.id, later]
+        )
+        assert await unpublish_agent(store, mine.id)
+        assert [tool.name for tool in (await session.list_tools()).tools] == [later]
+    assert others.id not in {mine.id, later}
+
+    nobody = await agents.caller()
+    async with mcp_session(gateway_url, nobody.secret) as session:
+        assert (await session.list_tools()).tools == []
+
+
+# --- calling ------------------------------------------------------------------------------
+
+
+async def test_a_call_is_answered_with_the_agents_reply_in_the_callers_kept_forum(
+    gateway_url: str, agents: Agents, store: Store
+) -> None:
+    echo = await agents.publish()
+    caller = await agents.caller(echo.id)
+    answered = await calls_counted(gateway_url, "answered")
+    async with mcp_session(gateway_url, caller.secret) as session:
+        result = await session.call_tool(echo.id, {"message": "hello from mcp"})
+        assert not result.is_error and text_of(result) == ["hello from mcp"]
+        result = await session.call_tool(
+            echo.id, {"message": "in a conversation", "conversation": "project alpha"}
+        )
+        assert not result.is_error and text_of(result) == ["in a conversation"]
+    assert await calls_counted(gateway_url, "answered") == answered + 2
+
+    # Each line is the caller's, in the forum kept for its token and key.
+    for key, said in (
+        (DEFAULT_CONVERSATION, "hello from mcp"),
+        ("project alpha", "in a conversation"),
+    ):
+        forum_id = kept_forum_id(caller.token, "mcp", echo, key)
+        lines = await store.history(forum_id, after_seq=0, up_to_seq=await store.last_seq(forum_id))
+        people = [line for line in lines if line.role == "user"]
+        assert [line.text for line in people] == [said]
+        author = await store.get_actor(people[0].author_actor_id)
+        assert author is not None and author.external_id == caller_id(caller.token, "mcp")
+        assert [line.text for line in lines if line.role == "agent"] == [said]
+
+
+async def test_progress_notifications_carry_the_deltas_in_order(
+    gateway_url: str, agents: Agents
+) -> None:
+    streamer = await agents.publish(model="fixture-stream-4-0.4")
+    caller = await agents.caller(streamer.id)
+    received: list[tuple[float, str | None]] = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        received.append((progress, message))
+
+    said = "one two three four five six seven eight"
+    async with mcp_session(gateway_url, caller.secret) as session:
+        result = await session.call_tool(
+            streamer.id, {"message": said}, progress_callback=on_progress
+        )
+    assert not result.is_error and text_of(result) == [said]
+    assert len(received) >= 2, received
+    progress = [value for value, _ in received]
+    assert progress == sorted(progress) and len(set(progress)) == len(progress), received
+    assert "".join(message or "" for _, message in received) == said
+
+
+async def test_past_the_deadline_the_answer_names_the_conversation_and_a_call_there_collects_it(
+    gateway_url: str, agents: Agents, store: Store
+) -> None:
+    slow = await agents.publish(model=SLOW_MODEL)
+    caller = await agents.caller(slow.id)
+    timed_out = await calls_counted(gateway_url, "timeout")
+    async with mcp_session(gateway_url, caller.secret) as session:
+        result = await session.call_tool(
+            slow.id, {"message": "take your time", "conversation": "slow one"}
+        )
+        assert not result.is_error, result
+        (said,) = text_of(result)
+        assert "still working" in said and "conversation='slow one'" in said
+        assert await calls_counted(gateway_url, "timeout") == timed_out + 1
+
+        # The next call there collects the answer (the slow model is done before its deadline),
+        # and sends nothing of its own.
+        again = await session.call_tool(slow.id, {"message": "well?", "conversation": "slow one"})
+        assert not again.is_error, again
+        answer, note = text_of(again)
+        assert answer == "take your time" and "not sent" in note
+    forum_id = kept_forum_id(caller.token, "mcp", slow, "slow one")
+    lines = await store.history(forum_id, after_seq=0, up_to_seq=await store.last_seq(forum_id))
+    assert [line.text for line in lines if line.role == "user"] == ["take your time"]
+    # Collected, it is owed no more: the conversation's next call sends its message.
+    assert await store.db[OWED_COLLECTION].find_one({"_id": forum_id}) is None
+
+
+async def test_a_call_waiting_for_an_approver_says_so_and_is_answered_once_approved(
+    gateway_url: str, agents: Agents, store: Store, fake_openai: FakeOpenAI
+) -> None:
+    gated = await agents.publish(
+        model="gpt-test",
+        tools=["calculator"],
+        approval=ApprovalConfig(tools=["calculator"], timeout_seconds=600),
+    )
+    fake_openai.script(
+        completion(tool_calls=[("call-1", "calculator", '{"expression": "6 * 7"}')]),
+        completion("it is 42"),
+    )
+    caller = await agents.caller(gated.id)
+    _, approver = await create_token(store, f"approver-{uuid.uuid4().hex[:6]}", can_approve=True)
+    forum_id = kept_forum_id(caller.token, "mcp", gated, DEFAULT_CONVERSATION)
+    waiting = asyncio.Event()
+    received: list[str | None] = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        received.append(message)
+        if message and "approve" in message:
+            waiting.set()
+
+    async def approve() -> None:
+        await asyncio.wait_for(waiting.wait(), 60)
+        async with httpx.AsyncClient(base_url=gateway_url, timeout=30) as http:
+            auth = {"Authorization": f"Bearer {approver}"}
+            listed = await http.get(f"/v1/forums/{forum_id}/approvals", headers=auth)
+            [pending] = listed.json()["approvals"]
+            decided = await http.post(
+                f"/v1/forums/{forum_id}/approvals/{pending['callId']}",
+                json={"decision": "approve"},
+                headers=auth,
+            )
+            assert decided.status_code == 200, decided.text
+
+    async with mcp_session(gateway_url, caller.secret) as session:
+        approving = asyncio.create_task(approve())
+        result = await session.call_tool(
+            gated.id, {"message": "what is 6 * 7?"}, progress_callback=on_progress
+        )
+        await approving
+    assert not result.is_error and text_of(result) == ["it is 42"], result
+    assert "waiting for a person to approve: calculator" in received, received
+
+
+async def test_an_unpublished_name_and_one_without_can_call_are_refused_alike(
+    gateway_url: str, agents: Agents
+) -> None:
+    mine = await agents.publish()
+    theirs = await agents.publish()
+    caller = await agents.caller(mine.id, "never-published")
+    refused = await calls_counted(gateway_url, "refused")
+    async with mcp_session(gateway_url, caller.secret) as session:
+        words = []
+        for name in ("never-published", theirs.id, "no such tool"):
+            with pytest.raises(MCPError) as raised:
+                await session.call_tool(name, {"message": "hi"})
+            assert raised.value.error.code == INVALID_PARAMS
+            assert f"unknown tool {name!r}" in raised.value.error.message
+            words.append(raised.value.error.message.replace(repr(name), "NAME"))
+        # Nothing tells a name that exists from one that does not.
+        assert len(set(words)) == 1, words
+    assert await calls_counted(gateway_url, "refused") == refused + 3
+
+
+async def test_a_failed_step_is_an_error_result_with_the_notices_words(
+    gateway_url: str, agents: Agents
+) -> None:
+    broken = await agents.publish(model="fixture-no-such-model")
+    caller = await agents.caller(broken.id)
+    failed = await calls_counted(gateway_url, "failed")
+    async with mcp_session(gateway_url, caller.secret) as session:
+        result = await session.call_tool(broken.id, {"message": "hello?"})
+    assert result.is_error, result
+    (said,) = text_of(result)
+    assert said.startswith("I could not answer") and "Traceback" not in said
+    assert await calls_counted(gateway_url, "failed") == failed + 1
+
+
+async def test_bad_arguments_are_error_results_that_say_what_is_wrong(
+    gateway_url: str, agents: Agents
+) -> None:
+    echo = await agents.publish()
+    caller = await agents.caller(echo.id)
+    invalid = await calls_counted(gateway_url, "invalid")
+    cases = [
+        ({}, "message: Field required"),
+        ({"message": ""}, "message: String should have at least 1 character"),
+        ({"message": 7}, "message: Input should be a valid string"),
+        ({"message": "a\u0000b"}, "NUL"),
+        ({"message": "x" * (MAX_TEXT_BYTES + 1)}, f"the limit is {MAX_TEXT_BYTES}"),
+        ({"message": "hi", "conversation": ""}, "conversation: Value error, use 1-128"),
+        ({"message": "hi", "conversation": "k" * 129}, "conversation: Value error, use 1-128"),
+        ({"message": "hi", "conversation": " padded"}, "conversation: Value error, use 1-128"),
+        ({"message": "hi", "conversation": 3}, "conversation: Input should be a valid string"),
+        ({"message": "hi", "mood": "good"}, "mood: Extra inputs are not permitted"),
+    ]
+    async with mcp_session(gateway_url, caller.secret) as session:
+        for arguments, words in cases:
+            result = await session.call_tool(echo.id, arguments)
+            assert result.is_error, arguments
+            assert words in text_of(result)[0], (arguments, text_of(result))
+    assert await calls_counted(gateway_url, "invalid") == invalid + len(cases)
+
+
+async def test_past_its_lines_per_minute_a_token_is_told_when_to_retry(
+    gateway_url: str, agents: Agents
+) -> None:
+    echo = await agents.publish()
+    caller = await agents.caller(echo.id)
+    limited = await calls_counted(gateway_url, "rate_limited")
+    async with mcp_session(gateway_url, caller.secret) as session:
+        for index in range(LINES_PER_MINUTE):
+            result = await session.call_tool(echo.id, {"message": f"line {index}"})
+            assert text_of(result) == [f"line {index}"], result
+        refused = await session.call_tool(echo.id, {"message": "one too many"})
+    assert refused.is_error, refused
+    (said,) = text_of(refused)
+    assert re.search(r"retry after [0-9]+ s", said), said
+    assert await calls_counted(gateway_url, "rate_limited") == limited + 1
+
+
+# --- the HTTP around it ---------------------------------------------------------------------
+
+
+async def test_every_request_needs_a_known_token(gateway_url: str, agents: Agents) -> None:
+    for secret in (None, "yoke_" + "x" * 43, "not a token"):
+        async with mcp_client(gateway_url, secret) as session:
+            with pytest.raises(MCPError) as raised:
+                await session.initialize()
+        assert "token" in raised.value.error.message, raised.value.error
+    ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.post(f"{gateway_url}/mcp", json=ping, headers=ACCEPT)
+    assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
+    assert response.json()["error"]["message"].startswith("missing token")
+
+
+ACCEPT = {"Accept": "application/json, text/event-stream"}
+
+
+def rpc(method: str, params: object = None, id: object = 1) -> bytes:
+    body: dict[str, object] = {"jsonrpc": "2.0", "id": id, "method": method}
+    if params is not None:
+        body["params"] = params
+    return json.dumps(body).encode()
+
+
+def rpc_error(response: httpx.Response) -> dict[str, object]:
+    """The JSON-RPC error of a response, whether a JSON body or one event of a stream."""
+    text = response.text
+    if response.headers.get("content-type", "").startswith("text/event-stream"):
+        text = next(line[5:] for line in text.splitlines() if line.startswith("data:"))
+    error = json.loads(text)["error"]
+    assert isinstance(error, dict)
+    return error
+
+
+async def test_hostile_json_rpc_gets_protocol_errors_never_a_500(
+    gateway_url: str, agents: Agents
+) -> None:
+    echo = await agents.publish()
+    caller = await agents.caller(echo.id)
+    headers = {**ACCEPT, "Authorization": f"Bearer {caller.secret}"}
+    json_headers = {**headers, "Content-Type": "application/json"}
+    deep = (
+        b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"_meta":'
+        + b"[" * 64
+        + b"]" * 64
+        + b"}}"
+    )
+    cases: list[tuple[str, bytes, int, int | None]] = [
+        # (what, body, HTTP status, JSON-RPC error code)
+        ("not JSON", b"{nope", 400, -32700),
+        ("not UTF-8", b'{"jsonrpc":"2.0","id":1,"method":"\xff"}', 400, -32700),
+        ("nested deep", deep, 400, -32700),
+        ("too large", b'{"x":"' + b"y" * (MAX_TEXT_BYTES * 3 + 4096) + b'"}', 413, None),
+        ("a batch", b"[" + rpc("ping") + b"]", 400, None),
+        ("no method", b'{"jsonrpc":"2.0","id":1}', 400, None),
+        ("unknown method", rpc("agents/summon"), 200, METHOD_NOT_FOUND),
+        (
+            "name of a wrong type",
+            rpc("tools/call", {"name": 5, "arguments": {}}),
+            200,
+            INVALID_PARAMS,
+        ),
+        (
+            "arguments a list",
+            rpc("tools/call", {"name": echo.id, "arguments": ["hi"]}),
+            200,
+            INVALID_PARAMS,
+        ),
+        ("params a string", rpc("tools/list", "all"), 400, INVALID_PARAMS),
+        # Not a request (its id is no id): taken as a notification, and nothing is answered.
+        ("an id of a wrong type", rpc("ping", id={"an": "object"}), 202, None),
+    ]
+    async with httpx.AsyncClient(timeout=30) as client:
+        for what, body, status, code in cases:
+            response = await client.post(f"{gateway_url}/mcp", content=body, headers=json_headers)
+            assert response.status_code == status, (what, response.status_code, response.text)
+            if code is not None:
+                assert rpc_error(response)["code"] == code, (what, response.text)
+        for method in ("GET", "DELETE", "PUT"):
+            response = await client.request(method, f"{gateway_url}/mcp", headers=headers)
+            assert response.status_code == 405 and response.headers["allow"] == "POST", method
+        plain = {**headers, "Content-Type": "text/plain"}
+        response = await client.post(f"{gateway_url}/mcp", content=rpc("ping"), headers=plain)
+        assert response.status_code == 400 and "Content-Type" in response.text
+        no_accept = {**json_headers, "Accept": "text/html"}
+        response = await client.post(f"{gateway_url}/mcp", content=rpc("ping"), headers=no_accept)
+        assert response.status_code == 406, response.text
+        # Still serving, and counted as the gateway's /mcp route.
+        response = await client.post(
+            f"{gateway_url}/mcp", content=rpc("ping"), headers=json_headers
+        )
+        assert response.status_code == 200 and '"result":{}' in response.text
+    assert await metric(gateway_url, "yoke_gateway_requests_total", route="/mcp", status="500") == 0
+    assert await metric(gateway_url, "yoke_gateway_requests_total", route="/mcp", status="413") >= 1
