@@ -61,9 +61,10 @@ from starlette.types import Receive, Scope, Send
 from services.gateway import calling
 from services.gateway.deps import ApiError, Gateway, gateway, require_token
 from services.gateway.limits import REFUSALS
+from yoke.ages import BUCKET_FIELD, day_bucket
 from yoke.errors import describe_validation_error, is_transient
 from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
-from yoke.models import Message, check_storable
+from yoke.models import Message, check_storable, utcnow
 from yoke.publishing import PublishedAgent
 from yoke.settings import Settings
 from yoke.tokens import Token
@@ -361,9 +362,8 @@ async def owed_line(
 
 async def owe(state: Gateway, forum_id: str, line: Message) -> None:
     """Remember (bookkeeping, as a webhook's cursor) that ``line``'s answer is owed."""
-    await state.store.db[OWED_COLLECTION].replace_one(
-        {"_id": forum_id}, {"_id": forum_id, "lineId": line.id, "at": time.time()}, upsert=True
-    )
+    owed = {"_id": forum_id, "lineId": line.id, "at": utcnow(), BUCKET_FIELD: day_bucket()}
+    await state.store.db[OWED_COLLECTION].replace_one({"_id": forum_id}, owed, upsert=True)
 
 
 async def paid(state: Gateway, forum_id: str) -> None:
@@ -437,8 +437,11 @@ def mount(app: FastAPI, settings: Settings) -> McpDoor:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[Any]:
-        async with inner(app) as state, door.running():
-            yield state
+        async with inner(app) as state:
+            # Made before any traffic (FerretDB can hang making one lazily under load).
+            await app.state.gateway.store.create_collections(OWED_COLLECTION)
+            async with door.running():
+                yield state
 
     app.router.lifespan_context = lifespan
     return door
