@@ -19,10 +19,10 @@ const services = {
 };
 
 // The gateway reads what it shows (lines, forums, tokens, calls) and writes only bookkeeping:
-// its webhook worker's, its retention sweep's progress and the console's forum list (positions
-// of forums made before it); it creates collections and indexes because it starts before or
-// without the services (Store.ensure_indexes). It cannot write a line, an actor, a token or a
-// call.
+// its webhook worker's, its retention sweep's progress, the console's forum list (positions
+// of forums made before it) and the MCP door's owed answers (calls that ran out of time); it
+// creates collections and indexes because it starts before or without the services
+// (Store.ensure_indexes). It cannot write a line, an actor, a token or a call.
 const gatewayRole = {
   "role": "yokeGateway",
   "privileges": [
@@ -49,6 +49,10 @@ const gatewayRole = {
     {
       "resource": { "db": "yoke", "collection": "forum_list" },
       "actions": ["find", "insert"]
+    },
+    {
+      "resource": { "db": "yoke", "collection": "mcp_owed_answers" },
+      "actions": ["find", "insert", "update", "remove"]
     }
   ],
   "roles": []

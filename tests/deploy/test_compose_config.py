@@ -214,13 +214,14 @@ def test_the_gateway_mongodb_user_reads_and_writes_only_what_it_must() -> None:
         if writes & set(privilege["actions"])
     }
     # Only bookkeeping: the webhook worker's, its retention sweep's progress, the console's
-    # forum list; never a line, an actor, a token or a call.
+    # forum list, the MCP door's owed answers; never a line, an actor, a token or a call.
     assert written == {
         "webhook_cursors",
         "webhook_leases",
         "webhook_dead_letters",
         "retention",
         "forum_list",
+        "mcp_owed_answers",
     }
     for privilege in role["privileges"]:
         assert privilege["resource"]["db"] == "yoke"
