@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -24,15 +26,18 @@ import pytest
 from mcp import ClientSession, MCPError
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import INVALID_PARAMS, METHOD_NOT_FOUND, CallToolResult, TextContent
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.calling import caller_id, kept_forum_id
 from services.gateway.mcp_door import DEFAULT_CONVERSATION, OWED_COLLECTION
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env
 from tests.support.gateway_process import metric
 from tests.support.mesh import Mesh
+from tests.support.processes import eventually
 from yoke.publishing import PublishedAgent, publish_agent, unpublish_agent
 from yoke.runtime.join_config import ApprovalConfig
-from yoke.runtime.joins import create_agent
+from yoke.runtime.joins import create_agent, create_forum, join_conversation
+from yoke.runtime.posting import Poster
 from yoke.store import Store
 from yoke.tokens import Token, create_token, ensure_token_indexes
 
@@ -468,3 +473,94 @@ async def test_hostile_json_rpc_gets_protocol_errors_never_a_500(
         assert response.status_code == 200 and '"result":{}' in response.text
     assert await metric(gateway_url, "yoke_gateway_requests_total", route="/mcp", status="500") == 0
     assert await metric(gateway_url, "yoke_gateway_requests_total", route="/mcp", status="413") >= 1
+
+
+# --- what a call costs ------------------------------------------------------------------------
+
+
+async def _store_operations(mesh: Mesh, gateway_url: str) -> Counter[str]:
+    """Store operations so far: the services' while handling deliveries, and the gateway's."""
+    counts: Counter[str] = Counter()
+    texts = {name: await process.metrics() for name, process in mesh.processes.items()}
+    async with httpx.AsyncClient(timeout=30) as client:
+        texts["gateway"] = (await client.get(f"{gateway_url}/metrics")).text
+    for name, text in texts.items():
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = sample.labels
+                if sample.name != "yoke_store_operations_total":
+                    continue
+                if name == "gateway" or labels.get("origin") == "delivery":
+                    counts[f"{name}:{labels['command']}"] += int(sample.value)
+    return counts
+
+
+async def _settled(mesh: Mesh, gateway_url: str) -> Counter[str]:
+    """The counts once nothing has moved for a second (a turn's tail deliveries are done)."""
+    loop = asyncio.get_running_loop()
+    last = await _store_operations(mesh, gateway_url)
+    quiet_since = loop.time()
+    while loop.time() - quiet_since < 1.0:
+        await asyncio.sleep(0.25)
+        now = await _store_operations(mesh, gateway_url)
+        if now != last:
+            last, quiet_since = now, loop.time()
+    return last
+
+
+async def test_an_mcp_turn_costs_an_http_turns_store_operations_and_a_few_more(
+    gateway_url: str, agents: Agents, store: Store, mesh: Mesh, poster: Poster
+) -> None:
+    echo = await agents.publish()
+    caller = await agents.caller(echo.id)
+    forum = await create_forum(store, "cost")
+    await join_conversation(store, poster, echo.agent_actor_id, forum.id)
+    _, secret = await create_token(store, f"http-{uuid.uuid4().hex[:6]}", [forum.id])
+
+    async def http_turn(http: httpx.AsyncClient, text: str) -> None:
+        """A line posted over REST and its answer read back as a REST client would."""
+        auth = {"Authorization": f"Bearer {secret}"}
+        body = {"author": {"externalId": "ada", "displayName": "Ada"}, "text": text}
+        posted = await http.post(f"/v1/forums/{forum.id}/messages", json=body, headers=auth)
+        assert posted.status_code == 202, posted.text
+        line = await store.get_message(posted.json()["messageId"])
+        assert line is not None
+
+        async def answered() -> bool:
+            page = await http.get(
+                f"/v1/forums/{forum.id}/messages", params={"after": line.seq}, headers=auth
+            )
+            return any(m["role"] == "agent" for m in page.json()["messages"])
+
+        await eventually(answered, timeout=60, what=f"the answer to {text!r}", interval=0.05)
+
+    async with (
+        httpx.AsyncClient(base_url=gateway_url, timeout=30) as http,
+        mcp_session(gateway_url, caller.secret) as session,
+    ):
+        for warm in range(2):  # caches warm, the kept forum made and joined
+            await http_turn(http, f"warm {warm}")
+            await session.call_tool(echo.id, {"message": f"warm {warm}"})
+        before = await _settled(mesh, gateway_url)
+        await http_turn(http, "what does a turn cost?")
+        middle = await _settled(mesh, gateway_url)
+        seconds = []
+        started = time.perf_counter()
+        result = await session.call_tool(echo.id, {"message": "what does a call cost?"})
+        seconds.append(time.perf_counter() - started)
+        after = await _settled(mesh, gateway_url)
+    assert text_of(result) == ["what does a call cost?"]
+    http_cost, mcp_cost = middle - before, after - middle
+
+    def total(counts: Counter[str], gateway: bool) -> int:
+        return sum(v for k, v in counts.items() if k.startswith("gateway:") == gateway)
+
+    def breakdown(counts: Counter[str]) -> str:
+        return ", ".join(f"{key}={value}" for key, value in sorted(counts.items()))
+
+    print(f"HTTP turn: {breakdown(http_cost)}")
+    print(f"MCP turn: {breakdown(mcp_cost)}")
+    print(f"MCP call to answer: {seconds[0] * 1000:.0f} ms")
+    # The mesh does the same for a line from either door; the MCP door's own reads are few.
+    assert total(mcp_cost, gateway=False) <= total(http_cost, gateway=False) + 2
+    assert total(mcp_cost, gateway=True) <= 10, breakdown(mcp_cost)
