@@ -17,8 +17,8 @@ Streamable HTTP, stateless, answered as an event stream:
 
 The bearer token is checked before the SDK sees a request (401 as on every route, with the
 gateway's own check), the body is bounded in bytes, time and depth as the REST API's is, and
-the token rides in the ASGI scope to the handlers. Handlers never raise past themselves: the
-SDK would put an unexpected exception's text on the wire.
+the token rides in the ASGI scope to the handlers. A handler raises nothing but a refusal
+(MCPError): the SDK would put any other exception's text on the wire.
 """
 
 from __future__ import annotations
@@ -58,13 +58,12 @@ from starlette.routing import Route
 from starlette.types import Message as AsgiMessage
 from starlette.types import Receive, Scope, Send
 
-from services.gateway import calling
+from services.gateway import calling, owed_answers
 from services.gateway.deps import ApiError, Gateway, gateway, require_token
 from services.gateway.limits import REFUSALS
-from yoke.ages import BUCKET_FIELD, day_bucket
 from yoke.errors import describe_validation_error, is_transient
 from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
-from yoke.models import Message, check_storable, utcnow
+from yoke.models import Message, check_storable
 from yoke.publishing import PublishedAgent
 from yoke.settings import Settings
 from yoke.tokens import Token
@@ -219,7 +218,7 @@ class McpDoor:
     async def call_tool(
         self, ctx: ServerRequestContext[Any], params: CallToolRequestParams
     ) -> CallToolResult:
-        """A line to the agent, answered with its reply (see :func:`answer_call`)."""
+        """A line to the agent, answered with its reply; every call counted by outcome."""
         started = time.perf_counter()
         outcome: Outcome = "failed"
         try:
@@ -259,19 +258,20 @@ class McpDoor:
             return "invalid", _error(f"message is {size} bytes; the limit is {limit}")
         key = arguments.conversation or DEFAULT_CONVERSATION
         progress = Progress(ctx)
-        owed = await owed_line(state, token, agent, key)
+        owed = await owed_answers.owed_line(
+            state.store, calling.kept_forum_id(token, DOOR, agent, key)
+        )
         if owed is not None:
-            return await self._follow(state, token, agent, key, owed, progress, collected=True)
+            return await self._follow(state, agent, key, owed, progress, collected=True)
         try:
             line = await calling.post_line(state, token, DOOR, agent, key, arguments.message)
         except ApiError as error:
             return _refused_line(error)
-        return await self._follow(state, token, agent, key, line, progress, collected=False)
+        return await self._follow(state, agent, key, line, progress, collected=False)
 
     async def _follow(
         self,
         state: Gateway,
-        token: Token,
         agent: PublishedAgent,
         key: str,
         line: Message,
@@ -296,15 +296,15 @@ class McpDoor:
                     else:
                         ended = event
         except ApiError as error:  # the forum's events could not be bound: the mesh is busy
-            await owe(state, forum_id, line)
+            await owed_answers.owe(state.store, forum_id, line)
             return "failed", _error(error.error)
         except BaseException:
             # The caller went (or the gateway stops): its next call collects the answer.
             with anyio.CancelScope(shield=True):
-                await owe(state, forum_id, line)
+                await owed_answers.owe(state.store, forum_id, line)
             raise
         if ended is None:
-            await owe(state, forum_id, line)
+            await owed_answers.owe(state.store, forum_id, line)
             seconds = self.settings.mcp_call_timeout_seconds
             text = (
                 f"{agent.id} is still working on your message (past {seconds:g} s). Its answer "
@@ -313,7 +313,7 @@ class McpDoor:
             )
             return "timeout", CallToolResult(content=[TextContent(type="text", text=text)])
         if collected:
-            await paid(state, forum_id)
+            await owed_answers.paid(state.store, forum_id)
         if isinstance(ended, calling.Failed):
             return "failed", _error(ended.text)
         content = [TextContent(type="text", text=ended.message.text)]
@@ -338,36 +338,6 @@ class Progress:
         self.sent += 1
         # A no-op without a progressToken; the request's own stream carries it.
         await self.session.report_progress(self.sent, None, message)
-
-
-# --- the answer a conversation is owed -------------------------------------------------------
-
-OWED_COLLECTION = "mcp_owed_answers"
-
-
-async def owed_line(
-    state: Gateway, token: Token, agent: PublishedAgent, key: str
-) -> Message | None:
-    """The line of this conversation whose answer its caller has not had (a call that ran out
-    of time, or one whose caller went), if any: one read by id."""
-    forum_id = calling.kept_forum_id(token, DOOR, agent, key)
-    found = await state.store.db[OWED_COLLECTION].find_one({"_id": forum_id})
-    if found is None:
-        return None
-    line = await state.store.get_message(str(found["lineId"]))
-    if line is None:  # the forum's lines were deleted meanwhile: nothing is owed any more
-        await paid(state, forum_id)
-    return line
-
-
-async def owe(state: Gateway, forum_id: str, line: Message) -> None:
-    """Remember (bookkeeping, as a webhook's cursor) that ``line``'s answer is owed."""
-    owed = {"_id": forum_id, "lineId": line.id, "at": utcnow(), BUCKET_FIELD: day_bucket()}
-    await state.store.db[OWED_COLLECTION].replace_one({"_id": forum_id}, owed, upsert=True)
-
-
-async def paid(state: Gateway, forum_id: str) -> None:
-    await state.store.db[OWED_COLLECTION].delete_one({"_id": forum_id})
 
 
 # --- pieces -----------------------------------------------------------------------------------
@@ -439,7 +409,7 @@ def mount(app: FastAPI, settings: Settings) -> McpDoor:
     async def lifespan(app: FastAPI) -> AsyncIterator[Any]:
         async with inner(app) as state:
             # Made before any traffic (FerretDB can hang making one lazily under load).
-            await app.state.gateway.store.create_collections(OWED_COLLECTION)
+            await app.state.gateway.store.create_collections(owed_answers.COLLECTION)
             async with door.running():
                 yield state
 

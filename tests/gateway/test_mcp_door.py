@@ -28,8 +28,9 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.types import INVALID_PARAMS, METHOD_NOT_FOUND, CallToolResult, TextContent
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.gateway import owed_answers
 from services.gateway.calling import caller_id, kept_forum_id
-from services.gateway.mcp_door import DEFAULT_CONVERSATION, OWED_COLLECTION
+from services.gateway.mcp_door import DEFAULT_CONVERSATION
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env
 from tests.support.gateway_process import metric
 from tests.support.mesh import Mesh
@@ -251,7 +252,7 @@ async def test_past_the_deadline_the_answer_names_the_conversation_and_a_call_th
     lines = await store.history(forum_id, after_seq=0, up_to_seq=await store.last_seq(forum_id))
     assert [line.text for line in lines if line.role == "user"] == ["take your time"]
     # Collected, it is owed no more: the conversation's next call sends its message.
-    assert await store.db[OWED_COLLECTION].find_one({"_id": forum_id}) is None
+    assert await store.db[owed_answers.COLLECTION].find_one({"_id": forum_id}) is None
 
 
 async def test_a_call_waiting_for_an_approver_says_so_and_is_answered_once_approved(
