@@ -4,9 +4,11 @@ The gateway runs as a real process beside the mesh (started for this phase only,
 phases measure the mesh as before), with a token made as ``yoke token create`` makes one and a
 webhook subscription as ``yoke webhook add`` adds one. Each round posts a line over HTTP
 (httpx, kept alive) and times POST -> 202, POST -> the agent's answer on an open ``/stream``
-and POST -> its webhook delivery; then submits a line through :class:`yoke.client.Client` and
-times the door's answer and the agent's answer on ``yoke.events``: the baseline, in the same
-forum and the same run, interleaved so both doors see the same machine.
+and POST -> its webhook delivery; calls the same agent, published, through the gateway's MCP
+server (:mod:`bench.callers`: call -> answer, in its caller's own kept forum); then submits a
+line through :class:`yoke.client.Client` and times the door's answer and the agent's answer on
+``yoke.events``: the baseline, in the same forum and the same run, interleaved so every door
+sees the same machine.
 """
 
 from __future__ import annotations
@@ -17,26 +19,34 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from bench.callers import McpCaller
 from bench.http_answers import StreamReader, WebhookReceiver
 from bench.mesh_bench import Figures, MeshBench
 from bench.services import ServiceProcess
 from bench.stats import percentile
 from bench.turns import ACCEPTED, START
 from yoke.cli.supervisor import GATEWAY
+from yoke.publishing import publish_agent
 from yoke.tokens import create_token, ensure_token_indexes
 from yoke.webhooks import add_webhook, ensure_webhook_indexes
 
 START_WITHIN = 120.0
 TOKEN_NAME = "bench-gateway"
+PUBLISHED_NAME = "bench-echo"
 # Series, as written to the results (what each times is in report.gateway_lines).
 POST = "post"
 AMQP_SUBMIT = "amqpSubmit"
 STREAM = "postToStream"
 AMQP_TURN = "amqpTurn"
 WEBHOOK = "postToWebhook"
-SERIES = (POST, AMQP_SUBMIT, STREAM, AMQP_TURN, WEBHOOK)
+MCP_CALL = "mcpCall"
+SERIES = (POST, AMQP_SUBMIT, STREAM, AMQP_TURN, WEBHOOK, MCP_CALL)
 # (ratio's name, gateway series, its AMQP baseline): p50 over p50.
-RATIOS = (("accept", POST, AMQP_SUBMIT), ("answer", STREAM, AMQP_TURN))
+RATIOS = (
+    ("accept", POST, AMQP_SUBMIT),
+    ("answer", STREAM, AMQP_TURN),
+    ("mcp", MCP_CALL, AMQP_TURN),
+)
 
 
 def latency_figures(seconds: list[float]) -> Figures:
@@ -84,13 +94,17 @@ class GatewayBench:
         mesh, args = self.mesh, self.args
         (self.forum,), _ = await mesh.join_forums(1, "gateway")
         await ensure_token_indexes(mesh.store)
-        _, secret = await create_token(mesh.store, TOKEN_NAME, [self.forum])
+        await publish_agent(mesh.store, PUBLISHED_NAME, mesh.agent_id, "Echoes the line.")
+        _, secret = await create_token(
+            mesh.store, TOKEN_NAME, [self.forum], can_call=[PUBLISHED_NAME]
+        )
         await ensure_webhook_indexes(mesh.store)
         # Before the gateway starts: its worker takes the subscription's lease as it starts.
         await add_webhook(mesh.store, self.forum, self.receiver.url)
         self.progress(f"gateway: starting the gateway process (logs in {mesh.log_dir})")
         gateway = ServiceProcess(GATEWAY, mesh.services.env, mesh.log_dir)
         stream = StreamReader(gateway.url, self.forum, secret)
+        mcp = McpCaller(gateway.url, secret, PUBLISHED_NAME, self.patience)
         api = httpx.AsyncClient(
             base_url=gateway.url,
             headers={"Authorization": f"Bearer {secret}"},
@@ -101,14 +115,16 @@ class GatewayBench:
             await gateway.wait_healthy(START_WITHIN)
             healthy = time.perf_counter()
             await stream.open(within=30)
+            await mcp.open()
             self.progress(
                 f"gateway: healthy in {healthy - begin:.1f}s, stream open"
                 f" {time.perf_counter() - healthy:.1f}s later"
             )
             if args.turn_warmup:
-                await self.rounds(api, stream, "gateway warmup", args.turn_warmup)
-            rounds = await self.rounds(api, stream, "gateway", args.gateway_turns)
+                await self.rounds(api, stream, mcp, "gateway warmup", args.turn_warmup)
+            rounds = await self.rounds(api, stream, mcp, "gateway", args.gateway_turns)
         finally:
+            await mcp.close()
             await api.aclose()
             await stream.close()  # before the stop: an open stream holds the shutdown up
             code = await asyncio.to_thread(gateway.stop)
@@ -127,15 +143,22 @@ class GatewayBench:
         return figures
 
     async def rounds(
-        self, api: httpx.AsyncClient, stream: StreamReader, label: str, count: int
+        self,
+        api: httpx.AsyncClient,
+        stream: StreamReader,
+        mcp: McpCaller,
+        label: str,
+        count: int,
     ) -> Rounds:
-        """``count`` rounds, each a turn through the gateway, then one through the AMQP door;
-        every answer awaited wherever it goes before the next line (one turn at a time)."""
+        """``count`` rounds, each a turn through the gateway, a call through its MCP server,
+        then a turn through the AMQP door; every answer awaited wherever it goes before the
+        next line (one turn at a time)."""
         rounds = Rounds()
         begin = time.perf_counter()
         last_report = begin
         for index in range(count):
             await self.http_turn(api, stream, rounds)
+            rounds.add(MCP_CALL, await mcp.call(f"mcp line {index}"))
             await self.amqp_turn(stream, rounds)
             if time.perf_counter() - last_report > 5:
                 last_report = time.perf_counter()

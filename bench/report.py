@@ -148,8 +148,11 @@ def gateway_lines(gateway: Figures) -> list[str]:
         ("POST -> answer on /stream", "postToStream", "answer"),
         ("  AMQP submit -> answer on yoke.events", "amqpTurn", None),
         ("POST -> webhook delivery", "postToWebhook", None),
+        ("MCP tools/call -> its answer (mcp client)", "mcpCall", "mcp"),
     )
     for label, key, ratio_name in rows:
+        if key not in gateway:  # results of a run before the door existed
+            continue
         figures = gateway[key]
         ratio = gateway["ratios"].get(ratio_name) if ratio_name else None
         lines.append(
