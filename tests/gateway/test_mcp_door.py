@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import httpx2
@@ -565,3 +567,28 @@ async def test_an_mcp_turn_costs_an_http_turns_store_operations_and_a_few_more(
     # The mesh does the same for a line from either door; the MCP door's own reads are few.
     assert total(mcp_cost, gateway=False) <= total(http_cost, gateway=False) + 2
     assert total(mcp_cost, gateway=True) <= 10, breakdown(mcp_cost)
+
+
+async def test_the_guides_mcp_client_runs_as_written(
+    gateway_url: str, agents: Agents, store: Store
+) -> None:
+    """docs/agents-as-tools.md's client, run as a newcomer would run it (only the token and the
+    gateway's address told)."""
+    guide = (Path(__file__).parents[2] / "docs/agents-as-tools.md").read_text()
+    code = guide.split("## 3.", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    agent = await create_agent(store, "Helpdesk")
+    await publish_agent(store, "helpdesk", agent.id, "Answers questions about orders.")
+    caller = await agents.caller("helpdesk")
+    code = code.replace('TOKEN = "yoke_..."', f"TOKEN = {caller.secret!r}")
+    code = code.replace("http://localhost:8080", gateway_url)
+    run = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        code,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(run.communicate(), 120)
+    assert run.returncode == 0, err.decode()[-3000:]
+    printed = out.decode().splitlines()
+    assert printed[0] == "['helpdesk']" and printed[-1] == "False Where is order 1234?", printed
