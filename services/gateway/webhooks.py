@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
 
 import aio_pika
@@ -274,7 +274,7 @@ class SubscriptionRunner:
         )
         passed_over = False
         for line in lines:
-            if not deliverable(line):
+            if not await self.wanted(line):
                 cursor.seq = line.seq
                 passed_over = True
                 continue
@@ -312,13 +312,15 @@ class SubscriptionRunner:
             for waiting in waits:
                 waiting.cancel()
 
-    async def _deliver(self, cursor: Cursor, line: Message) -> bool:
-        """POST one line; True when the cursor moved past it (delivered, refused, dead)."""
-        worker = self.worker
+    async def wanted(self, line: Message) -> bool:
+        """Whether ``line`` is POSTed (else the cursor passes over it). A subclass (an A2A
+        task's push, services/gateway/a2a/push.py) narrows it."""
+        return deliverable(line)
+
+    def body(self, delivery: str, line: Message) -> bytes:
+        """What is POSTed for ``line`` (signed as it is); a subclass shapes its own."""
         subscription = self.subscription
-        settings = worker.settings
-        delivery = delivery_id(subscription.id, line.id)
-        body = (
+        return (
             Delivery(
                 delivery_id=delivery,
                 subscription_id=subscription.id,
@@ -328,6 +330,14 @@ class SubscriptionRunner:
             .model_dump_json(exclude_none=True)
             .encode()
         )
+
+    async def _deliver(self, cursor: Cursor, line: Message) -> bool:
+        """POST one line; True when the cursor moved past it (delivered, refused, dead)."""
+        worker = self.worker
+        subscription = self.subscription
+        settings = worker.settings
+        delivery = delivery_id(subscription.id, line.id)
+        body = self.body(delivery, line)
         # Signed with the body: a receiver refuses a copy captured and sent again later.
         timestamp = str(int(time.time()))
         headers = {
@@ -483,6 +493,12 @@ class WebhookWorker:
         )
         self.bus = Bus(settings.amqp_url, name="gateway-webhooks")
         self.runners: dict[str, tuple[SubscriptionRunner, asyncio.Task[None]]] = {}
+        # Subscriptions kept elsewhere than `yoke webhook add`'s, and what delivers each: the
+        # A2A door's task pushes (services/gateway/a2a/push.py) add theirs.
+        self.sources: list[Callable[[], Awaitable[list[WebhookSubscription]]]] = []
+        self.runner_for: Callable[[WebhookWorker, WebhookSubscription], SubscriptionRunner] = (
+            SubscriptionRunner
+        )
         self._by_forum: dict[str, list[SubscriptionRunner]] = {}
         self._keeper: asyncio.Task[None] | None = None
         self.retention = Sweep(
@@ -563,13 +579,15 @@ class WebhookWorker:
     async def refresh(self) -> None:
         """Follow added and removed subscriptions, and keep (or try for) their leases."""
         subscriptions = {s.id: s for s in await list_webhooks(self.store)}
+        for source in self.sources:
+            subscriptions.update((s.id, s) for s in await source())
         for gone in set(self.runners) - set(subscriptions):
             _, task = self.runners.pop(gone)
             task.cancel()
             await self.leases.release(gone)
         for subscription in subscriptions.values():
             if subscription.id not in self.runners:
-                runner = SubscriptionRunner(self, subscription)
+                runner = self.runner_for(self, subscription)
                 self.runners[subscription.id] = (runner, asyncio.create_task(runner.run()))
             if await self.leases.keep(subscription.id):
                 self.runners[subscription.id][0].wake()

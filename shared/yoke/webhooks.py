@@ -59,6 +59,9 @@ class WebhookSubscription(Document):
     url: str
     secret: str
     created_at: datetime = Field(default_factory=utcnow)
+    # An A2A task's push notifications (services/gateway/a2a/push.py): that task's turn only,
+    # as A2A events, until it ends; the door removes the subscription then.
+    task_id: str | None = None
 
 
 class Cursor(Document):
