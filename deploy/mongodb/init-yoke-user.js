@@ -20,9 +20,10 @@ const services = {
 
 // The gateway reads what it shows (lines, forums, tokens, calls) and writes only bookkeeping:
 // its webhook worker's, its retention sweep's progress, the console's forum list (positions
-// of forums made before it) and the MCP door's owed answers (calls that ran out of time); it
-// creates collections and indexes because it starts before or without the services
-// (Store.ensure_indexes). It cannot write a line, an actor, a token or a call.
+// of forums made before it), the MCP door's owed answers (calls that ran out of time) and the
+// A2A door's tasks and push configs (a push's cursor is removed once its task's end is
+// delivered); it creates collections and indexes because it starts before or without the
+// services (Store.ensure_indexes). It cannot write a line, an actor, a token or a call.
 const gatewayRole = {
   "role": "yokeGateway",
   "privileges": [
@@ -32,7 +33,7 @@ const gatewayRole = {
     },
     {
       "resource": { "db": "yoke", "collection": "webhook_cursors" },
-      "actions": ["find", "insert", "update"]
+      "actions": ["find", "insert", "update", "remove"]
     },
     {
       "resource": { "db": "yoke", "collection": "webhook_leases" },
@@ -52,6 +53,14 @@ const gatewayRole = {
     },
     {
       "resource": { "db": "yoke", "collection": "mcp_owed_answers" },
+      "actions": ["find", "insert", "update", "remove"]
+    },
+    {
+      "resource": { "db": "yoke", "collection": "a2a_tasks" },
+      "actions": ["find", "insert", "update", "remove"]
+    },
+    {
+      "resource": { "db": "yoke", "collection": "a2a_push_configs" },
       "actions": ["find", "insert", "update", "remove"]
     }
   ],
