@@ -34,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BeforeValidator, Field, ValidationError
 from starlette.background import BackgroundTask
 
-from services.gateway import console, mcp_door
+from services.gateway import a2a, console, mcp_door
 from services.gateway.deps import (
     REQUEST_SECONDS,
     REQUESTS,
@@ -798,6 +798,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(api)
     app.include_router(console.router)
     mcp_door.mount(app, settings)
+    a2a.mount(app)
     return app
 
 

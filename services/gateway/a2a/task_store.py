@@ -1,0 +1,255 @@
+"""A2A tasks in the mesh's store: a2a-sdk's task store, kept in the collection ``a2a_tasks``.
+
+A record is written when a send is accepted (its line posted): the task's id, its context, its
+owner (the token's namespace), the published agent, the kept forum and the line whose turn the
+task is, beside the SDK's view of the task (serialized, as the SDK saved it). The record is the
+truth for who may see a task; how its turn went is the forum's: a task that is not final in the
+record is read again from the store (:func:`~services.gateway.calling.turn_outcome`), so
+``tasks/get`` answers the same from any gateway, after any restart, also when the process that
+ran the task died before it could write the end.
+
+Writes are few (invariant 11): the record when the send is accepted, then only when the task's
+state or status message changes (a delta, an artifact piece, costs none); the process running
+the task is its writer (a ``tasks/cancel`` on another gateway writes ``canceled``, which the
+runner writes too). Bounded (invariant 14): a token keeps at most ``YOKE_A2A_TASKS_PER_TOKEN``
+tasks (its oldest are deleted once a tenth more have piled up) and every record is swept
+``YOKE_RETENTION_A2A_TASK_DAYS`` after it was made.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+
+from a2a.server.cluster.task_store import StoredTask, VersionedTaskStore
+from a2a.server.cluster.version import TaskVersion
+from a2a.server.context import ServerCallContext
+from a2a.server.events.event_queue import Event
+from a2a.types.a2a_pb2 import ListTasksRequest, ListTasksResponse, Task
+from a2a.utils.constants import DEFAULT_LIST_TASKS_PAGE_SIZE
+from a2a.utils.errors import InvalidParamsError
+from prometheus_client import Counter, Histogram
+from pydantic import Field
+from pymongo import ASCENDING
+from pymongo.asynchronous.collection import AsyncCollection
+
+from services.gateway.a2a.caller import Caller, caller_of
+from services.gateway.a2a.turns import apply_end, is_terminal, state_name
+from services.gateway.calling import turn_outcome
+from yoke.ages import day_bucket
+from yoke.lru import LRUCache
+from yoke.metrics import LATENCY_BUCKETS
+from yoke.models import Document, utcnow
+from yoke.retention import Rule
+from yoke.settings import Settings
+from yoke.store import Doc, Store
+
+COLLECTION = "a2a_tasks"
+
+TASKS = Counter(
+    "yoke_a2a_tasks",
+    "A2A tasks by the state they entered: submitted (a send made a task), working, completed, "
+    "failed, canceled, rejected (the line was refused: the token's line limit, its size).",
+    ["state"],
+)
+TASK_SECONDS = Histogram(
+    "yoke_a2a_task_seconds",
+    "From an A2A send accepted to its task's end (completed, failed, canceled), in the process "
+    "that ran it.",
+    buckets=(*LATENCY_BUCKETS, 300, 900, 3600),
+)
+for _state in ("submitted", "working", "completed", "failed", "canceled", "rejected"):
+    TASKS.labels(_state)
+
+
+class TaskRecord(Document):
+    """One A2A task: whose, which agent's, which turn, and the SDK's last written view."""
+
+    owner: str
+    agent: str
+    context_id: str
+    state: str
+    # The a2a Task as protobuf bytes: a caller's metadata keys and strings stay out of BSON.
+    task: bytes
+    forum_id: str | None = None
+    # The newest caller line the task follows (a second message to a working task moves it).
+    line_id: str | None = None
+    created_at: datetime = Field(default_factory=utcnow)
+    # yoke.retention: kept YOKE_RETENTION_A2A_TASK_DAYS from this day.
+    age_bucket: str = Field(default_factory=day_bucket)
+
+    def proto(self) -> Task:
+        task = Task()
+        task.ParseFromString(self.task)
+        return task
+
+
+class Attachment:
+    """What the executor knows of a task that the SDK's Task does not carry: its forum and
+    line, handed over for the save that follows."""
+
+    def __init__(self, forum_id: str, line_id: str) -> None:
+        self.forum_id = forum_id
+        self.line_id = line_id
+
+
+def retention_rule(settings: Settings) -> Rule:
+    return Rule("a2a tasks", COLLECTION, "day", settings.retention_a2a_task_days)
+
+
+class MeshTaskStore(VersionedTaskStore):
+    """a2a-sdk's task store over ``a2a_tasks``, scoped to the caller of each request.
+
+    Versioned only to see which event a save is for; it never reports a version (every save
+    comes from the one process running the task), so it answers ``TaskVersion.MISSING``.
+    """
+
+    def __init__(self, store: Store, settings: Settings) -> None:
+        self.store = store
+        self.cap = settings.a2a_tasks_per_token
+        # Handed over by the executor for the save right after (bounded all the same).
+        self._attached: LRUCache[str, Attachment] = LRUCache(10_000)
+        # What this process wrote last of a task (its state and status message), and when the
+        # task began: a save that changes neither is skipped. Bounded: forgetting costs a write.
+        self._written: LRUCache[str, tuple[int, str, float]] = LRUCache(10_000)
+
+    @property
+    def collection(self) -> AsyncCollection[Doc]:
+        return self.store.db[COLLECTION]
+
+    async def ensure_indexes(self) -> None:
+        await self.store.create_collections(COLLECTION)
+        await self.collection.create_index([("owner", ASCENDING)], name="owner")
+
+    def attach(self, task_id: str, attachment: Attachment) -> None:
+        """The forum and line of the task's next save (the executor's, right after it)."""
+        self._attached[task_id] = attachment
+
+    async def record(self, task_id: str, caller: Caller | None = None) -> TaskRecord | None:
+        """The task's record: the caller's only when one is named (else None, as for a task
+        that does not exist: another token learns nothing of it)."""
+        found = await self.collection.find_one({"_id": task_id})
+        if found is None:
+            return None
+        record = TaskRecord.from_document(found)
+        if caller is not None and (record.owner, record.agent) != (caller.owner, caller.agent.id):
+            return None
+        return record
+
+    async def current(self, record: TaskRecord) -> Task:
+        """The task as it stands: as written when final, else with its turn's end if the forum
+        has it (whoever ran the task may not have lived to write it)."""
+        task = record.proto()
+        if is_terminal(task.status.state) or record.forum_id is None or record.line_id is None:
+            return task
+        line = await self.store.get_message(record.line_id)
+        if line is None:
+            return task
+        ended = await turn_outcome(self.store, record.forum_id, line)
+        return task if ended is None else apply_end(task, ended)
+
+    async def get(self, task_id: str, context: ServerCallContext) -> StoredTask | None:
+        record = await self.record(task_id, caller_of(context))
+        if record is None:
+            return None
+        return StoredTask(await self.current(record), TaskVersion.MISSING)
+
+    async def save(
+        self,
+        task: Task,
+        *,
+        event: Event | None,
+        prev: Task | None,
+        prev_version: TaskVersion,
+        context: ServerCallContext,
+    ) -> TaskVersion:
+        caller = caller_of(context)
+        attached = self._attached.pop(task.id, None)
+        state = task.status.state
+        said = task.status.message.message_id if task.status.HasField("message") else ""
+        written = self._written.get(task.id)
+        if written is not None and attached is None and written[:2] == (state, said):
+            return TaskVersion.MISSING  # a delta or an artifact piece: nothing to keep
+        fields: Doc = {"state": state_name(state), "task": task.SerializeToString()}
+        if attached is not None:
+            fields |= {"forumId": attached.forum_id, "lineId": attached.line_id}
+        if written is None and prev is None:
+            record = TaskRecord(
+                id=task.id,
+                owner=caller.owner,
+                agent=caller.agent.id,
+                context_id=task.context_id,
+                state=fields["state"],
+                task=fields["task"],
+                forum_id=attached.forum_id if attached else None,
+                line_id=attached.line_id if attached else None,
+            )
+            if await self.store.insert_if_absent(self.collection, record.to_document()):
+                TASKS.labels("submitted").inc()
+                await self._trim(caller.owner)
+            else:
+                await self._update(task.id, caller, fields)
+        else:
+            await self._update(task.id, caller, fields)
+        began = written[2] if written is not None else time.monotonic()
+        if written is None or written[0] != state:
+            TASKS.labels(state_name(state)).inc()
+            if is_terminal(state) and written is not None:
+                TASK_SECONDS.observe(time.monotonic() - began)
+        self._written[task.id] = (state, said, began)
+        return TaskVersion.MISSING
+
+    async def _update(self, task_id: str, caller: Caller, fields: Doc) -> None:
+        await self.collection.update_one({"_id": task_id, "owner": caller.owner}, {"$set": fields})
+
+    async def _trim(self, owner: str) -> None:
+        """Keep the owner's newest ``cap`` tasks; trimmed once a tenth more have piled up (at
+        once for small caps), so a busy token costs a read of its records now and then, not
+        on every send."""
+        query = {"owner": owner}
+        if await self.collection.count_documents(query) <= self.cap + self.cap // 10:
+            return
+        found = await self.collection.find(query, {"_id": 1, "createdAt": 1}).to_list()
+        found.sort(key=lambda record: (record.get("createdAt") or utcnow(), str(record["_id"])))
+        for record in found[: len(found) - self.cap]:
+            await self.collection.delete_one({"_id": record["_id"]})
+
+    async def list(self, params: ListTasksRequest, context: ServerCallContext) -> ListTasksResponse:
+        """The caller's tasks with this agent, newest first (at most the token's cap: read
+        whole, then filtered and paged here)."""
+        caller = caller_of(context)
+        found = await self.collection.find(
+            {"owner": caller.owner, "agent": caller.agent.id}
+        ).to_list()
+        records = [TaskRecord.from_document(document) for document in found]
+        if params.context_id:
+            records = [r for r in records if r.context_id == params.context_id]
+        records.sort(key=lambda r: (r.created_at, r.id), reverse=True)
+        try:
+            start = int(params.page_token or "0")
+        except ValueError as error:
+            raise InvalidParamsError(message="invalid page token") from error
+        if start < 0:
+            raise InvalidParamsError(message="invalid page token")
+        size = params.page_size or DEFAULT_LIST_TASKS_PAGE_SIZE
+        tasks = [await self.current(record) for record in records]
+        if params.status:
+            tasks = [task for task in tasks if task.status.state == params.status]
+        if params.HasField("status_timestamp_after"):
+            after = params.status_timestamp_after.ToNanoseconds()
+            tasks = [t for t in tasks if t.status.timestamp.ToNanoseconds() >= after]
+        page = tasks[start : start + size]
+        more = start + size < len(tasks)
+        return ListTasksResponse(
+            tasks=page,
+            next_page_token=str(start + size) if more else "",
+            page_size=size,
+            total_size=len(tasks),
+        )
+
+    async def delete(self, task_id: str, context: ServerCallContext) -> None:
+        caller = caller_of(context)
+        await self.collection.delete_one(
+            {"_id": task_id, "owner": caller.owner, "agent": caller.agent.id}
+        )
+        self._written.pop(task_id, None)
