@@ -24,7 +24,7 @@ from aio_pika.abc import (
 )
 from aiormq.exceptions import AMQPError, ChannelNotFoundEntity, DeliveryError
 
-from yoke import amqp_nodes, topology, upgrades
+from yoke import amqp_nodes, topology, tracing, upgrades
 from yoke.dead_letters import declare_dead_letter_queue
 from yoke.errors import Transient
 from yoke.models import Envelope
@@ -301,7 +301,8 @@ class Bus:
         ``expiration``: seconds until the broker drops the message unconsumed).
 
         A publish on a channel lost to a reconnect raises; retry it with the same message id
-        (consumers deduplicate) until the connection is back or the deadline passes.
+        (consumers deduplicate) until the connection is back or the deadline passes. Inside a
+        trace it is a span of its own, and the message carries it as its ``traceparent``.
         """
         message = aio_pika.Message(
             body,
@@ -313,6 +314,25 @@ class Bus:
             correlation_id=correlation_id,
             expiration=expiration,
         )
+        if not tracing.enabled():
+            await self._send(exchange, routing_key, message)
+            return
+        with tracing.span(
+            f"publish {exchange or routing_key}",
+            kind="producer",
+            attributes={
+                "messaging.system": "rabbitmq",
+                "messaging.operation.type": "send",
+                "messaging.destination.name": exchange or routing_key,
+                "messaging.rabbitmq.destination.routing_key": routing_key,
+                "messaging.message.id": message_id,
+            },
+            child_only=True,
+        ):
+            tracing.inject(message.headers)
+            await self._send(exchange, routing_key, message)
+
+    async def _send(self, exchange: str, routing_key: str, message: aio_pika.Message) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PUBLISH_RETRY_SECONDS
         delay = 0.05
@@ -413,6 +433,7 @@ class Bus:
         """
         exchange = await self._hint_exchange()
         hint_headers: HeadersType = {**_event_headers(envelope, key, headers)}
+        tracing.inject(hint_headers)
         message = aio_pika.Message(
             envelope.to_json(),
             message_id=envelope.id,
@@ -439,7 +460,10 @@ class Bus:
     async def reply(self, reply_to: str, correlation_id: str | None, body: bytes) -> None:
         """Answer a request on its ``reply_to`` queue through the default exchange."""
         message = aio_pika.Message(
-            body, correlation_id=correlation_id, content_type="application/json"
+            body,
+            correlation_id=correlation_id,
+            content_type="application/json",
+            headers=tracing.inject({}) or None,
         )
         await self._channel().default_exchange.publish(message, routing_key=reply_to, timeout=10)
 

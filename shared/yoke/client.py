@@ -13,7 +13,7 @@ from typing import Literal
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractQueue, AbstractRobustConnection
 
-from yoke import amqp_nodes, topology
+from yoke import amqp_nodes, topology, tracing
 from yoke.ids import new_id
 from yoke.models import (
     CommandAuthor,
@@ -149,6 +149,8 @@ class Client:
                         message_id=correlation_id,
                         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
                         user_id=user_id or self.user,
+                        # The caller's span (the gateway's request), which the door continues.
+                        headers=tracing.inject({}),
                     ),
                     routing_key=routing_key,
                 )

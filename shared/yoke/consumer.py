@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from yoke import topology
+from yoke import topology, tracing
 from yoke.bus import Bus
 from yoke.errors import Permanent, RetryPolicy, SetAside, Stopping
 from yoke.lanes import Lanes
@@ -154,6 +154,25 @@ class Dispatcher:
         message: AbstractIncomingMessage,
         stopping: asyncio.Event | None = None,
     ) -> None:
+        if not tracing.enabled():
+            await self._process_traced(route, key, message, stopping)
+            return
+        # The delivery continues the trace of whoever published it (its traceparent header).
+        with tracing.span(
+            f"process {delivery_name(message)}",
+            kind="consumer",
+            parent=message.headers or {},
+            attributes=delivery_attributes(route, key, message),
+        ):
+            await self._process_traced(route, key, message, stopping)
+
+    async def _process_traced(
+        self,
+        route: Route,
+        key: str,
+        message: AbstractIncomingMessage,
+        stopping: asyncio.Event | None = None,
+    ) -> None:
         IN_DELIVERY.set(True)
         event_type = event_type_of(message)
         previous = _broker_attempts(message)
@@ -168,7 +187,7 @@ class Dispatcher:
                 await route.handle(message)
             finally:
                 HANDLING_SECONDS.labels(self.service, event_type).observe(
-                    time.perf_counter() - started
+                    time.perf_counter() - started, tracing.exemplar()
                 )
 
         def retried(error: BaseException, transient: bool) -> None:
@@ -262,6 +281,34 @@ class Dispatcher:
 
     async def drain(self) -> None:
         await self.lanes.drain()
+
+
+def delivery_name(message: AbstractIncomingMessage) -> str:
+    """What a delivery is, for its span's name: the command it carries, else its event type."""
+    command = (message.headers or {}).get(topology.COMMAND_HEADER)
+    if isinstance(command, str) and command:
+        return command
+    if message.exchange == topology.COMMANDS_EXCHANGE and message.routing_key:
+        return message.routing_key  # on the intake: commands' keys carry no id
+    return event_type_of(message)
+
+
+def delivery_attributes(
+    route: Route, key: str, message: AbstractIncomingMessage
+) -> dict[str, str | int]:
+    attributes: dict[str, str | int] = {
+        "messaging.system": "rabbitmq",
+        "messaging.operation.type": "process",
+        "messaging.destination.name": route.queue,
+        "messaging.rabbitmq.destination.routing_key": message.routing_key or "",
+        "messaging.message.id": message.message_id or "",
+        tracing.CONVERSATION_ID: key,
+    }
+    attempts = _broker_attempts(message)
+    if attempts or message.redelivered:
+        # A redelivery: its trace is the first delivery's (the same headers), told apart here.
+        attributes["messaging.rabbitmq.delivery_count"] = attempts or 1
+    return attributes
 
 
 def _broker_attempts(message: AbstractIncomingMessage) -> int:

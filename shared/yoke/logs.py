@@ -1,6 +1,8 @@
 """Structured logs: JSON lines off a terminal, readable text on one (``YOKE_LOG_FORMAT``).
 
-Pass ids through ``extra={"conversationId": ..., "messageId": ...}``; they become fields.
+Pass ids through ``extra={"conversationId": ..., "messageId": ...}``; they become fields. A line
+written inside a span (tracing on: :mod:`yoke.tracing`) also names its ``trace_id`` and
+``span_id``, so a trace in Jaeger and the lines of its steps find each other.
 """
 
 from __future__ import annotations
@@ -10,10 +12,22 @@ import logging
 import sys
 from datetime import UTC, datetime
 
+from yoke import tracing
 from yoke.redact import RedactingFormatter, install_excepthook
 from yoke.text import printable
 
 CONTEXT_FIELDS = ("service", "event", "conversationId", "messageId", "causationId", "queue")
+TRACE_FIELDS = ("trace_id", "span_id")
+
+
+def _trace_fields(record: logging.LogRecord) -> None:
+    """The span the line was written in (formatting happens on the writer's task: its span is
+    the current one), unless the caller named one."""
+    if "trace_id" in record.__dict__:
+        return
+    found = tracing.ids()
+    if found is not None:
+        record.trace_id, record.span_id = found
 
 
 class JsonFormatter(logging.Formatter):
@@ -22,6 +36,7 @@ class JsonFormatter(logging.Formatter):
         self.service = service
 
     def format(self, record: logging.LogRecord) -> str:
+        _trace_fields(record)
         line: dict[str, object] = {
             "time": datetime.fromtimestamp(record.created, UTC).isoformat(),
             "level": record.levelname.lower(),
@@ -29,7 +44,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        for field in CONTEXT_FIELDS:
+        for field in (*CONTEXT_FIELDS, *TRACE_FIELDS):
             value = record.__dict__.get(field)
             if value is not None:
                 line[field] = value
@@ -47,9 +62,10 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)-7s " + service + " %(message)s%(context)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:
+        _trace_fields(record)
         pairs = [
             f"{field}={record.__dict__[field]}"
-            for field in CONTEXT_FIELDS
+            for field in (*CONTEXT_FIELDS, *TRACE_FIELDS)
             if record.__dict__.get(field) is not None
         ]
         record.context = (" [" + " ".join(pairs) + "]") if pairs else ""

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Container, Iterable
 from contextvars import ContextVar
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -216,12 +217,30 @@ RETENTION_DELETED = Counter(
     "Records the retention sweep deleted as expired (live ones are kept), by rule.",
     ["rule"],
 )
+# yoke.tracing: spans sent to the collector, and those lost (the queue full, the collector away).
+TRACE_SPANS_EXPORTED = Counter(
+    "yoke_trace_spans_exported", "Spans the OTLP collector took (tracing on only)."
+)
+TRACE_SPANS_DROPPED = Counter(
+    "yoke_trace_spans_dropped",
+    "Spans lost, by reason (queue_full: ended while the export queue was full, the oldest "
+    "dropped; export_failed: the collector refused them or could not be reached).",
+    ["reason"],
+)
 GUARDIAN_RUNNER_SECONDS = Histogram(
     "yoke_guardian_runner_seconds",
     "Time a guardian runner took (model rounds included), by policy kind.",
     ["policy"],
     buckets=LATENCY_BUCKETS,
 )
+
+
+def exposition(accept: str | None) -> tuple[bytes, str]:
+    """Every series and its content type, as the scraper's ``Accept`` asks (prometheus_client
+    chooses): OpenMetrics shows the latency histograms' exemplars (their trace ids), the older
+    text format does not."""
+    encode, content_type = choose_encoder(accept or "")
+    return encode(REGISTRY), content_type
 
 
 # --- bounded label values ----------------------------------------------------------------------
@@ -286,6 +305,7 @@ PROCESSOR_NOTICES = ("budget", "provider", "doom_loop", "approval", "unpriced", 
 APPROVAL_DECISIONS = ("approve", "reject", "expired", "stopped")
 GUARDIAN_NOTICES = ("guardian",)
 CANCEL_REASONS = ("interrupt", "stop")
+TRACE_DROP_REASONS = ("queue_full", "export_failed")
 MODEL_SERVICES = frozenset({"processor", "guardian"})
 
 
@@ -318,3 +338,5 @@ def initialize(service: str, prices: Iterable[str] = ()) -> None:
     if service == "guardian":
         for reason in GUARDIAN_NOTICES:
             NOTICES.labels(reason)
+    for reason in TRACE_DROP_REASONS:
+        TRACE_SPANS_DROPPED.labels(reason)

@@ -52,6 +52,9 @@ class Settings(BaseSettings):
     max_text_bytes: int = Field(default=65536, ge=1)
     log_format: Literal["json", "text"] | None = None
     log_level: str = "INFO"
+    # Tracing (yoke.tracing, on when OTEL_EXPORTER_OTLP_ENDPOINT is set): model-call spans carry
+    # the prompt and the completion only when this says so.
+    trace_content: bool = False
     # The services' event loop: uvloop (less CPU per delivery) or the standard library's.
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     # How long a written message may stay unpublished before the outbox sweep republishes it.

@@ -14,7 +14,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import CollectionInvalid, DuplicateKeyError, OperationFailure
 
-from yoke import tls, upgrades
+from yoke import tls, tracing, upgrades
 from yoke.lru import LRUCache
 from yoke.metrics import IN_DELIVERY, STORE_DOCUMENTS_READ, STORE_OPERATIONS, STORE_ORIGIN
 from yoke.models import Actor, Conversation, Message, Participant
@@ -77,16 +77,51 @@ def _origin() -> str:
     return "delivery" if IN_DELIVERY.get() else STORE_ORIGIN.get()
 
 
+# Commands of traced work in flight whose span comes when they end: more means ends were missed.
+MAX_TRACED_COMMANDS = 10_000
+
+
 class OperationCounter(monitoring.CommandListener):
-    """Counts every command this process sends (``yoke_store_operations``): what a turn costs."""
+    """Counts every command this process sends (``yoke_store_operations``): what a turn costs.
+    Inside a trace each is a span too (``find messages``), made when it ends (the listener is
+    called on the task that sent it, so the span's parent is that task's)."""
 
     def __init__(self, service: str) -> None:
         self.service = service
+        self._traced: dict[tuple[object, int], tuple[str, dict[str, str]]] = {}
 
     def started(self, event: monitoring.CommandStartedEvent) -> None:
         STORE_OPERATIONS.labels(self.service, event.command_name, _origin()).inc()
+        if tracing.ids() is not None:
+            if len(self._traced) >= MAX_TRACED_COMMANDS:
+                self._traced.clear()
+            collection = event.command.get(event.command_name)
+            if not isinstance(collection, str):  # getMore names its cursor first
+                collection = event.command.get("collection")
+            target = collection if isinstance(collection, str) else ""
+            self._traced[(event.connection_id, event.request_id)] = (
+                f"{event.command_name} {target}".strip(),
+                {
+                    "db.system.name": "mongodb",
+                    "db.namespace": event.database_name,
+                    "db.operation.name": event.command_name,
+                    "db.collection.name": target,
+                },
+            )
+
+    def _span(
+        self,
+        event: monitoring.CommandSucceededEvent | monitoring.CommandFailedEvent,
+        error: str | None = None,
+    ) -> None:
+        traced = self._traced.pop((event.connection_id, event.request_id), None)
+        if traced is not None:
+            name, attributes = traced
+            tracing.finished_span(name, event.duration_micros / 1e6, attributes, error=error)
 
     def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        if self._traced:
+            self._span(event)
         # What a read returned (``yoke_store_documents_read``): a window read whole shows here.
         cursor = event.reply.get("cursor")
         if isinstance(cursor, dict):
@@ -97,7 +132,8 @@ class OperationCounter(monitoring.CommandListener):
                 )
 
     def failed(self, event: monitoring.CommandFailedEvent) -> None:
-        pass
+        if self._traced:
+            self._span(event, str(event.failure.get("errmsg", "failed")))
 
 
 ID_KEY, SEQ_KEY = "_id", "seq"

@@ -23,6 +23,7 @@ import httpx
 import openai
 from openai import AsyncOpenAI
 
+from yoke import tracing
 from yoke.llm.base import InferenceRequest, InferenceResult, ProviderFailed
 from yoke.llm.prompting import to_chat_messages
 from yoke.metrics import LLM_LATENCY, LLM_REQUESTS, model_label
@@ -150,7 +151,9 @@ class OpenAIProvider:
                 LLM_REQUESTS.labels(self.label, "error").inc()
                 raise ProviderFailed(f"{self.model}: {describe(error)}") from error
             LLM_REQUESTS.labels(self.label, "ok").inc()
-            LLM_LATENCY.labels(self.label).observe(time.monotonic() - request_started)
+            LLM_LATENCY.labels(self.label).observe(
+                time.monotonic() - request_started, tracing.exemplar()
+            )
             return answer.result(self.model, request.call_id_prefix)
 
 

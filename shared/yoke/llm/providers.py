@@ -15,6 +15,7 @@ import re
 import time
 from collections.abc import Mapping
 
+from yoke import tracing
 from yoke.llm.base import (
     InferenceRequest,
     InferenceResult,
@@ -32,7 +33,7 @@ from yoke.llm.fixtures import (
 )
 from yoke.llm.openai_provider import OpenAIProvider
 from yoke.metrics import LLM_LATENCY, LLM_REQUESTS, model_label
-from yoke.models import Usage
+from yoke.models import TextPart, ToolCallPart, ToolResultPart, Usage
 from yoke.settings import Settings
 
 
@@ -55,11 +56,99 @@ class Measured:
             LLM_REQUESTS.labels(label, "error").inc()
             raise
         LLM_REQUESTS.labels(label, "ok").inc()
-        LLM_LATENCY.labels(label).observe(time.monotonic() - started)
+        LLM_LATENCY.labels(label).observe(time.monotonic() - started, tracing.exemplar())
         return result
 
 
+class Traced:
+    """A model call as a span after the OpenTelemetry GenAI conventions (``chat <model>``:
+    the models asked and answering, tokens, and ``yoke.cost_usd`` by the price table); the
+    prompt and the completion only when ``YOKE_TRACE_CONTENT`` says so."""
+
+    def __init__(self, provider: Provider, settings: Settings) -> None:
+        self.provider = provider
+        self.model = provider.model
+        self.settings = settings
+        self.system = "openai" if isinstance(provider, OpenAIProvider) else "yoke.fixture"
+
+    async def infer(self, request: InferenceRequest) -> InferenceResult:
+        with tracing.span(
+            f"chat {self.model}",
+            kind="client",
+            attributes={
+                "gen_ai.operation.name": "chat",
+                "gen_ai.provider.name": self.system,
+                "gen_ai.request.model": self.model,
+            },
+        ):
+            if tracing.content_enabled():
+                tracing.annotate(
+                    {
+                        "gen_ai.system_instructions": tracing.content(request.instructions),
+                        "gen_ai.input.messages": tracing.content(input_messages(request)),
+                    }
+                )
+            result = await self.provider.infer(request)
+            tracing.annotate(self.answered(result))
+            return result
+
+    def answered(self, result: InferenceResult) -> dict[str, str | int | float | bool]:
+        usage = result.usage
+        attributes: dict[str, str | int | float | bool] = {
+            "gen_ai.response.model": usage.model if usage is not None else self.model,
+            "yoke.tool_calls": len(result.tool_calls),
+        }
+        if usage is not None:
+            attributes["gen_ai.usage.input_tokens"] = usage.input_tokens
+            attributes["gen_ai.usage.output_tokens"] = usage.output_tokens
+            cost = cost_of(usage, self.settings, self.model)
+            if cost is not None:
+                attributes["yoke.cost_usd"] = cost
+        if tracing.content_enabled():
+            parts: list[dict[str, object]] = []
+            if result.text:
+                parts.append({"type": "text", "content": result.text})
+            parts.extend(
+                {
+                    "type": "tool_call",
+                    "id": call.call_id,
+                    "name": call.name,
+                    "arguments": call.input,
+                }
+                for call in result.tool_calls
+            )
+            attributes["gen_ai.output.messages"] = tracing.content(
+                [{"role": "assistant", "parts": parts}]
+            )
+        return attributes
+
+
+def input_messages(request: InferenceRequest) -> list[dict[str, object]]:
+    """The transcript as GenAI input messages (role and text; tool calls and results named)."""
+    messages: list[dict[str, object]] = []
+    for line in request.transcript:
+        parts: list[dict[str, object]] = []
+        for part in line.parts:
+            if isinstance(part, TextPart):
+                parts.append({"type": "text", "content": part.text})
+            elif isinstance(part, ToolCallPart):
+                parts.append({"type": "tool_call", "id": part.call_id, "name": part.name})
+            elif isinstance(part, ToolResultPart):
+                parts.append(
+                    {"type": "tool_call_response", "id": part.call_id, "response": part.output}
+                )
+        role = "assistant" if line.role == "agent" else "user"
+        messages.append({"role": role, "parts": parts})
+    return messages
+
+
 def provider_for(model: str, script: list[ScriptedOutput], settings: Settings) -> Provider:
+    """The provider of ``model``, measured, and traced when tracing is on."""
+    provider = _provider_for(model, script, settings)
+    return Traced(provider, settings) if tracing.enabled() else provider
+
+
+def _provider_for(model: str, script: list[ScriptedOutput], settings: Settings) -> Provider:
     if model == "fixture-echo":
         return Measured(EchoProvider())
     if model == "fixture-script":

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
+from yoke import tracing
 from yoke.bus import Bus
 from yoke.metrics import TOOL_CALLS, tool_label
 from yoke.models import ToolCallPart, ToolCallRequest, ToolResultPart
@@ -142,7 +143,35 @@ class ToolDispatch:
         make_open: OpenCallMaker,
         approval: ApprovalConfig | None = None,
     ) -> ToolResultPart | None:
+        """One call of the round, an ``execute_tool NAME`` span whatever its source (a call
+        that waits: until it is recorded, published or handed to the background)."""
         entry = offered.get(call.name)
+        with tracing.span(
+            # A name the model invented is an attribute only: span names stay a bounded set.
+            f"execute_tool {call.name}" if entry is not None else "execute_tool",
+            attributes=tool_attributes(
+                call.name, call.call_id, entry.source if entry is not None else "none"
+            ),
+        ):
+            result = await self._one_traced(
+                call, entry, offered, key, conversation_id, make_open, approval
+            )
+            if result is not None:
+                tracing.annotate({"yoke.tool.is_error": result.is_error})
+            else:
+                tracing.annotate({"yoke.tool.waits": True})
+            return result
+
+    async def _one_traced(
+        self,
+        call: ToolCallPart,
+        entry: CatalogEntry | None,
+        offered: dict[str, CatalogEntry],
+        key: str,
+        conversation_id: str,
+        make_open: OpenCallMaker,
+        approval: ApprovalConfig | None = None,
+    ) -> ToolResultPart | None:
         if entry is None:
             result = await self._not_offered(call, offered)
             TOOL_CALLS.labels(tool_label(call.name, known=False), "none", "error").inc()
@@ -200,10 +229,23 @@ class ToolDispatch:
         approved, a worker's call is published again (a worker may see a call again after a
         crash, with its idempotency key), one still running here is left alone, and any other
         in-process or MCP call was cut short by a crash: it ends with an error result, never
-        run again. A call that ended meanwhile (a stop) or was not approved is left alone."""
+        run again. A call that ended meanwhile (a stop) or was not approved is left alone.
+        Its ``execute_tool`` span links to the step that asked for the call."""
         call = await self.open_calls.get(call_id)
         if call is None or call.state == "running":
             return
+        with tracing.span(
+            f"execute_tool {call.tool}",
+            attributes={
+                **tool_attributes(call.tool, call.model_call_id, call.source),
+                "yoke.approved": True,
+                tracing.CONVERSATION_ID: call.conversation_id,
+            },
+        ):
+            tracing.link(call.trace_parent)
+            await self._run_approved(call_id, call)
+
+    async def _run_approved(self, call_id: str, call: OpenCall) -> None:
         decision = await self.approvals.get_decision(call_id)
         if decision is None or decision.decision != "approve":
             return
@@ -413,6 +455,16 @@ class ToolDispatch:
         for task in list(self._background):
             with contextlib.suppress(BaseException):
                 await task
+
+
+def tool_attributes(name: str, call_id: str, source: str) -> dict[str, str | bool]:
+    """An ``execute_tool`` span's, after the GenAI conventions."""
+    return {
+        "gen_ai.operation.name": "execute_tool",
+        "gen_ai.tool.name": name,
+        "gen_ai.tool.call.id": call_id,
+        "yoke.tool.source": source,
+    }
 
 
 def deadline_after(seconds: float) -> datetime:

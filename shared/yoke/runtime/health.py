@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
+from yoke.metrics import exposition
 from yoke.redact import redact
 
 # What keeps the process from serving: an empty list means healthy.
@@ -34,12 +33,17 @@ class HealthServer:
         try:
             async with asyncio.timeout(10):
                 request = await reader.readline()
-                while (await reader.readline()) not in (b"\r\n", b"\n", b""):
-                    pass
+                accept: str | None = None
+                while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                    name, _, value = line.decode("latin-1").partition(":")
+                    if name.strip().lower() == "accept":
+                        accept = value.strip()
             parts = request.decode("latin-1").split()
             path = parts[1].split("?")[0] if len(parts) > 1 else "/"
             if path == "/metrics":
-                status, content_type, body = 200, CONTENT_TYPE_LATEST, generate_latest()
+                # OpenMetrics when the scraper asks (Prometheus does): it carries exemplars.
+                body, content_type = exposition(accept)
+                status = 200
             elif path == "/healthz":
                 problems = await self.healthy()
                 status, content_type = (503 if problems else 200), "text/plain"

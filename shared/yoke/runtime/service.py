@@ -19,7 +19,7 @@ from typing import TypeVar
 from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
-from yoke import metrics, topology
+from yoke import metrics, topology, tracing
 from yoke.bus import Bus, OnMessage
 from yoke.consumer import Dispatcher, Gate, Malformed, Route, event_type_of, key_from_header
 from yoke.errors import EXIT_MISCONFIGURED, Misconfigured, RetryPolicy, describe_validation_error
@@ -433,8 +433,17 @@ class Service:
         if isinstance(payload, MessagePosted):
             # What this process learns of a conversation's head saves it a lookup when it writes.
             self.store.observe_seq(payload.conversation_id, payload.seq)
+            if tracing.enabled():
+                tracing.annotate(
+                    {
+                        tracing.CONVERSATION_ID: payload.conversation_id,
+                        tracing.MESSAGE_ID: payload.message_id,
+                    }
+                )
         lag = (utcnow() - envelope.occurred_at).total_seconds()
-        EVENT_LAG_SECONDS.labels(self.name, event_type_of(message)).observe(max(lag, 0.0))
+        EVENT_LAG_SECONDS.labels(self.name, event_type_of(message)).observe(
+            max(lag, 0.0), tracing.exemplar()
+        )
         await handler(payload)
 
 
@@ -456,6 +465,9 @@ def run_service(name: str, register: Callable[[Service], None]) -> None:
     settings = Settings()
     configure_logging(name, settings.log_format, settings.log_level)
     metrics.initialize(name, settings.prices)
+    # Off unless OTEL_EXPORTER_OTLP_ENDPOINT is set (yoke.tracing).
+    if tracing.configure(name, content=settings.trace_content):
+        log.info("%s sends traces to %s", name, tracing.endpoint())
 
     async def main() -> None:
         service = Service(name, settings)
@@ -476,6 +488,8 @@ def run_service(name: str, register: Callable[[Service], None]) -> None:
     except Misconfigured as error:
         log.error("%s cannot start: %s", name, error)
         sys.exit(EXIT_MISCONFIGURED)
+    finally:
+        tracing.shutdown()  # its last spans sent, within a bound
 
 
 __all__ = ["Service", "delivery_headers", "parse_envelope", "run_service"]

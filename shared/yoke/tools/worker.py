@@ -45,7 +45,7 @@ from aio_pika.abc import (
 from aio_pika.exceptions import AMQPError, ProbableAuthenticationError
 from pydantic import ValidationError
 
-from yoke import topology
+from yoke import topology, tracing
 from yoke.models import SubmitReply, SubmitToolResult, ToolCallRequest
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,8 @@ class _DoorClient:
                     # RabbitMQ refuses a user_id other than the connection's own: this is how
                     # the door knows which tool's worker answers (invariant 13).
                     user_id=self._user_id,
+                    # The call's trace goes on at the door, and in the step its result wakes.
+                    headers=tracing.inject({}),
                 ),
                 routing_key=topology.TOOL_RESULT_COMMAND,
                 timeout=reply_timeout,
@@ -153,6 +155,28 @@ async def _answer_call(
         log.error("dropping a call that is not a call (%s): %s", delivery.message_id, error)
         await delivery.reject(requeue=False)
         return
+    # The call message carries the step's traceparent: the worker's work joins its trace.
+    with tracing.span(
+        f"execute_tool {call.tool}",
+        kind="consumer",
+        parent=delivery.headers or {},
+        attributes={
+            "gen_ai.operation.name": "execute_tool",
+            "gen_ai.tool.name": call.tool,
+            "gen_ai.tool.call.id": call.call_id,
+            "yoke.tool.source": "worker",
+        },
+    ):
+        await _run_and_answer(call, delivery, door, handler, reply_timeout)
+
+
+async def _run_and_answer(
+    call: ToolCallRequest,
+    delivery: AbstractIncomingMessage,
+    door: _DoorClient,
+    handler: Handler,
+    reply_timeout: float,
+) -> None:
     if _seconds_left(call.deadline) <= 0:
         log.info("tool %s: call %s is past its deadline; not run", call.tool, call.call_id)
         await delivery.ack()
@@ -267,6 +291,25 @@ async def serve(
     """
     stopping = stopping or asyncio.Event()
     user_id = unquote(urlsplit(amqp_url).username or "guest")
+    # As yoke-tool-NAME when OTEL_EXPORTER_OTLP_ENDPOINT is set (or on the program's own
+    # provider); shut down here only if it was set up here.
+    traced_here = not tracing.enabled() and tracing.configure(f"tool-{tool}")
+    try:
+        await _serve(amqp_url, user_id, tool, handler, stopping, prefetch, reply_timeout)
+    finally:
+        if traced_here:
+            await asyncio.to_thread(tracing.shutdown)
+
+
+async def _serve(
+    amqp_url: str,
+    user_id: str,
+    tool: str,
+    handler: Handler,
+    stopping: asyncio.Event,
+    prefetch: int,
+    reply_timeout: float,
+) -> None:
     delay = RECONNECT_FIRST_SECONDS
     while not stopping.is_set():
         consuming = asyncio.Event()

@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import Field, JsonValue
 
-from yoke import topology
+from yoke import topology, tracing
 from yoke.ids import derive_id
 from yoke.metrics import APPROVAL_SECONDS, APPROVALS_DECIDED, APPROVALS_REQUESTED, tool_label
 from yoke.models import (
@@ -173,7 +173,7 @@ class Approvals:
             return False, existing
         APPROVALS_DECIDED.labels(decision).inc()
         seconds = (record.decided_at - as_utc(call.opened_at)).total_seconds()
-        APPROVAL_SECONDS.observe(max(0.0, seconds))
+        APPROVAL_SECONDS.observe(max(0.0, seconds), tracing.exemplar())
         log.info(
             "approval of %s: %s",
             call.tool,

@@ -67,6 +67,9 @@ class OpenCall(Document):
     # The round's results line (:func:`round_results_line_id`): a claim cut short once that
     # line is written missed it, and ends in a line of its own.
     round_line_id: str | None = None
+    # The step that asked, as a W3C traceparent (tracing on only): what ends the wait, however
+    # much later and in whatever trace, links to it (yoke.tracing.link).
+    trace_parent: str | None = None
 
     def to_document(self) -> dict[str, Any]:
         # ``dueBucket``, the reaper's key, is derived from ``deadline`` at every write.

@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from yoke import tracing
 from yoke.ids import SYSTEM_ACTOR_ID
 from yoke.metrics import TOOL_CALL_SECONDS, TOOL_CALLS, tool_label
 from yoke.models import Message, ToolResultPart, as_utc
@@ -106,7 +107,7 @@ class OpenCalls:
         await self.finish(call, end)
         seconds = (end.ended_at - as_utc(call.opened_at)).total_seconds()
         TOOL_CALLS.labels(tool_label(call.tool), call.source, metric_outcome(end)).inc()
-        TOOL_CALL_SECONDS.labels(call.source).observe(max(0.0, seconds))
+        TOOL_CALL_SECONDS.labels(call.source).observe(max(0.0, seconds), tracing.exemplar())
         log.info(
             "tool call %s (%s) ended: %s",
             call.tool,
@@ -122,6 +123,22 @@ class OpenCalls:
         if end.in_round:
             await self.calls.delete_one({"_id": call.id})
             return
+        # Its own span, linked to the step that asked: a late answer, an expiry or a decision
+        # may come in another trace, or in none (the reaper's).
+        with tracing.span(
+            "tool_result",
+            attributes={
+                "gen_ai.tool.name": call.tool,
+                "yoke.call_id": call.id,
+                "yoke.outcome": end.outcome,
+                tracing.CONVERSATION_ID: call.conversation_id,
+            },
+        ):
+            tracing.link(call.trace_parent)
+            await self._post_result(call, end)
+        await self.calls.delete_one({"_id": call.id})
+
+    async def _post_result(self, call: OpenCall, end: CallEnd) -> None:
         await self.poster.post(
             Message(
                 id=own_result_line_id(call.id),
@@ -140,7 +157,6 @@ class OpenCalls:
             ),
             route=call.route,
         )
-        await self.calls.delete_one({"_id": call.id})
 
 
 def metric_outcome(end: CallEnd) -> str:
