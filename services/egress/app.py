@@ -11,7 +11,7 @@ import logging
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from yoke import topology
+from yoke import topology, tracing
 from yoke.consumer import key_from_header
 from yoke.ids import forwarded_line_id
 from yoke.lru import LRUCache
@@ -89,7 +89,19 @@ class Egress:
         )
 
     async def forward_agent_text(self, event: MessagePosted) -> None:
+        """The agent's monologue line into its forum (a ``forward`` span)."""
         line = event.message
+        with tracing.span(
+            "forward",
+            attributes={
+                tracing.FORUM_ID: str(line.meta.source_conversation_id or ""),
+                tracing.CONVERSATION_ID: line.conversation_id,
+                tracing.MESSAGE_ID: line.id,
+            },
+        ):
+            await self._forward(line)
+
+    async def _forward(self, line: Message) -> None:
         if line.type == "notice":
             await self.forward_notice(line)
             return

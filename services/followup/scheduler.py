@@ -36,6 +36,7 @@ from pydantic import Field
 from pymongo import ASCENDING
 from pymongo.asynchronous.collection import AsyncCollection
 
+from yoke import tracing
 from yoke.ages import BUCKET_FIELD, day_bucket
 from yoke.ids import derive_id
 from yoke.lru import LRUCache
@@ -107,6 +108,9 @@ class FollowUp(Document):
     due_second: int
     due_minute: int
     created_at: datetime = Field(default_factory=utcnow)
+    # The delivery that scheduled it, as a W3C traceparent (tracing on only): the nudge, a
+    # trace of its own when it fires, links to it.
+    trace_parent: str | None = None
 
 
 class FollowUpDecision(Document):
@@ -268,6 +272,7 @@ class FollowUps:
             due_at=due_at,
             due_second=second,
             due_minute=second // 60,
+            trace_parent=tracing.traceparent(),
         )
         if await self.store.insert_if_absent(self.schedules, schedule.to_document()):
             self._scheduled_here = True  # the scheduler polls again from now on
@@ -319,7 +324,20 @@ class FollowUps:
                 )
 
     async def fire(self, schedule: FollowUp) -> None:
-        """Decide (fired, or cancelled when nobody should be nudged any more), then finish."""
+        """Decide (fired, or cancelled when nobody should be nudged any more), then finish: a
+        ``nudge`` span, linked to the agent line's turn."""
+        with tracing.span(
+            "nudge",
+            attributes={
+                tracing.FORUM_ID: schedule.forum_id,
+                tracing.MESSAGE_ID: schedule.agent_line_id,
+                "yoke.streak": schedule.streak,
+            },
+            links=[schedule.trace_parent],
+        ):
+            await self._fire(schedule)
+
+    async def _fire(self, schedule: FollowUp) -> None:
         participant = await self.store.get_participant(
             participant_id(schedule.forum_id, schedule.agent_actor_id)
         )
@@ -381,6 +399,7 @@ class FollowUps:
             )
         # Only pending schedules stay in the collection: what the scheduler reads never grows.
         await self.schedules.delete_one({"_id": schedule.id})
+        tracing.annotate({"yoke.outcome": decision.outcome})
         if won:
             (FOLLOWUPS_FIRED if decision.outcome == "fired" else FOLLOWUPS_CANCELLED).inc()
             log.info(

@@ -30,7 +30,6 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BeforeValidator, Field, ValidationError
 from starlette.background import BackgroundTask
 
@@ -51,12 +50,14 @@ from services.gateway.deps import (
 from services.gateway.limits import MAX_HEADER_BYTES, REFUSALS, gateway_protocol
 from services.gateway.stream import BindTimeout, ForumStream, Hub
 from services.gateway.webhooks import WebhookWorker
+from yoke import tracing
 from yoke.client import STOP_LINE, Client
 from yoke.errors import EXIT_MISCONFIGURED, describe_validation_error, is_transient
 from yoke.hardening import make_undumpable
 from yoke.ids import new_id
 from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
 from yoke.logs import configure_logging
+from yoke.metrics import exposition
 from yoke.models import (
     MAX_NAME_CHARS,
     MAX_REASON_CHARS,
@@ -702,6 +703,26 @@ def route_of(request: Request) -> str:
     return str(getattr(route, "path", "other"))
 
 
+# Scrapes and health checks: a trace each would bury the requests people make.
+UNTRACED_PATHS = frozenset({"/metrics", "/healthz"})
+
+
+async def traced(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    """The request as a server span, continuing the caller's ``traceparent`` when it sends one
+    (only as a parent: nothing else is read of it), named by its route once matched."""
+    with tracing.span(
+        request.method,  # the route's template, once matched: never a path's ids
+        kind="server",
+        parent=request.headers,
+        attributes={"http.request.method": request.method, "url.path": request.url.path},
+    ):
+        response = await call_next(request)
+        route = route_of(request)
+        tracing.rename(f"{request.method} {route}")
+        tracing.annotate({"http.route": route, "http.response.status_code": response.status_code})
+        return response
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
 
@@ -778,11 +799,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             error = f"the request's headers are {head_bytes} bytes; the limit is {MAX_HEADER_BYTES}"
             body = ErrorBody(error=error, code="headers_too_large")
             response: Response = JSONResponse(body.model_dump(), status_code=431)
-        else:
+        elif not tracing.enabled() or request.url.path in UNTRACED_PATHS:
             response = await call_next(request)
+        else:
+            response = await traced(request, call_next)
         route = route_of(request)
         REQUESTS.labels(route, str(response.status_code)).inc()
-        REQUEST_SECONDS.labels(route).observe(time.perf_counter() - started)
+        REQUEST_SECONDS.labels(route).observe(time.perf_counter() - started, tracing.exemplar())
         return response
 
     @app.get("/healthz", include_in_schema=False)
@@ -792,8 +815,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return PlainTextResponse(body, status_code=503 if found else 200)
 
     @app.get("/metrics", include_in_schema=False)
-    async def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        # OpenMetrics when the scraper asks (Prometheus does): it carries exemplars.
+        body, content_type = exposition(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     app.include_router(api)
     app.include_router(console.router)
@@ -819,6 +844,9 @@ def main() -> None:
     make_undumpable()  # as every service (yoke.hardening)
     settings = Settings()
     configure_logging("gateway", settings.log_format, settings.log_level)
+    # Off unless OTEL_EXPORTER_OTLP_ENDPOINT is set (yoke.tracing); flushed, bounded, at exit.
+    if tracing.configure("gateway", content=settings.trace_content):
+        log.info("gateway sends traces to %s", tracing.endpoint())
     # Bound here, not by uvicorn: a port that is taken is a configuration problem, and exit 78
     # tells ``yoke up`` not to restart into it again and again.
     family = socket.AF_INET6 if ":" in settings.gateway_host else socket.AF_INET
@@ -854,4 +882,7 @@ def main() -> None:
         # Open streams end at shutdown; clients reconnect with Last-Event-ID elsewhere.
         timeout_graceful_shutdown=3,
     )
-    asyncio.run(_Server(config).serve(sockets=[listener]))
+    try:
+        asyncio.run(_Server(config).serve(sockets=[listener]))
+    finally:
+        tracing.shutdown()

@@ -34,6 +34,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
+from yoke import tracing
 from yoke.ages import BUCKET_FIELD, day_bucket, hour_bucket
 from yoke.errors import Stopping
 from yoke.ids import derive_id, new_id
@@ -300,12 +301,26 @@ class Guardian:
         config = await self.config_of(watched.join_key, delivered_version())
         if config is None or not config.policies:
             return
+        with tracing.span(
+            "check",
+            attributes={
+                tracing.CONVERSATION_ID: line.conversation_id,
+                tracing.MESSAGE_ID: line.id,
+                "yoke.policies": len(config.policies),
+            },
+        ):
+            await self.check(watched, config, line)
+
+    async def check(self, watched: Watched, config: GuardianConfig, line: Message) -> None:
+        """The guardian's check of one agent step under its join's policies (a ``check``
+        span): the first policy that matches steers, unless cooling down."""
         await self.ready()
         if await self.answers_guardian(line):
             return
         match = await self.first_match(line, config)
         if match is None:
             return
+        tracing.annotate({"yoke.policy": match.kind})
         if await self.cooling_down(watched.join_key):
             log.info(
                 "guardian %s policy matched during the cooldown: not steering",
@@ -432,7 +447,9 @@ class Guardian:
                 await self.post_notice(watched, line, match, error)
                 steer = None
             finally:
-                GUARDIAN_RUNNER_SECONDS.labels(match.kind).observe(time.perf_counter() - started)
+                GUARDIAN_RUNNER_SECONDS.labels(match.kind).observe(
+                    time.perf_counter() - started, tracing.exemplar()
+                )
             if steer and await self.post_steer(watched, line, match, steer):
                 GUARDIAN_INTERVENTIONS.labels(match.kind).inc()
                 await self.start_cooldown(watched.join_key, config.cooldown_seconds)

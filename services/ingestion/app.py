@@ -20,7 +20,7 @@ from typing import Annotated, TypeVar
 from aio_pika.abc import AbstractIncomingMessage
 from pydantic import BeforeValidator, ValidationError
 
-from yoke import topology
+from yoke import topology, tracing
 from yoke.consumer import Malformed
 from yoke.dead_letters import count_dropped_letters
 from yoke.errors import describe_validation_error
@@ -193,6 +193,25 @@ def refuse_reply_to(
     raise Malformed(error)
 
 
+def accept_attributes(message: AbstractIncomingMessage, key_name: str) -> dict[str, str]:
+    """The accept span's: the command and what the router keyed it by (a forum, a call)."""
+    headers = message.headers or {}
+    return {
+        "yoke.command": str(headers.get(topology.COMMAND_HEADER, "")),
+        key_name: str(headers.get(topology.CONVERSATION_HEADER, "")),
+    }
+
+
+def answered(reply: SubmitReply) -> None:
+    """What the door answered, on its span (the line's id once written)."""
+    attributes: dict[str, str | bool] = {"yoke.outcome": reply.code or reply.status}
+    if reply.message_id:
+        attributes[tracing.MESSAGE_ID] = reply.message_id
+    if reply.duplicate:
+        attributes["yoke.duplicate"] = True
+    tracing.annotate(attributes)
+
+
 class Door:
     """Turns submit commands into forum lines, each in its speaker's own namespace."""
 
@@ -215,9 +234,14 @@ class Door:
         return command_key(message, self.max_body_bytes)
 
     async def handle(self, message: AbstractIncomingMessage) -> None:
+        with tracing.span("accept", attributes=accept_attributes(message, tracing.FORUM_ID)):
+            await self._handle(message)
+
+    async def _handle(self, message: AbstractIncomingMessage) -> None:
         user = speaker_of(message)
         refuse_reply_to(self.users, user, message, "command")
         reply = await self.submit(message.body, user)
+        answered(reply)
         COMMANDS.labels("duplicate" if reply.duplicate else reply.status).inc()
         if reply.status == "rejected":
             log.warning(
@@ -376,9 +400,14 @@ class CallDoor(ABC):
         return command_key(message, self.max_body_bytes, "callId")
 
     async def handle(self, message: AbstractIncomingMessage) -> None:
+        with tracing.span("accept", attributes=accept_attributes(message, "yoke.call_id")):
+            await self._handle(message)
+
+    async def _handle(self, message: AbstractIncomingMessage) -> None:
         user = speaker_of(message)
         refuse_reply_to(self.users, user, message, self.what)
         reply = await self.submit(message.body, user)
+        answered(reply)
         COMMANDS.labels("duplicate" if reply.duplicate else reply.status).inc()
         if reply.status == "rejected":
             log.warning(
@@ -482,6 +511,21 @@ def copies_line(config: IngestionConfig, state: IngestionState, message: Message
 async def copy_to_monologue(
     context: ActorContext[IngestionConfig, IngestionState], line: Message
 ) -> None:
+    """The forum line into the join's active monologue (one span per join: ``copy``)."""
+    with tracing.span(
+        "copy",
+        attributes={
+            tracing.FORUM_ID: line.conversation_id,
+            tracing.MESSAGE_ID: line.id,
+            "yoke.agent_actor_id": context.config.agent_actor_id,
+        },
+    ):
+        await _copy_to_monologue(context, line)
+
+
+async def _copy_to_monologue(
+    context: ActorContext[IngestionConfig, IngestionState], line: Message
+) -> None:
     store = context.store
     forum_participant = await store.get_participant(context.config.forum_participant_id)
     if forum_participant is None or forum_participant.left_at is not None:
@@ -520,6 +564,7 @@ async def copy_to_monologue(
             ),
         )
     )
+    tracing.annotate({tracing.CONVERSATION_ID: monologue_id, "yoke.copy_id": copy.id})
     # The monologue may have been compacted while this copy was written: if so, carry it on.
     await carry_tail(
         store, context.poster, context.config.forum_participant_id, monologue_id, copy.seq

@@ -38,7 +38,7 @@ from services.processor.step import (
     with_recorded_round,
 )
 from services.processor.tool_rounds import ToolRounds, end_round_stopped
-from yoke import topology
+from yoke import topology, tracing
 from yoke.models import Message, ToolCallApproved, ToolCallPart, ToolResultPart
 from yoke.runtime.actor import ActorDefinition
 from yoke.runtime.calls.repository import OpenCalls
@@ -55,6 +55,23 @@ from yoke.runtime.rounds import call_ids, call_line_index, round_pending_after, 
 from yoke.runtime.tails import Tails
 
 log = logging.getLogger(__name__)
+
+
+def step_attributes(context: Context, trigger: Message) -> dict[str, str | int]:
+    """The step span's: its join's forum, its monologue, its trigger and what kind it is."""
+    if any(isinstance(part, ToolCallPart) for part in trigger.parts):
+        kind = "tool_call"
+    elif any(isinstance(part, ToolResultPart) for part in trigger.parts):
+        kind = "tool_result"
+    else:
+        kind = trigger.meta.instruction or "line"
+    return {
+        tracing.FORUM_ID: context.config.source_conversation_id,
+        tracing.CONVERSATION_ID: trigger.conversation_id,
+        tracing.MESSAGE_ID: trigger.id,
+        "yoke.trigger": kind,
+        "yoke.seq": trigger.seq,
+    }
 
 
 class Processor:
@@ -92,10 +109,11 @@ class Processor:
     async def handle(self, context: Context, trigger: Message) -> None:
         """:meth:`step`, with the trigger joining its conversation's tail (its event says it
         is stored); a tail the step leaves in doubt (it failed, or the join moved to a new
-        monologue) is forgotten."""
+        monologue) is forgotten. Each step is a ``step`` span, named by what triggered it."""
         self.tails.saw(trigger)
         try:
-            await self.step(context, trigger)
+            with tracing.span("step", attributes=step_attributes(context, trigger)):
+                await self.step(context, trigger)
         except BaseException:
             self.tails.drop(trigger.conversation_id, "failed")
             raise

@@ -9,6 +9,7 @@ and only what is new from the store; it ends at the trigger under ``whileBusy: q
 
 from __future__ import annotations
 
+from yoke import tracing
 from yoke.models import Message, MessageMeta, Part, ToolCallPart, Usage
 from yoke.runtime.actor import ActorContext
 from yoke.runtime.calls.records import open_call_id, own_result_line_id, round_results_line_id
@@ -88,16 +89,24 @@ async def context_window(context: Context, trigger: Message, tails: Tails) -> li
 async def step_window(context: Context, trigger: Message, tails: Tails) -> list[Message]:
     """The lines the step reads: up to its trigger under ``whileBusy: queue``; else up to the
     conversation's newest line (invariant 1: coalesce and interrupt answer every unanswered
-    line at once), as many lines back as :func:`context_window` reads."""
-    if context.config.while_busy == "queue":
-        return await context_window(context, trigger, tails)
-    head = await tails.last_seq(context.store, trigger.conversation_id, at_least=trigger.seq)
-    return await tails.history(
-        context.store,
-        trigger.conversation_id,
-        after_seq=max(0, context.state.context_from_seq - 1, head - context.settings.context_lines),
-        up_to_seq=head,
-    )
+    line at once), as many lines back as :func:`context_window` reads (a ``window`` span)."""
+    with tracing.span("window"):
+        if context.config.while_busy == "queue":
+            window = await context_window(context, trigger, tails)
+        else:
+            head = await tails.last_seq(
+                context.store, trigger.conversation_id, at_least=trigger.seq
+            )
+            window = await tails.history(
+                context.store,
+                trigger.conversation_id,
+                after_seq=max(
+                    0, context.state.context_from_seq - 1, head - context.settings.context_lines
+                ),
+                up_to_seq=head,
+            )
+        tracing.annotate({"yoke.lines": len(window)})
+        return window
 
 
 def recorded_round(context: Context, transcript: list[Message]) -> RoundMark | None:

@@ -18,6 +18,7 @@ from services.processor.commands import name_of
 from services.processor.inference import activity
 from services.processor.notices import FORUM_NOTICES, post_notice
 from services.processor.step import Context, carried_meta
+from yoke import tracing
 from yoke.ids import SYSTEM_ACTOR_ID
 from yoke.metrics import DOOM_LOOPS, tool_label
 from yoke.models import (
@@ -100,6 +101,9 @@ class ToolRounds:
         )
         runnable = [call for call in calls if call.call_id not in refused]
         meta = carried_meta(context, trigger)
+        # Kept with each call that waits: its end, however late, links back to this step.
+        asking = tracing.traceparent()
+        tracing.annotate({"yoke.tool_calls": len(calls)})
 
         def make_open(call: ToolCallPart, entry: CatalogEntry) -> OpenCall:
             # An in-process or MCP call's own timeout speaks first; a worker's deadline is the
@@ -121,6 +125,7 @@ class ToolRounds:
                 forum_id=context.config.source_conversation_id,
                 agent_actor_id=context.config.agent_actor_id,
                 round_line_id=round_results_line_id(context.instance_id, trigger.id),
+                trace_parent=asking,
             )
 
         results = await dispatch.run_round(
