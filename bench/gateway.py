@@ -5,7 +5,8 @@ phases measure the mesh as before), with a token made as ``yoke token create`` m
 webhook subscription as ``yoke webhook add`` adds one. Each round posts a line over HTTP
 (httpx, kept alive) and times POST -> 202, POST -> the agent's answer on an open ``/stream``
 and POST -> its webhook delivery; calls the same agent, published, through the gateway's MCP
-server (:mod:`bench.callers`: call -> answer, in its caller's own kept forum); then submits a
+server and as its A2A agent (:mod:`bench.callers`: call -> answer, send -> completed, each in
+its caller's own kept forum); then submits a
 line through :class:`yoke.client.Client` and times the door's answer and the agent's answer on
 ``yoke.events``: the baseline, in the same forum and the same run, interleaved so every door
 sees the same machine.
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from bench.callers import McpCaller
+from bench.callers import A2aCaller, McpCaller
 from bench.http_answers import StreamReader, WebhookReceiver
 from bench.mesh_bench import Figures, MeshBench
 from bench.services import ServiceProcess
@@ -40,12 +41,14 @@ STREAM = "postToStream"
 AMQP_TURN = "amqpTurn"
 WEBHOOK = "postToWebhook"
 MCP_CALL = "mcpCall"
-SERIES = (POST, AMQP_SUBMIT, STREAM, AMQP_TURN, WEBHOOK, MCP_CALL)
+A2A_TASK = "a2aTask"
+SERIES = (POST, AMQP_SUBMIT, STREAM, AMQP_TURN, WEBHOOK, MCP_CALL, A2A_TASK)
 # (ratio's name, gateway series, its AMQP baseline): p50 over p50.
 RATIOS = (
     ("accept", POST, AMQP_SUBMIT),
     ("answer", STREAM, AMQP_TURN),
     ("mcp", MCP_CALL, AMQP_TURN),
+    ("a2a", A2A_TASK, AMQP_TURN),
 )
 
 
@@ -68,6 +71,14 @@ class Rounds:
 
     def add(self, name: str, seconds: float) -> None:
         self.samples[name].append(seconds)
+
+
+@dataclass
+class Callers:
+    """The published agent's callers through the gateway's MCP and A2A doors."""
+
+    mcp: McpCaller
+    a2a: A2aCaller
 
 
 class GatewayBench:
@@ -104,7 +115,10 @@ class GatewayBench:
         self.progress(f"gateway: starting the gateway process (logs in {mesh.log_dir})")
         gateway = ServiceProcess(GATEWAY, mesh.services.env, mesh.log_dir)
         stream = StreamReader(gateway.url, self.forum, secret)
-        mcp = McpCaller(gateway.url, secret, PUBLISHED_NAME, self.patience)
+        callers = Callers(
+            McpCaller(gateway.url, secret, PUBLISHED_NAME, self.patience),
+            A2aCaller(gateway.url, secret, PUBLISHED_NAME, self.patience),
+        )
         api = httpx.AsyncClient(
             base_url=gateway.url,
             headers={"Authorization": f"Bearer {secret}"},
@@ -115,16 +129,18 @@ class GatewayBench:
             await gateway.wait_healthy(START_WITHIN)
             healthy = time.perf_counter()
             await stream.open(within=30)
-            await mcp.open()
+            await callers.mcp.open()
+            await callers.a2a.open()
             self.progress(
                 f"gateway: healthy in {healthy - begin:.1f}s, stream open"
                 f" {time.perf_counter() - healthy:.1f}s later"
             )
             if args.turn_warmup:
-                await self.rounds(api, stream, mcp, "gateway warmup", args.turn_warmup)
-            rounds = await self.rounds(api, stream, mcp, "gateway", args.gateway_turns)
+                await self.rounds(api, stream, callers, "gateway warmup", args.turn_warmup)
+            rounds = await self.rounds(api, stream, callers, "gateway", args.gateway_turns)
         finally:
-            await mcp.close()
+            await callers.a2a.close()
+            await callers.mcp.close()
             await api.aclose()
             await stream.close()  # before the stop: an open stream holds the shutdown up
             code = await asyncio.to_thread(gateway.stop)
@@ -146,19 +162,20 @@ class GatewayBench:
         self,
         api: httpx.AsyncClient,
         stream: StreamReader,
-        mcp: McpCaller,
+        callers: Callers,
         label: str,
         count: int,
     ) -> Rounds:
-        """``count`` rounds, each a turn through the gateway, a call through its MCP server,
-        then a turn through the AMQP door; every answer awaited wherever it goes before the
-        next line (one turn at a time)."""
+        """``count`` rounds, each a turn through the gateway, a call through its MCP server and
+        a task of its A2A agent, then a turn through the AMQP door; every answer awaited
+        wherever it goes before the next line (one turn at a time)."""
         rounds = Rounds()
         begin = time.perf_counter()
         last_report = begin
         for index in range(count):
             await self.http_turn(api, stream, rounds)
-            rounds.add(MCP_CALL, await mcp.call(f"mcp line {index}"))
+            rounds.add(MCP_CALL, await callers.mcp.call(f"mcp line {index}"))
+            rounds.add(A2A_TASK, await callers.a2a.call(f"a2a line {index}"))
             await self.amqp_turn(stream, rounds)
             if time.perf_counter() - last_report > 5:
                 last_report = time.perf_counter()

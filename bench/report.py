@@ -149,6 +149,7 @@ def gateway_lines(gateway: Figures) -> list[str]:
         ("  AMQP submit -> answer on yoke.events", "amqpTurn", None),
         ("POST -> webhook delivery", "postToWebhook", None),
         ("MCP tools/call -> its answer (mcp client)", "mcpCall", "mcp"),
+        ("A2A message/send -> completed (a2a-sdk)", "a2aTask", "a2a"),
     )
     for label, key, ratio_name in rows:
         if key not in gateway:  # results of a run before the door existed

@@ -79,9 +79,12 @@ def test_the_smallest_bench_measures_every_phase(
     assert figures["turnLatency"]["turns"] == 5
     assert figures["throughput"]["turns"] == 3
     gateway = figures["gateway"]  # each door's series, every answer seen where it goes
-    series = ("post", "amqpSubmit", "postToStream", "amqpTurn", "postToWebhook", "mcpCall")
+    series = (
+        *("post", "amqpSubmit", "postToStream", "amqpTurn", "postToWebhook"),
+        *("mcpCall", "a2aTask"),
+    )
     assert [gateway[name]["count"] for name in series] == [3] * len(series), gateway
-    assert gateway["exitCode"] == 0 and set(gateway["ratios"]) == {"accept", "answer", "mcp"}
+    assert gateway["exitCode"] == 0 and set(gateway["ratios"]) == {"accept", "answer", "mcp", "a2a"}
     streaming = figures["streaming"]  # the draft shows long before its line (2 s of writing)
     assert [streaming[name]["count"] for name in ("postToFirstDelta", "postToLine")] == [3, 3]
     assert streaming["postToFirstDelta"]["maxMs"] < streaming["postToLine"]["p50Ms"], streaming
