@@ -408,8 +408,10 @@ def mount(app: FastAPI, settings: Settings) -> McpDoor:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[Any]:
         async with inner(app) as state:
+            gateway = app.state.gateway
             # Made before any traffic (FerretDB can hang making one lazily under load).
-            await app.state.gateway.store.create_collections(owed_answers.COLLECTION)
+            await gateway.store.create_collections(owed_answers.COLLECTION)
+            gateway.extras["webhooks"].retention.add(owed_answers.retention_rule())
             async with door.running():
                 yield state
 

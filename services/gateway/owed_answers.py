@@ -5,16 +5,23 @@ One document per kept forum (``_id`` the forum's id, ``lineId`` the line whose a
 written when a call ends without its answer, deleted when a later call hands it over. The
 gateway's own bookkeeping, like a webhook's cursor (its MongoDB role may write only such
 collections), and in the store, not in a process: any replica collects what another owes.
-Each carries its day's ``ageBucket``, so a retention rule can sweep those never collected.
+Each carries its day's ``ageBucket``: the gateway's sweep takes those never collected after
+:data:`KEEP_DAYS` (the answer itself stays in the forum; only the pointer to it goes).
 """
 
 from __future__ import annotations
 
 from yoke.ages import BUCKET_FIELD, day_bucket
 from yoke.models import Message, utcnow
+from yoke.retention import Rule
 from yoke.store import Store
 
 COLLECTION = "mcp_owed_answers"
+KEEP_DAYS = 1.0
+
+
+def retention_rule() -> Rule:
+    return Rule("mcp owed answers", COLLECTION, "day", KEEP_DAYS)
 
 
 async def owed_line(store: Store, forum_id: str) -> Message | None:

@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 
 from services.followup.scheduler import FollowUpDecision, FollowUps, decision_rule
+from services.gateway import owed_answers
+from services.gateway.a2a import push, task_store
 from services.gateway.webhooks import retention_rules as webhook_rules
 from services.guardian.guardian import COLLECTION as GUARDIAN
 from services.guardian.guardian import retention_rules as guardian_rules
@@ -124,6 +126,7 @@ async def test_the_sweep_removes_what_expired_and_keeps_what_is_live(mongodb_url
         retention_failure_days=1,
         retention_webhook_dead_letter_days=1,
         retention_lease_hours=1,
+        retention_a2a_task_days=1,
         retention_lookback_days=3,
     )
     store = Store(mongodb_url)
@@ -207,6 +210,18 @@ async def test_the_sweep_removes_what_expired_and_keeps_what_is_live(mongodb_url
                     "ageBucket": young_hour,
                 },
             ],
+            # The gateway's callers' records: A2A tasks and push configs, MCP owed answers.
+            **{
+                collection: [
+                    {"_id": f"{prefix}-old", "ageBucket": old_day},
+                    {"_id": f"{prefix}-young", "ageBucket": young_day},
+                ]
+                for prefix, collection in (
+                    ("task", task_store.COLLECTION),
+                    ("push", push.CONFIGS),
+                    ("owed", owed_answers.COLLECTION),
+                )
+            },
         }
         for collection, documents in seeded.items():
             await store.create_collections(collection)
@@ -217,6 +232,9 @@ async def test_the_sweep_removes_what_expired_and_keeps_what_is_live(mongodb_url
             swap_rule(settings.retention_decision_days),
             *guardian_rules(settings),
             *webhook_rules(settings),
+            task_store.retention_rule(settings),
+            push.retention_rule(settings),
+            owed_answers.retention_rule(),
         ):
             sweep.add(rule)
 
@@ -230,6 +248,9 @@ async def test_the_sweep_removes_what_expired_and_keeps_what_is_live(mongodb_url
             "writers": {"w-2"},
             DEAD_LETTERS: {"wd-young"},
             LEASES: {"wl-young"},
+            task_store.COLLECTION: {"task-young"},
+            push.CONFIGS: {"push-young"},
+            owed_answers.COLLECTION: {"owed-young"},
         }
         for collection, documents in seeded.items():
             ids = [str(document["_id"]) for document in documents]
