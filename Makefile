@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser env services services-stop run test lint bench chaos cluster clean monitoring monitoring-stop compose-check
+.PHONY: install browser env services services-stop run test lint bench chaos cluster clean monitoring monitoring-stop tracing tracing-build tracing-stop compose-check
 
 install: $(STAMP)
 
@@ -36,14 +36,15 @@ browser:
 env:
 	@python3 deploy/make_env.py .env
 
+# Traces to the Jaeger `make tracing` runs, when it answers (tracing.sh run-env says so).
 run: env services
-	@$(PY) -m yoke.cli.demo
+	@eval "$$(deploy/local/tracing.sh run-env)" && $(PY) -m yoke.cli.demo
 
 # Two passes, one command: the test modules spread over TEST_WORKERS processes (pytest-xdist, a
 # module's tests together in one so its mesh starts once), then the `serial` ones alone (see
 # pyproject's markers). A pass that PYTEST_ARGS leaves empty (pytest's 5) is no failure.
 TEST_WORKERS ?= 2
-test: services browser $(VENV)/.plugins
+test: services browser tracing-build $(VENV)/.plugins
 	-@deploy/local/monitoring.sh install  # (without it only tests/deploy/test_monitoring.py fails)
 	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS); \
 	parallel=$$?; [ $$parallel -eq 5 ] && parallel=0; \
@@ -57,6 +58,21 @@ monitoring: install
 
 monitoring-stop:
 	@deploy/local/monitoring.sh stop
+
+# Jaeger v2 on 127.0.0.1 (UI and query API :16686, OTLP :4317 gRPC / :4318 HTTP), built from the
+# Go module proxy into .local/bin/jaeger as FerretDB is; the mesh exports to it when
+# OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 is set (it says so).
+tracing: install
+	@deploy/local/tracing.sh start
+
+tracing-stop:
+	@deploy/local/tracing.sh stop
+
+# Only the binary, once (a first build takes many minutes): `make test` needs it, since the
+# tracing tests start Jaeger processes of their own from it (tests/support/jaeger.py), and
+# `make compose-check` copies it into its jaeger stand-in image.
+tracing-build:
+	@deploy/local/tracing.sh build
 
 lint: install
 	$(VENV)/bin/ruff check shared services tests deploy bench
@@ -82,7 +98,7 @@ chaos: services
 # dockerd of its own unless one answers, builds stand-ins for the images that cannot be pulled
 # (tests/compose/images), checks the mesh end to end and prints a table. Images and the Debian
 # base are cached in /var/cache/yoke-compose: a second run takes minutes.
-compose-check: install
+compose-check: install tracing-build
 	@deploy/local/services.sh ferretdb-build
 	@$(PY) -m tests.compose.check
 

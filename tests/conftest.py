@@ -25,6 +25,7 @@ from tests.support.broker import Management, fresh_vhost
 from tests.support.browser import headless_chromium
 from tests.support.fake_openai import FakeOpenAI
 from tests.support.gateway_process import CLEAN_EXITS, running_gateway
+from tests.support.jaeger import Jaeger, running_jaeger
 from tests.support.mesh import JoinFactory, Launch, Mesh, running_mesh
 from tests.support.unprivileged import stdio_servers_need_root
 from tests.support.webhook_receiver import Receiver
@@ -321,3 +322,11 @@ async def receiver() -> AsyncIterator[Receiver]:
     await server.start()
     yield server
     await server.close()
+
+
+@pytest.fixture(scope="module")
+async def jaeger(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Jaeger]:
+    """A Jaeger of the module's own on free ports (tests/support/jaeger.py): point the mesh at
+    it with ``mesh_env`` returning ``jaeger.env()``; read traces with ``await jaeger.trace(id)``."""
+    async with running_jaeger(Path(tmp_path_factory.mktemp("jaeger"))) as server:
+        yield server
