@@ -36,6 +36,10 @@ import aio_pika
 import httpx
 import yaml
 from aiormq.exceptions import ChannelAccessRefused
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("YOKE_COMPOSE_CACHE", "/var/cache/yoke-compose"))
@@ -53,6 +57,7 @@ STAND_INS = {
     "rabbitmq": "rabbitmq:3.13.7-management",
     "mongo": "mongo:7.0",
     "prometheus": "prom/prometheus:v2.54.1",
+    "jaeger": "jaegertracing/jaeger:2.12.0",
 }
 # The engine's settings on this kind of host: runc (crun fails on hybrid cgroups), ulimits no
 # higher than the host allows, overlay2.
@@ -73,6 +78,7 @@ EXPECTED = {
     "guardian": 1,
     "gateway": 1,
     "prometheus": 1,
+    "jaeger": 1,
 }
 ONE_SHOTS = {"rabbitmq-init"}
 T = TypeVar("T")
@@ -405,6 +411,11 @@ def build_context(name: str, root: Path) -> Path:
         if not ferretdb.exists():
             raise CheckFailed(f"{ferretdb} is missing: `make services` builds it")
         shutil.copy(ferretdb, context / "ferretdb")
+    if name == "jaeger":
+        jaeger = root / ".local/bin/jaeger"
+        if not jaeger.exists():
+            raise CheckFailed(f"{jaeger} is missing: `make tracing-build` builds it")
+        shutil.copy(jaeger, context / "jaeger")
     return context
 
 
@@ -707,7 +718,7 @@ def amqp_turn(run: Run) -> str:
     return f"docker-compose run --rm cli post: line {out.strip()[-12:]} answered by the agent"
 
 
-def gateway_turn(run: Run) -> str:
+def gateway_turn(run: Run, traceparent: str | None = None) -> str:
     token = (
         run.host_yoke(
             "token",
@@ -724,9 +735,12 @@ def gateway_turn(run: Run) -> str:
     forum = run.values["forum"]
     headers = {"Authorization": f"Bearer {token}"}
     with httpx.Client(base_url=f"http://{BIND}:8080", headers=headers, timeout=10) as api:
+        # A caller's trace, which the turn continues (the services that trace, as all do here).
+        extra = {"traceparent": traceparent} if traceparent else {}
         posted = api.post(
             f"/v1/forums/{forum}/messages",
             json={"author": {"externalId": "check", "displayName": "Check"}, "text": text},
+            headers=extra,
         )
         if posted.status_code != 202:
             raise CheckFailed(f"POST answered {posted.status_code}: {posted.text[:200]}")
@@ -741,6 +755,74 @@ def gateway_turn(run: Run) -> str:
 
         poll("the agent's answer over HTTP", answered, 90)
     return f"POST {BIND}:8080/v1/forums/…/messages 202, the agent's answer in GET"
+
+
+# --- traces --------------------------------------------------------------------------------
+
+JAEGER_QUERY = f"http://{BIND}:16686"
+# The services a line through the HTTP door crosses before the answer is in the forum.
+TURN_SERVICES = {"yoke-gateway", "yoke-ingestion", "yoke-processor", "yoke-egress"}
+
+
+def jaeger_trace(trace_id: str) -> dict[str, set[str]] | None:
+    """service -> span names of a trace, as Jaeger's v3 query API has it (None: not found)."""
+    found = httpx.get(f"{JAEGER_QUERY}/api/v3/traces/{trace_id}", timeout=10)
+    if found.status_code == 404:
+        return None
+    found.raise_for_status()
+    spans: dict[str, set[str]] = {}
+    for resource in found.json()["result"]["resourceSpans"]:
+        service = next(
+            (
+                a["value"].get("stringValue", "")
+                for a in resource.get("resource", {}).get("attributes", [])
+                if a["key"] == "service.name"
+            ),
+            "",
+        )
+        for scope in resource.get("scopeSpans", []):
+            spans.setdefault(service, set()).update(s["name"] for s in scope.get("spans", []))
+    return spans
+
+
+def jaeger_takes_a_span(run: Run) -> str:
+    """The jaeger service receives OTLP/HTTP on its published port (the official SDK's
+    exporter) and answers its query API with the span."""
+    provider = TracerProvider(resource=Resource.create({"service.name": "compose-check"}))
+    exporter = OTLPSpanExporter(endpoint=f"http://{BIND}:4318/v1/traces", timeout=10)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with provider.get_tracer("compose-check").start_as_current_span("compose-check probe") as span:
+        trace_id = format(span.get_span_context().trace_id, "032x")
+    provider.shutdown()
+    found = poll("the probe span in Jaeger", lambda: jaeger_trace(trace_id), 60, 1)
+    if found != {"compose-check": {"compose-check probe"}}:
+        raise CheckFailed(f"Jaeger has, for the probe's trace: {found}")
+    services = httpx.get(f"{JAEGER_QUERY}/api/v3/services", timeout=10).json()["services"]
+    return (
+        f"OTLP/HTTP :4318 span found at :16686/api/v3/traces/{trace_id[:8]}…; services {services}"
+    )
+
+
+def turn_trace(run: Run) -> str:
+    """A line posted over HTTP with a caller's traceparent: the turn's spans, from every service
+    it crosses, are found in Jaeger under the caller's trace id."""
+    if not (run.root / "shared/yoke/tracing.py").exists():
+        raise Skipped("the services do not trace yet (no shared/yoke/tracing.py)")
+    trace_id = uuid.uuid4().hex
+    gateway_turn(run, traceparent=f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01")
+    last: dict[str, set[str]] = {}
+
+    def complete() -> bool | None:
+        nonlocal last
+        last = jaeger_trace(trace_id) or {}
+        return True if set(last) >= TURN_SERVICES else None
+
+    try:
+        poll("the turn's spans from every service in Jaeger", complete, 60, 2)
+    except CheckFailed as error:
+        raise CheckFailed(f"{error}: Jaeger has {last}") from error
+    count = sum(len(names) for names in last.values())
+    return f"trace {trace_id[:8]}…: {count} span names from {', '.join(sorted(last))}"
 
 
 def container_ips(run: Run, service: str) -> set[str]:
@@ -1078,6 +1160,8 @@ def main(argv: list[str] | None = None) -> int:
             run.step("4 CLI refusal, one line", lambda: check_cli_refusal(run))
             run.step("turn through the AMQP door", lambda: amqp_turn(run))
             run.step("turn through the gateway", lambda: gateway_turn(run))
+            run.step("jaeger takes a span", lambda: jaeger_takes_a_span(run))
+            run.step("a turn's trace in jaeger", lambda: turn_trace(run))
             run.step("gateway as yoke-gateway", lambda: gateway_as_its_own_user(run))
             run.step("gateway user refused", lambda: gateway_user_refused(run))
             run.step("hardened containers", lambda: hardened_containers(run))

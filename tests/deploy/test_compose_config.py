@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.compose.check import EXPECTED, STAND_INS
 from yoke import provisioning
 from yoke.settings import Settings
 
@@ -47,6 +48,7 @@ SECRETS = {
     "cli": {"YOKE_RABBITMQ_PUBLISHER_PASSWORD", SERVICES_MONGODB},
     "prometheus": set(),
     "grafana": {"YOKE_GRAFANA_ADMIN_PASSWORD"},
+    "jaeger": set(),
 }
 # Services whose processes start MCP servers (stdio ones need a writable home).
 MCP_HOSTS = {"processor"}
@@ -239,7 +241,7 @@ def test_our_image_runs_without_privileges_and_on_a_read_only_root() -> None:
         for name, service in services().items()
         if (service.get("build") or {}).get("dockerfile") == OUR_IMAGE
     }
-    assert set(ours) == {*SECRETS} - {"rabbitmq", "mongodb", "prometheus", "grafana"}
+    assert set(ours) == {*SECRETS} - {"rabbitmq", "mongodb", "prometheus", "grafana", "jaeger"}
     for name, service in ours.items():
         assert service.get("cap_drop") == ["ALL"], name
         assert service.get("read_only") is True, name
@@ -248,3 +250,67 @@ def test_our_image_runs_without_privileges_and_on_a_read_only_root() -> None:
     for name in MCP_HOSTS:
         home = environment(ours[name])["HOME"]
         assert home in {str(mount).split(":")[0] for mount in ours[name]["tmpfs"]}, name
+
+
+# The mesh's long-running services (our image, not the one-shot, not the CLI on demand).
+TRACED = {"ingestion", "processor", "egress", "followup", "guardian", "gateway"}
+
+
+def test_every_service_exports_its_traces_to_the_jaeger_service() -> None:
+    found = services()
+    exporting = {
+        name for name, s in found.items() if "OTEL_EXPORTER_OTLP_ENDPOINT" in environment(s)
+    }
+    assert exporting == TRACED
+    # OTLP/HTTP's base address (the SDK adds /v1/traces), on the port Jaeger receives it.
+    assert {environment(found[name])["OTEL_EXPORTER_OTLP_ENDPOINT"] for name in TRACED} == {
+        "http://jaeger:4318"
+    }
+
+
+def tracing_script_value(name: str) -> str:
+    [value] = re.findall(
+        rf'^{name}="([^"]+)"$', (ROOT / "deploy/local/tracing.sh").read_text(), re.M
+    )
+    return value
+
+
+def test_jaeger_is_the_official_image_of_the_release_make_tracing_builds() -> None:
+    jaeger = services()["jaeger"]
+    assert jaeger["image"] == f"jaegertracing/jaeger:{tracing_script_value('jaeger_version')[1:]}"
+    assert tracing_script_value("module_version") == "v1.75.0"  # the module list's approved one
+    assert jaeger["restart"] == "unless-stopped"
+    # Nothing written but memory and /tmp; no capability; published on the bind address only.
+    assert jaeger.get("cap_drop") == ["ALL"] and jaeger.get("read_only") is True
+    assert "no-new-privileges:true" in jaeger.get("security_opt", [])
+    published = {port.rsplit(":", 1)[-1] for port in jaeger["ports"]}
+    assert published == {"16686", "4317", "4318"}
+    assert all(port.startswith("${YOKE_BIND_ADDRESS:-127.0.0.1}:") for port in jaeger["ports"])
+    # make compose-check's stand-in takes the name the file gives.
+    assert STAND_INS["jaeger"] == jaeger["image"] and EXPECTED["jaeger"] == 1
+
+
+def test_grafana_reads_jaeger_and_links_exemplars_to_it() -> None:
+    folder = ROOT / "deploy/grafana/provisioning/datasources"
+    sources = {
+        source["uid"]: source
+        for path in sorted(folder.glob("*.yml"))
+        for source in yaml.safe_load(path.read_text())["datasources"]
+    }
+    assert sources["jaeger"]["type"] == "jaeger"
+    assert sources["jaeger"]["url"] == "http://jaeger:16686"
+    destinations = sources["prometheus"]["jsonData"]["exemplarTraceIdDestinations"]
+    assert destinations == [{"name": "trace_id", "datasourceUid": "jaeger"}]
+    # Prometheus keeps exemplars only when told to; its command keeps the image's flags.
+    command = services()["prometheus"]["command"]
+    assert "--enable-feature=exemplar-storage" in command
+    assert "--config.file=/etc/prometheus/prometheus.yml" in command
+    # Every latency panel asks for them.
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/yoke.json").read_text())
+    latency = [
+        target
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+        if "_seconds_bucket" in target["expr"]
+    ]
+    assert latency and all(target.get("exemplar") is True for target in latency)
