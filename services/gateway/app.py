@@ -757,6 +757,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         "needs `Authorization: Bearer <token>` (`yoke token create`). Errors are "
         '`{"error": "...", "code": "..."}`.',
         lifespan=lifespan,
+        # FastAPI's own OpenTelemetry would trace each request a second time (on the provider
+        # yoke.tracing installs): the gateway's request spans are its own (traced).
+        telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
         # Swagger UI comes from a CDN, unpinned, into the console's origin: only when asked for
         # (YOKE_GATEWAY_DOCS); /openapi.json is always there for local tools.
         docs_url="/docs" if settings.gateway_docs else None,
