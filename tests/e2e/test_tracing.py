@@ -1,0 +1,618 @@
+"""One trace per turn (DESIGN §3 "Tracing", issue #33), read back from a real Jaeger.
+
+The five services, the gateway and a worker tool (the SDK's ``serve``, a process of its own)
+run with ``OTEL_EXPORTER_OTLP_ENDPOINT`` pointing at the module's Jaeger (tests/support/jaeger.py);
+the model is the fake OpenAI server, so the model call is a GenAI client span with real usage.
+Lines come through the AMQP door as a bridge sends them (with or without a ``traceparent`` of
+its own) and through the HTTP gateway; each test reads its trace back by id, or by the search
+Jaeger's UI makes, and checks who is whose parent. The last test stops the collector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.approvals import sums
+from tests.support.fake_openai import FakeOpenAI, completion, openai_env
+from tests.support.jaeger import Jaeger, Span, Trace
+from tests.support.mesh import Mesh, agent_lines, lines_until, say
+from tests.support.processes import ROOT, eventually, local_http
+from tests.support.worker_tools import WorkerTool, ask_direct, registered_worker_tool
+from yoke import topology
+from yoke.client import Client
+from yoke.ids import new_id
+from yoke.models import Message, ToolResultPart
+from yoke.runtime.calls.approvals import pending_approvals
+from yoke.runtime.join_config import ApprovalConfig, JoinConfig
+from yoke.runtime.joins import create_agent, create_forum, join_conversation
+from yoke.runtime.posting import Poster
+from yoke.speakers import amqp_user
+from yoke.store import Store
+from yoke.tokens import create_token, ensure_token_indexes
+
+pytestmark = pytest.mark.slow
+
+WAIT = 60.0  # the most a test waits for anything the mesh or Jaeger does, on a loaded machine
+MODEL = "gpt-test"  # what the fake OpenAI server answers as
+PRICE = (1.0, 2.0)  # USD per million input and output tokens: the span's yoke.cost_usd
+SCHEMA = {"type": "object", "properties": {"tag": {"type": "string"}}}
+
+
+def traceparent() -> tuple[str, str, str]:
+    """A caller's own span, as a bridge or an HTTP client would send it: (header, trace id,
+    span id)."""
+    trace_id, span_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    return f"00-{trace_id}-{span_id}-01", trace_id, span_id
+
+
+@pytest.fixture(scope="module")
+def mesh_env(jaeger: Jaeger, fake_openai: FakeOpenAI) -> dict[str, str]:
+    return {
+        **jaeger.env(),
+        # A collector that is away is given up on within 2 s a batch (the last test).
+        "OTEL_EXPORTER_OTLP_TIMEOUT": "2",
+        "YOKE_PRICES": json.dumps({MODEL: PRICE}),
+        **openai_env(fake_openai.base_url, give_up_seconds=10),
+    }
+
+
+@pytest.fixture(scope="module")
+def gateway_env(jaeger: Jaeger) -> dict[str, str]:
+    return jaeger.env()
+
+
+@pytest.fixture(scope="module")
+async def tool(
+    amqp_url: str, module_mongodb_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[WorkerTool]:
+    """A worker tool, registered before the services start (their first catalog read has it)."""
+    async with registered_worker_tool(
+        amqp_url,
+        module_mongodb_url,
+        f"traced-{uuid.uuid4().hex[:8]}",
+        SCHEMA,
+        Path(tmp_path_factory.mktemp("tools")),
+        timeout=120,
+    ) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def before_mesh(tool: WorkerTool) -> None:
+    """The worker tool is in the catalog when the services start."""
+
+
+@pytest.fixture(scope="module")
+def worker(
+    tool: WorkerTool, jaeger: Jaeger, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[subprocess.Popen[bytes]]:
+    """The SDK's ``serve`` for the tool (tests/chaos/tool_worker.py), in a process of its own
+    that traces to the module's Jaeger as ``yoke-tool-NAME``."""
+    folder = Path(tmp_path_factory.mktemp("worker"))
+    log = (folder / "worker.log").open("ab")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.chaos.tool_worker",
+            "--url",
+            tool.url,
+            "--tool",
+            tool.name,
+            "--runs",
+            str(folder / "runs.jsonl"),
+            "--seconds",
+            "0",
+        ],
+        env={**os.environ, **jaeger.env(), "YOKE_LOG_FORMAT": "json"},
+        cwd=ROOT,
+        stdout=log,
+        stderr=log,
+    )
+    try:
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+        log.close()
+
+
+async def echo_forum(store: Store, poster: Poster, **options: Any) -> tuple[str, str]:
+    """A forum with one agent of the fake OpenAI model: (forum, agent)."""
+    forum = await create_forum(store, "traced")
+    agent = await create_agent(store, "echo")
+    await join_conversation(store, poster, agent.id, forum.id, model=MODEL, **options)
+    return forum.id, agent.id
+
+
+async def answered(store: Store, forum_id: str, count: int = 1) -> list[Message]:
+    """The forum's lines once the agent has answered ``count`` times."""
+    return await lines_until(
+        store, forum_id, lambda lines: len(agent_lines(lines)) >= count, timeout=WAIT
+    )
+
+
+def submit_body(forum_id: str, text: str) -> dict[str, Any]:
+    return {
+        "conversationId": forum_id,
+        "author": {"externalId": f"test:{new_id()[:8]}", "displayName": "ada"},
+        "text": text,
+        "idempotencyKey": new_id(),
+    }
+
+
+def spans_of(trace: Trace, service: str, name: str) -> list[Span]:
+    return [span for span in trace if span.service == service and span.name == name]
+
+
+def one_of(trace: Trace, service: str, name: str, **attributes: object) -> Span:
+    """The one span of ``service`` named ``name`` with these attributes (the tree otherwise)."""
+    found = [
+        span
+        for span in spans_of(trace, service, name)
+        if all(span.attributes.get(key) == value for key, value in attributes.items())
+    ]
+    assert len(found) == 1, (
+        f"{len(found)} {name!r} spans of {service} {attributes}:\n{trace.tree()}"
+    )
+    return found[0]
+
+
+def has(service: str, name: str, **attributes: object) -> Any:
+    """A ``Jaeger.trace(until=...)`` condition: a span like that has arrived."""
+    return lambda trace: any(
+        span.service == service
+        and span.name == name
+        and all(span.attributes.get(key) == value for key, value in attributes.items())
+        for span in trace
+    )
+
+
+def answer_forwarded(trace: Trace) -> bool:
+    """The answer to a tool round has reached egress, with every span on its way there."""
+    return any(
+        span.name == "forward"
+        and any(
+            above.name == "step" and above.attributes.get("yoke.trigger") == "tool_result"
+            for above in trace.ancestors(span)
+        )
+        for span in trace
+    )
+
+
+def every(*conditions: Any) -> Any:
+    return lambda trace: all(condition(trace) for condition in conditions)
+
+
+def above(trace: Trace, child: Span, ancestor: Span) -> None:
+    """``ancestor`` is on ``child``'s path to the root, and started no later."""
+    assert ancestor in trace.ancestors(child), (
+        f"{ancestor.name} [{ancestor.service}] is not above {child.name} [{child.service}]:\n"
+        f"{trace.tree()}"
+    )
+    assert ancestor.start_ns <= child.start_ns
+
+
+def print_tree(title: str, trace: Trace) -> None:
+    """Shown with -s: the span tree, which the issue's closing note quotes."""
+    print(f"\n{title} (trace {trace.trace_id}, {len(trace)} spans):\n{trace.tree()}")
+
+
+# --- a turn is one trace -----------------------------------------------------------------------
+
+
+async def test_a_line_through_the_amqp_door_is_one_trace_in_turn_order(
+    mesh: Mesh, jaeger: Jaeger, store: Store, poster: Poster, client: Client
+) -> None:
+    """A bridge's line without a traceparent of its own: the door starts the trace, and every
+    hop of the turn joins it, each below the hop before."""
+    forum_id, _ = await echo_forum(store, poster)
+    since = datetime.now(UTC)
+    line_id = await say(client, forum_id, "hello, traced")
+    await answered(store, forum_id)
+
+    async def the_trace() -> Trace | None:
+        found = await jaeger.find_traces("yoke-ingestion", since=since, operation="accept")
+        return next(
+            (
+                trace
+                for trace in found
+                if any(span.attributes.get("yoke.message_id") == line_id for span in trace)
+            ),
+            None,
+        )
+
+    found: Trace | None = None
+
+    async def searched() -> bool:
+        nonlocal found
+        found = await the_trace()
+        return found is not None
+
+    await eventually(searched, timeout=WAIT, what="the line's trace in Jaeger's search")
+    assert found is not None
+    trace = await jaeger.trace(
+        found.trace_id,
+        timeout=WAIT,
+        until=every(
+            has("yoke-egress", "forward", **{"yoke.forum_id": forum_id}),
+            has("yoke-processor", f"chat {MODEL}"),
+        ),
+    )
+    print_tree("one turn through the AMQP door", trace)
+    assert {"yoke-ingestion", "yoke-processor", "yoke-egress"} <= trace.services
+    [root] = trace.roots()  # one trace, one root: the intake's delivery of the command
+    assert root.name == f"process {topology.SUBMIT_COMMAND}" and root.kind == "consumer"
+    accept = one_of(trace, "yoke-ingestion", "accept", **{"yoke.message_id": line_id})
+    copy = one_of(trace, "yoke-ingestion", "copy", **{"yoke.forum_id": forum_id})
+    step = one_of(trace, "yoke-processor", "step", **{"yoke.forum_id": forum_id})
+    chat = one_of(trace, "yoke-processor", f"chat {MODEL}")
+    forward = one_of(trace, "yoke-egress", "forward", **{"yoke.forum_id": forum_id})
+    above(trace, accept, root)
+    above(trace, copy, accept)
+    above(trace, step, copy)
+    above(trace, chat, step)
+    above(trace, forward, step)
+    # Each hop crosses the broker: a producer span in one service, the consumer in the next.
+    hop = trace.parent(trace.parent(step) or step)
+    assert hop is not None and hop.kind == "producer" and hop.service == "yoke-ingestion"
+    assert step.attributes["yoke.trigger"] == "line"
+    assert step.attributes["yoke.conversation_id"] == copy.attributes["yoke.conversation_id"]
+    # The model call after the GenAI conventions, priced by the table.
+    assert chat.kind == "client"
+    assert chat.attributes["gen_ai.operation.name"] == "chat"
+    assert chat.attributes["gen_ai.request.model"] == MODEL
+    assert chat.attributes["gen_ai.response.model"] == MODEL
+    assert chat.attributes["gen_ai.usage.input_tokens"] == 11
+    assert chat.attributes["gen_ai.usage.output_tokens"] == 7
+    assert chat.attributes["yoke.cost_usd"] == pytest.approx((11 * PRICE[0] + 7 * PRICE[1]) / 1e6)
+    # No prompt or completion unless the operator turns it on (YOKE_TRACE_CONTENT).
+    assert not any(key.startswith("gen_ai.input") for key in chat.attributes)
+    assert not any(key.startswith("gen_ai.output") for key in chat.attributes)
+    # Store operations are child spans of the work that made them.
+    finds = [span for span in trace if span.attributes.get("db.system.name") == "mongodb"]
+    assert any(span.name == "insert messages" for span in finds), trace.tree()
+    assert all(trace.parent(span) is not None for span in finds)
+    # Resource: the service names and the standard attributes.
+    assert chat.resource["service.name"] == "yoke-processor"
+
+
+async def test_a_bridge_traceparent_is_only_a_parent_and_mesh_headers_are_dropped(
+    mesh: Mesh, jaeger: Jaeger, store: Store, poster: Poster, amqp_url: str
+) -> None:
+    """The AMQP door continues a bridge's trace, and the command router still drops what only
+    the mesh may say (``x-yoke-*``): a forged conversation header routes nothing."""
+    forum_id, _ = await echo_forum(store, poster)
+    other_id, _ = await echo_forum(store, poster)
+    header, trace_id, caller_span = traceparent()
+    reply = await ask_direct(
+        amqp_url,
+        topology.SUBMIT_COMMAND,
+        submit_body(forum_id, "from a bridge that traces"),
+        user_id=amqp_user(amqp_url),
+        headers={
+            "traceparent": header,
+            "tracestate": "bridge=1",
+            topology.CONVERSATION_HEADER: other_id,
+            topology.USER_HEADER: "someone-else",
+        },
+    )
+    assert reply["status"] == "accepted", reply
+    await answered(store, forum_id)
+    trace = await jaeger.trace(
+        trace_id, timeout=WAIT, until=has("yoke-egress", "forward", **{"yoke.forum_id": forum_id})
+    )
+    [root] = trace.roots()
+    assert root.parent_span_id == caller_span  # the bridge's span, kept outside the trace
+    accept = one_of(trace, "yoke-ingestion", "accept", **{"yoke.message_id": reply["messageId"]})
+    # Keyed by the body's conversation, not by the forged header.
+    assert accept.attributes["yoke.forum_id"] == forum_id
+    assert not [line for line in await store.history(other_id) if line.role == "user"]
+    assert {"yoke.forum_id": forum_id}.items() <= one_of(
+        trace, "yoke-processor", "step"
+    ).attributes.items()
+
+
+async def test_an_http_post_continues_the_callers_trace(
+    mesh: Mesh, jaeger: Jaeger, store: Store, poster: Poster, gateway_url: str
+) -> None:
+    forum_id, _ = await echo_forum(store, poster)
+    await ensure_token_indexes(store)
+    _, secret = await create_token(store, f"traced{new_id()[:8]}", [forum_id])
+    header, trace_id, caller_span = traceparent()
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=30) as http:
+        response = await http.post(
+            f"/v1/forums/{forum_id}/messages",
+            json={"author": {"externalId": "ada", "displayName": "Ada"}, "text": "over HTTP"},
+            headers={"Authorization": f"Bearer {secret}", "traceparent": header},
+        )
+    assert response.status_code == 202, response.text
+    line_id = response.json()["messageId"]
+    await answered(store, forum_id)
+    trace = await jaeger.trace(
+        trace_id, timeout=WAIT, until=has("yoke-egress", "forward", **{"yoke.forum_id": forum_id})
+    )
+    print_tree("one turn through the HTTP gateway", trace)
+    post = one_of(trace, "yoke-gateway", "POST /v1/forums/{forumId}/messages")
+    assert post.kind == "server" and post.parent_span_id == caller_span
+    assert post.attributes["http.response.status_code"] == 202
+    accept = one_of(trace, "yoke-ingestion", "accept", **{"yoke.message_id": line_id})
+    above(trace, accept, post)
+    above(trace, one_of(trace, "yoke-egress", "forward"), accept)
+
+
+# --- tools, workers, approvals ------------------------------------------------------------------
+
+
+async def test_a_tool_round_traces_every_call_and_the_workers_own_span(
+    mesh: Mesh,
+    jaeger: Jaeger,
+    store: Store,
+    poster: Poster,
+    amqp_url: str,
+    fake_openai: FakeOpenAI,
+    tool: WorkerTool,
+    worker: subprocess.Popen[bytes],
+) -> None:
+    forum_id, _ = await echo_forum(store, poster, tools=["calculator", tool.name])
+    fake_openai.script(
+        completion(
+            tool_calls=[
+                ("c1", "calculator", json.dumps({"expression": "6*7"})),
+                ("c2", tool.name, json.dumps({"tag": "traced"})),
+            ]
+        ),
+        completion("the tools have answered"),
+    )
+    header, trace_id, _ = traceparent()
+    reply = await ask_direct(
+        amqp_url,
+        topology.SUBMIT_COMMAND,
+        submit_body(forum_id, "use your tools"),
+        user_id=amqp_user(amqp_url),
+        headers={"traceparent": header},
+    )
+    assert reply["status"] == "accepted", reply
+    lines = await answered(store, forum_id)
+    assert agent_lines(lines)[-1].text == "the tools have answered"
+    worker_service = f"yoke-tool-{tool.name}"
+    trace = await jaeger.trace(
+        trace_id,
+        timeout=WAIT,
+        until=every(has(worker_service, f"execute_tool {tool.name}"), answer_forwarded),
+    )
+    print_tree("a turn with a tool round", trace)
+    calling = one_of(trace, "yoke-processor", "step", **{"yoke.trigger": "tool_call"})
+    calculator = one_of(trace, "yoke-processor", "execute_tool calculator")
+    asked = one_of(trace, "yoke-processor", f"execute_tool {tool.name}")
+    assert calculator.attributes["gen_ai.tool.name"] == "calculator"
+    assert calculator.attributes["yoke.tool.source"] == "builtin"
+    assert asked.attributes["yoke.tool.source"] == "worker"
+    assert asked.attributes["yoke.tool.waits"] is True
+    above(trace, calculator, calling)
+    above(trace, asked, calling)
+    # The worker's own span, from its own process, below the publish of its call.
+    ran = one_of(trace, worker_service, f"execute_tool {tool.name}")
+    assert ran.kind == "consumer" and ran.attributes["gen_ai.tool.name"] == tool.name
+    above(trace, ran, asked)
+    # Its answer goes on in the same trace: the door, the result line, the step that answers.
+    # Two results lines (the calculator's in the round, the worker's of its own): the step of
+    # the last one calls the model, the other waits for it.
+    results_steps = [
+        span
+        for span in spans_of(trace, "yoke-processor", "step")
+        if span.attributes["yoke.trigger"] == "tool_result"
+    ]
+    assert len(results_steps) == 2, trace.tree()
+    [answering] = [
+        span
+        for span in results_steps
+        if any(child.name == f"chat {MODEL}" for child in trace.children(span))
+    ]
+    above(trace, answering, ran)
+    # Egress saw the call line too (nothing of it to forward), then the answer.
+    forwards = spans_of(trace, "yoke-egress", "forward")
+    assert len(forwards) == 2, trace.tree()
+    above(trace, forwards[-1], answering)
+    # A step's log line names the trace and the span Jaeger has.
+    ended = [
+        entry
+        for entry in json_lines(mesh.processes["processor"].output())
+        if entry.get("message", "").startswith("tool call calculator (builtin) ended")
+        and entry.get("trace_id") == trace_id
+    ]
+    assert ended, "no log line of the calculator's end carries the trace id"
+    assert trace.span(ended[-1]["span_id"]) is not None
+
+
+async def test_the_step_after_an_approval_links_to_the_step_that_asked(
+    mesh: Mesh, jaeger: Jaeger, store: Store, poster: Poster, amqp_url: str
+) -> None:
+    forum = await create_forum(store, "approvals")
+    agent = await create_agent(store, "accountant")
+    await join_conversation(
+        store,
+        poster,
+        agent.id,
+        forum.id,
+        JoinConfig(
+            model="fixture-script",
+            tools=["calculator"],
+            script=[*sums("2+3")],
+            approval=ApprovalConfig(tools=["calculator"], timeout_seconds=3600),
+        ),
+    )
+    asking_header, asking_trace, _ = traceparent()
+    reply = await ask_direct(
+        amqp_url,
+        topology.SUBMIT_COMMAND,
+        submit_body(forum.id, "add them up"),
+        user_id=amqp_user(amqp_url),
+        headers={"traceparent": asking_header},
+    )
+    assert reply["status"] == "accepted", reply
+    call_id = ""
+
+    async def waiting() -> bool:
+        nonlocal call_id
+        pending = await pending_approvals(store, forum.id)
+        call_id = pending[0].call_id if pending else ""
+        return bool(call_id)
+
+    await eventually(waiting, timeout=WAIT, what="the call to wait for approval")
+    deciding_header, deciding_trace, _ = traceparent()
+    decided = await ask_direct(
+        amqp_url,
+        topology.APPROVAL_COMMAND,
+        {
+            "callId": call_id,
+            "decision": "approve",
+            "by": {"externalId": "cli:ada", "displayName": "ada"},
+        },
+        user_id=amqp_user(amqp_url),
+        headers={"traceparent": deciding_header},
+    )
+    assert decided["status"] == "accepted", decided
+    await answered(store, forum.id)
+    asked = await jaeger.trace(
+        asking_trace, timeout=WAIT, until=has("yoke-processor", "execute_tool calculator")
+    )
+    asking_step = one_of(asked, "yoke-processor", "step", **{"yoke.trigger": "tool_call"})
+    later = await jaeger.trace(
+        deciding_trace,
+        timeout=WAIT,
+        until=every(
+            has("yoke-processor", "execute_tool calculator", **{"yoke.approved": True}),
+            answer_forwarded,
+        ),
+    )
+    print_tree("an approval's later steps", later)
+    ran = one_of(later, "yoke-processor", "execute_tool calculator", **{"yoke.approved": True})
+    assert [(link.trace_id, link.span_id) for link in ran.links] == [
+        (asking_trace, asking_step.span_id)
+    ]
+    result = one_of(later, "yoke-processor", "tool_result", **{"yoke.call_id": call_id})
+    assert [link.span_id for link in result.links] == [asking_step.span_id]
+    above(later, one_of(later, "yoke-processor", "step", **{"yoke.trigger": "tool_result"}), ran)
+    results = [
+        part
+        for line in await store.history(agent_monologue(later))
+        for part in line.parts
+        if isinstance(part, ToolResultPart)
+    ]
+    assert [part.output for part in results] == ["5"]
+
+
+def agent_monologue(trace: Trace) -> str:
+    step = next(span for span in trace if span.name == "step")
+    return str(step.attributes["yoke.conversation_id"])
+
+
+# --- logs and metrics join the trace ---------------------------------------------------------
+
+
+def json_lines(output: str) -> list[dict[str, Any]]:
+    found = []
+    for line in output.splitlines():
+        if line.startswith("{"):
+            try:
+                found.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return found
+
+
+EXEMPLAR = re.compile(r"^yoke_event_handling_seconds_bucket\{.*\} \S+ # \{(?P<labels>[^}]*)\}")
+
+
+async def test_latency_histograms_carry_exemplars_that_open_their_trace(
+    mesh: Mesh, jaeger: Jaeger, store: Store, poster: Poster, client: Client
+) -> None:
+    forum_id, _ = await echo_forum(store, poster)
+    await say(client, forum_id, "for the exemplars")
+    await answered(store, forum_id)
+    processor = mesh.processes["processor"]
+    async with local_http(5) as http:
+        scrape = await http.get(
+            f"http://127.0.0.1:{processor.port}/metrics",
+            headers={"Accept": "application/openmetrics-text; version=1.0.0"},
+        )
+        plain = await http.get(f"http://127.0.0.1:{processor.port}/metrics")
+    assert scrape.headers["content-type"].startswith("application/openmetrics-text")
+    assert scrape.text.rstrip().endswith("# EOF")
+    assert plain.headers["content-type"].startswith("text/plain")
+    assert " # {" not in plain.text  # the older format has no exemplars
+    exemplars = [
+        dict(pair.split("=", 1) for pair in found["labels"].split(","))
+        for line in scrape.text.splitlines()
+        if (found := EXEMPLAR.match(line))
+    ]
+    assert exemplars, scrape.text[:2000]
+    trace_id = exemplars[-1]["trace_id"].strip('"')
+    trace = await jaeger.trace(trace_id, timeout=WAIT)
+    assert trace.span(exemplars[-1]["span_id"].strip('"')) is not None
+
+
+# --- a collector that is away ----------------------------------------------------------------
+
+
+# The services a turn with one agent and no follow-up or guardian passes through.
+TURN_SERVICES = ("ingestion", "processor", "egress")
+
+
+def dropped(text: str) -> float:
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "yoke_trace_spans_dropped_total"
+    )
+
+
+async def test_with_the_collector_stopped_turns_are_answered_and_drops_counted(
+    mesh: Mesh, jaeger: Jaeger, store: Store, poster: Poster, client: Client
+) -> None:
+    forum_id, _ = await echo_forum(store, poster)
+    await say(client, forum_id, "while the collector is up")
+    await answered(store, forum_id)
+    before = {name: dropped(await process.metrics()) for name, process in mesh.processes.items()}
+    await jaeger.stop()
+    started = time.monotonic()
+    for index in range(3):
+        await say(client, forum_id, f"while the collector is away {index}")
+        await answered(store, forum_id, count=2 + index)
+    seconds = time.monotonic() - started
+    # As fast as ever: nothing waits for the collector (a lost export takes it 2 s a batch).
+    assert seconds < 15, f"three turns took {seconds:.1f} s with the collector away"
+
+    async def counted() -> bool:
+        for name in TURN_SERVICES:
+            if dropped(await mesh.processes[name].metrics()) <= before[name]:
+                return False
+        return True
+
+    await eventually(counted, timeout=WAIT, what="each service of the turn to count lost spans")
+    metrics = await mesh.processes["processor"].metrics()
+    assert 'yoke_trace_spans_dropped_total{reason="export_failed"}' in metrics
+    for process in mesh.processes.values():
+        assert await process.healthy()
+    await asyncio.sleep(0)  # the mesh stops cleanly after (running_mesh checks exit codes)
