@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -47,10 +48,12 @@ from tests.support.fake_openai import FakeOpenAI, completion, openai_env, stream
 from tests.support.gateway_process import metric
 from tests.support.mesh import Mesh
 from tests.support.processes import eventually
+from tests.support.store_operations import breakdown, settled_operations, total
 from tests.support.webhook_receiver import Receiver
 from yoke.publishing import PublishedAgent, publish_agent
 from yoke.runtime.join_config import ApprovalConfig
-from yoke.runtime.joins import create_agent
+from yoke.runtime.joins import create_agent, create_forum, join_conversation
+from yoke.runtime.posting import Poster
 from yoke.store import Store
 from yoke.tokens import Token, create_token, ensure_token_indexes
 from yoke.webhooks import signature_matches
@@ -59,11 +62,9 @@ pytestmark = pytest.mark.slow
 
 # Lines a token may send a minute: more than any test but the one that passes it sends.
 LINES_PER_MINUTE = 8
-GATEWAY_ENV = {
-    "YOKE_WEBHOOK_BACKOFF_SECONDS": "0.2",
-    "YOKE_WEBHOOK_BACKOFF_CAP_SECONDS": "1",
-    "YOKE_WEBHOOK_LEASE_SECONDS": "2",
-}
+# Quick retries of a push; leases as by default (the worker looks at its subscriptions every
+# 2 s: the store's counts settle between two looks).
+GATEWAY_ENV = {"YOKE_WEBHOOK_BACKOFF_SECONDS": "0.2", "YOKE_WEBHOOK_BACKOFF_CAP_SECONDS": "1"}
 TIMEOUT = httpx.Timeout(30.0, read=120.0)
 
 
@@ -629,3 +630,66 @@ async def test_hostile_json_rpc_gets_the_protocols_errors_never_a_500(
         )
         assert answered == 0, status
     assert await metric(gateway_url, "yoke_gateway_requests_total", route=route, status="413") >= 1
+
+
+# --- what a task costs --------------------------------------------------------------------
+
+
+async def test_an_a2a_task_costs_an_http_turns_store_operations_and_a_few_more(
+    agents: Agents, store: Store, mesh: Mesh, poster: Poster, gateway_url: str
+) -> None:
+    echo = await agents.publish()
+    caller = await agents.caller(echo.id)
+    forum = await create_forum(store, "cost")
+    await join_conversation(store, poster, echo.agent_actor_id, forum.id)
+    _, secret = await create_token(store, f"http-{uuid.uuid4().hex[:6]}", [forum.id])
+    auth = {"Authorization": f"Bearer {secret}"}
+
+    async def http_turn(http: httpx.AsyncClient, text: str) -> None:
+        """A line posted over REST and its answer read back as a REST client would."""
+        body = {"author": {"externalId": "ada", "displayName": "Ada"}, "text": text}
+        posted = await http.post(f"/v1/forums/{forum.id}/messages", json=body, headers=auth)
+        assert posted.status_code == 202, posted.text
+        line = await store.get_message(posted.json()["messageId"])
+        assert line is not None
+
+        async def answered() -> bool:
+            page = await http.get(
+                f"/v1/forums/{forum.id}/messages", params={"after": line.seq}, headers=auth
+            )
+            return any(m["role"] == "agent" for m in page.json()["messages"])
+
+        await eventually(answered, timeout=60, what=f"the answer to {text!r}", interval=0.05)
+
+    seconds: list[float] = []
+
+    async def a2a_task(client: Client, text: str) -> Task:
+        started = time.perf_counter()
+        task = await sent(client, request(text, "cost"))
+        seconds.append(time.perf_counter() - started)
+        assert task.status.state == TaskState.TASK_STATE_COMPLETED and reply_of(task) == text
+        return task
+
+    async with (
+        httpx.AsyncClient(base_url=gateway_url, timeout=TIMEOUT) as http,
+        a2a_client(agents, echo, caller) as (client, _),
+    ):
+        await http_turn(http, "warm")  # caches warm, the kept forum made and joined
+        await a2a_task(client, "warm")
+        before = await settled_operations(mesh, gateway_url)
+        await http_turn(http, "what does a turn cost?")
+        middle = await settled_operations(mesh, gateway_url)
+        seconds.clear()
+        await a2a_task(client, "what does a task cost?")
+        after = await settled_operations(mesh, gateway_url)
+        for number in range(LINES_PER_MINUTE - 2):
+            await a2a_task(client, f"timed {number}")
+    http_cost, a2a_cost = middle - before, after - middle
+    print(f"HTTP turn: {breakdown(http_cost)}")
+    print(f"A2A task: {breakdown(a2a_cost)}")
+    print(
+        f"A2A send -> completed, p50 of {len(seconds)}: {statistics.median(seconds) * 1000:.0f} ms"
+    )
+    # The mesh does the same for a line from either door; the door's own operations are few.
+    assert total(a2a_cost, gateway=False) <= total(http_cost, gateway=False) + 2
+    assert total(a2a_cost, gateway=True) <= 12, breakdown(a2a_cost)

@@ -19,6 +19,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+from a2a.server.agent_execution import SimpleRequestContextBuilder
+from a2a.server.id_generator import IDGenerator, IDGeneratorContext
 from a2a.server.routes import create_jsonrpc_routes
 from fastapi import FastAPI
 from starlette.routing import Route
@@ -36,6 +38,16 @@ from services.gateway.webhooks import WebhookWorker
 __all__ = ["mount"]
 
 
+class FreshTaskIds(IDGenerator):
+    """The SDK's ids for new tasks, from the task store (which then knows they have no record)."""
+
+    def __init__(self, tasks: task_store.MeshTaskStore) -> None:
+        self.tasks = tasks
+
+    def generate(self, context: IDGeneratorContext) -> str:
+        return self.tasks.new_task_id()
+
+
 async def start(door: Door, state: Gateway) -> MeshRequestHandler:
     """The SDK's parts over this gateway's store and forums, wired into the door."""
     settings = state.settings
@@ -49,6 +61,7 @@ async def start(door: Door, state: Gateway) -> MeshRequestHandler:
         pushes,
         MeshEventStream(state, tasks),
         template_card(),
+        SimpleRequestContextBuilder(task_id_generator=FreshTaskIds(tasks)),
     )
     [route] = create_jsonrpc_routes(
         handler,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 
+from a2a.server.agent_execution import RequestContextBuilder
 from a2a.server.context import ServerCallContext
 from a2a.server.events import Event
 from a2a.server.request_handlers import DefaultRequestHandlerV2
@@ -84,12 +85,14 @@ class MeshRequestHandler(DefaultRequestHandlerV2):
         pushes: MeshPushConfigStore,
         stream: MeshEventStream,
         card: AgentCard,
+        contexts: RequestContextBuilder,
     ) -> None:
         super().__init__(
             agent_executor=executor,
             task_store=tasks,
             agent_card=card,
             push_config_store=pushes,
+            request_context_builder=contexts,
             event_stream=stream,
         )
         self.executor = executor

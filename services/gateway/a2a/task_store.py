@@ -19,6 +19,7 @@ tasks (its oldest are deleted once a tenth more have piled up) and every record 
 from __future__ import annotations
 
 import time
+import uuid
 from datetime import datetime
 
 from a2a.server.cluster.task_store import StoredTask, VersionedTaskStore
@@ -112,6 +113,11 @@ class MeshTaskStore(VersionedTaskStore):
         # What this process wrote last of a task (its state and status message), and when the
         # task began: a save that changes neither is skipped. Bounded: forgetting costs a write.
         self._written: LRUCache[str, tuple[int, str, float]] = LRUCache(10_000)
+        # Task ids this process made for sends not yet saved: no record can exist, so the SDK's
+        # looks for one before the first save cost no read.
+        self._fresh: LRUCache[str, bool] = LRUCache(10_000)
+        # Inserts per owner since its tasks were last counted (first insert here: counted).
+        self._uncounted: LRUCache[str, int] = LRUCache(10_000)
 
     @property
     def collection(self) -> AsyncCollection[Doc]:
@@ -121,6 +127,12 @@ class MeshTaskStore(VersionedTaskStore):
         await self.store.create_collections(COLLECTION)
         await self.collection.create_index([("owner", ASCENDING)], name="owner")
 
+    def new_task_id(self) -> str:
+        """An id for a new task (random, like the SDK's own), known here to have no record."""
+        task_id = str(uuid.uuid4())
+        self._fresh[task_id] = True
+        return task_id
+
     def attach(self, task_id: str, attachment: Attachment) -> None:
         """The forum and line of the task's next save (the executor's, right after it)."""
         self._attached[task_id] = attachment
@@ -128,6 +140,8 @@ class MeshTaskStore(VersionedTaskStore):
     async def record(self, task_id: str, caller: Caller | None = None) -> TaskRecord | None:
         """The task's record: the caller's only when one is named (else None, as for a task
         that does not exist: another token learns nothing of it)."""
+        if task_id in self._fresh:
+            return None
         found = await self.collection.find_one({"_id": task_id})
         if found is None:
             return None
@@ -164,6 +178,7 @@ class MeshTaskStore(VersionedTaskStore):
         context: ServerCallContext,
     ) -> TaskVersion:
         caller = caller_of(context)
+        self._fresh.pop(task.id, None)
         attached = self._attached.pop(task.id, None)
         state = task.status.state
         said = task.status.message.message_id if task.status.HasField("message") else ""
@@ -203,9 +218,16 @@ class MeshTaskStore(VersionedTaskStore):
         await self.collection.update_one({"_id": task_id, "owner": caller.owner}, {"$set": fields})
 
     async def _trim(self, owner: str) -> None:
-        """Keep the owner's newest ``cap`` tasks; trimmed once a tenth more have piled up (at
-        once for small caps), so a busy token costs a read of its records now and then, not
-        on every send."""
+        """Keep the owner's newest ``cap`` tasks: counted at the owner's first task here and
+        then every tenth of the cap, trimmed once a tenth more have piled up (so a busy token
+        costs a count now and then, and a read of its records more rarely, not a read on every
+        send; with several gateways the slack is a tenth of the cap each)."""
+        step = max(1, self.cap // 10)
+        since = self._uncounted.get(owner)
+        if since is not None and since + 1 < step:
+            self._uncounted[owner] = since + 1
+            return
+        self._uncounted[owner] = 0
         query = {"owner": owner}
         if await self.collection.count_documents(query) <= self.cap + self.cap // 10:
             return
