@@ -18,17 +18,17 @@ The tracer is OpenTelemetry's process-wide one, as every instrumentation expects
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -125,9 +125,14 @@ def configure(service: str, *, content: bool | None = None) -> bool:
         return True
     if not os.environ.get(ENDPOINT_VARIABLE, "").strip():
         return False
-    provider = _sdk_provider(service)
+    try:
+        provider = _sdk_provider(service)
+    except Exception as error:  # OTEL_* variables the SDK refuses: the mesh runs untraced
+        log.error("tracing is off: the OpenTelemetry SDK refused its settings: %s", error)
+        return False
     trace.set_tracer_provider(provider)
     _active = _Tracing(provider.get_tracer("yoke"), content, owned=provider)
+    atexit.register(shutdown)
     # The exporter's own complaints would be one log line per batch while the collector is
     # away: the counter has them, and _CountingExporter warns now and then.
     logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)
@@ -145,7 +150,9 @@ def _sdk_provider(service: str) -> Any:
     named = str(resource.attributes.get(SERVICE_NAME, ""))
     if not named or named.startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: f"yoke-{service}"}))
-    provider = TracerProvider(resource=resource)
+    # Shut down by shutdown() (at exit too), within a bound: the SDK's own exit hook waits for
+    # an unanswering collector up to 30 s.
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     provider.add_span_processor(_counted_batches(OTLPSpanExporter()))
     return provider
 
@@ -360,19 +367,6 @@ def traceparent() -> str | None:
     return carrier.get("traceparent")
 
 
-@contextlib.contextmanager
-def detached() -> Iterator[None]:
-    """Work inside belongs to no trace (background work started from within a step)."""
-    if _active is None:
-        yield
-        return
-    token = otel_context.attach(otel_context.Context())
-    try:
-        yield
-    finally:
-        otel_context.detach(token)
-
-
 # --- logs and metrics ---------------------------------------------------------------------------
 
 
@@ -388,11 +382,17 @@ def ids() -> tuple[str, str] | None:
 
 def exemplar() -> dict[str, str] | None:
     """An exemplar for a histogram observation made inside a span (OpenMetrics: a slow
-    bucket's sample opens its trace), None outside one."""
-    found = ids()
-    if found is None:
+    bucket's sample opens its trace), None outside one or in one sampled out (no trace to
+    open). A log line names even those: the ids still join the lines of one turn."""
+    if _active is None:
         return None
-    return {"trace_id": found[0], "span_id": found[1]}
+    context = trace.get_current_span().get_span_context()
+    if not context.is_valid or not context.trace_flags.sampled:
+        return None
+    return {
+        "trace_id": format(context.trace_id, "032x"),
+        "span_id": format(context.span_id, "016x"),
+    }
 
 
 def content(value: object) -> str:
