@@ -28,6 +28,7 @@ from a2a.types.a2a_pb2 import (
     AgentCard,
     CancelTaskRequest,
     GetTaskRequest,
+    ListTasksRequest,
     Message,
     Part,
     Role,
@@ -300,6 +301,9 @@ async def test_a_context_goes_on_over_three_messages_and_the_agent_sees_the_earl
         tasks = [first]
         for text in said[1:]:
             tasks.append(await sent(client, request(text, context_id)))
+        # The context's tasks, newest first.
+        listed = await client.list_tasks(ListTasksRequest(context_id=context_id))
+        assert [task.id for task in listed.tasks] == [task.id for task in reversed(tasks)]
     assert [task.status.state for task in tasks] == [TaskState.TASK_STATE_COMPLETED] * 3
     replies = [reply_of(task) for task in tasks]
     assert all(reply.startswith("echo: ") for reply in replies), replies

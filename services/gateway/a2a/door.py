@@ -29,6 +29,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from a2a.server.routes import create_agent_card_routes
@@ -130,11 +131,11 @@ class Door:
             raise ApiError(503, "unavailable", "the A2A door is starting; try again")
         settings = state.settings
         body = await read_body(request, settings.max_text_bytes * 2 + 65536, settings)
-        problem = parse_problem(body)
-        if problem is not None:
+        parsed = parsed_body(body)
+        if isinstance(parsed, Refused):
             REFUSALS.labels("a2a_body").inc()
-            return rpc_error(PARSE_ERROR, problem)
-        method = method_of(json.loads(body))
+            return rpc_error(PARSE_ERROR, parsed.why)
+        method = method_of(parsed)
         scope = dict(request.scope)
         scope[CALLER_KEY] = Caller(state, token, agent)
         forwarded = Request(scope, replaying(body))
@@ -187,17 +188,23 @@ def _no_constant(name: str) -> object:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_problem(body: bytes) -> str | None:
-    """Why ``body`` is no JSON the SDK should parse (None: it may)."""
+@dataclass(frozen=True)
+class Refused:
+    why: str
+
+
+def parsed_body(body: bytes) -> object:
+    """``body`` as JSON, or :class:`Refused` saying why the SDK should not parse it: not
+    UTF-8, not JSON (NaN and Infinity are no JSON numbers), nested too deeply for a parser."""
     if nesting_depth(body) > MAX_BODY_DEPTH:
-        return f"Parse error: the body is nested more than {MAX_BODY_DEPTH} levels deep"
+        return Refused(f"Parse error: the body is nested more than {MAX_BODY_DEPTH} levels deep")
     try:
-        json.loads(body.decode(), parse_constant=_no_constant)
+        parsed: object = json.loads(body.decode(), parse_constant=_no_constant)
     except UnicodeDecodeError as error:
-        return f"Parse error: the body is not UTF-8 ({error.reason} at byte {error.start})"
+        return Refused(f"Parse error: the body is not UTF-8 ({error.reason} at byte {error.start})")
     except ValueError as error:
-        return f"Parse error: {error}"[:300]
-    return None
+        return Refused(f"Parse error: {error}"[:300])
+    return parsed
 
 
 def method_of(request: object) -> str | None:

@@ -118,6 +118,10 @@ class MeshTaskStore(VersionedTaskStore):
         self._fresh: LRUCache[str, bool] = LRUCache(10_000)
         # Inserts per owner since its tasks were last counted (first insert here: counted).
         self._uncounted: LRUCache[str, int] = LRUCache(10_000)
+        # The line this process's runner of a task follows: its writes land only while the
+        # record follows that line too (a message sent to the task through another gateway
+        # moved it: that gateway writes the end).
+        self._following: LRUCache[str, str] = LRUCache(10_000)
 
     @property
     def collection(self) -> AsyncCollection[Doc]:
@@ -186,8 +190,11 @@ class MeshTaskStore(VersionedTaskStore):
         if written is not None and attached is None and written[:2] == (state, said):
             return TaskVersion.MISSING  # a delta or an artifact piece: nothing to keep
         fields: Doc = {"state": state_name(state), "task": task.SerializeToString()}
+        following = self._following.get(task.id)
         if attached is not None:
             fields |= {"forumId": attached.forum_id, "lineId": attached.line_id}
+            self._following[task.id] = attached.line_id
+            following = None  # this write moves the task to the line
         if written is None and prev is None:
             record = TaskRecord(
                 id=task.id,
@@ -203,9 +210,9 @@ class MeshTaskStore(VersionedTaskStore):
                 TASKS.labels("submitted").inc()
                 await self._trim(caller.owner)
             else:
-                await self._update(task.id, caller, fields)
+                await self._update(task.id, caller, fields, following)
         else:
-            await self._update(task.id, caller, fields)
+            await self._update(task.id, caller, fields, following)
         began = written[2] if written is not None else time.monotonic()
         if written is None or written[0] != state:
             TASKS.labels(state_name(state)).inc()
@@ -214,8 +221,13 @@ class MeshTaskStore(VersionedTaskStore):
         self._written[task.id] = (state, said, began)
         return TaskVersion.MISSING
 
-    async def _update(self, task_id: str, caller: Caller, fields: Doc) -> None:
-        await self.collection.update_one({"_id": task_id, "owner": caller.owner}, {"$set": fields})
+    async def _update(
+        self, task_id: str, caller: Caller, fields: Doc, following: str | None = None
+    ) -> None:
+        query: Doc = {"_id": task_id, "owner": caller.owner}
+        if following is not None:
+            query["lineId"] = following
+        await self.collection.update_one(query, {"$set": fields})
 
     async def _trim(self, owner: str) -> None:
         """Keep the owner's newest ``cap`` tasks: counted at the owner's first task here and
@@ -275,3 +287,4 @@ class MeshTaskStore(VersionedTaskStore):
             {"_id": task_id, "owner": caller.owner, "agent": caller.agent.id}
         )
         self._written.pop(task_id, None)
+        self._following.pop(task_id, None)
