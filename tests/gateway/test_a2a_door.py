@@ -332,6 +332,7 @@ async def test_a_stream_sends_the_status_changes_and_the_replys_deltas(
     drafts = [d for d in deltas if not d.last_chunk]
     assert len(drafts) >= 2, events  # the reply came in pieces, as the model wrote it
     assert "".join(p.text for d in drafts for p in d.artifact.parts) == answer
+    assert all(part.text for d in drafts for part in d.artifact.parts), drafts  # no empty piece
     assert all(d.append for d in drafts[1:]) and not drafts[0].append
     final = deltas[-1]
     assert final.last_chunk and not final.append and final.artifact.parts[0].text == answer

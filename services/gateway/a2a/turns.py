@@ -140,6 +140,8 @@ class TurnTranslator:
     def events(self, event: TurnEvent) -> list[A2AEvent]:
         task_id, context_id = self.task_id, self.context_id
         if isinstance(event, Delta):
+            if not event.text:
+                return []  # a draft's end mark: the line (or its abandonment) follows
             # A draft starts (index 0, or the first piece this reader sees) by replacing the
             # artifact: appending to one that does not exist is an agent error in A2A.
             append = self._drafting and event.index > 0
