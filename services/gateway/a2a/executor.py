@@ -39,6 +39,7 @@ from services.gateway.a2a.turns import (
 from services.gateway.calling import Answered, Failed, TurnEvent, post_line
 from services.gateway.deps import ApiError
 from yoke.ids import derive_id
+from yoke.lru import LRUCache
 from yoke.models import Message
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ DOOR: Final = "a2a"
 # Events of a turn waiting for the executor (it is paced by the SDK's queue; the forum's own
 # subscription buffers or falls back to the store behind it).
 INBOX_EVENTS = 256
+# Following a turn again after a failure to: the first pause, and the longest.
+FOLLOW_RETRY_SECONDS = 1.0
+FOLLOW_RETRY_CAP_SECONDS = 30.0
 
 
 class _Moved:
@@ -83,7 +87,7 @@ class Turn:
         self.posting = 0
         self.settled = asyncio.Event()
         self.settled.set()
-        self.inbox: asyncio.Queue[TurnEvent | Exception | _Moved] = asyncio.Queue(INBOX_EVENTS)
+        self.inbox: asyncio.Queue[TurnEvent | _Moved] = asyncio.Queue(INBOX_EVENTS)
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
@@ -107,7 +111,7 @@ class MeshExecutor(AgentExecutor):
         self.turns: dict[str, Turn] = {}
         # Lines posted by the request handler for tasks that run nowhere now (a restarted
         # gateway): the execute that follows adopts them.
-        self._handed: dict[str, Message] = {}
+        self._handed: LRUCache[str, Message] = LRUCache(10_000)
 
     def hand_over(self, task_id: str, line: Message) -> None:
         self._handed[task_id] = line
@@ -222,17 +226,25 @@ class MeshExecutor(AgentExecutor):
     ) -> Answered | Failed | None:
         """``target``'s turn, translated onto the task's queue, until it ends (its end is
         returned) or the task moves to a newer line (None)."""
-        inbox: asyncio.Queue[TurnEvent | Exception | _Moved] = asyncio.Queue(INBOX_EVENTS)
+        inbox: asyncio.Queue[TurnEvent | _Moved] = asyncio.Queue(INBOX_EVENTS)
         turn.inbox = inbox
 
         async def pump() -> None:
-            try:
-                events = following_turn(caller.state, turn.forum_id, target)
-                async with contextlib.aclosing(events) as following:
-                    async for event in following:
-                        await inbox.put(event)
-            except Exception as error:  # the forum's subscription could not be made
-                await inbox.put(error)
+            # A forum subscription that cannot be made, the store away: transient, so followed
+            # again after a pause (the turn goes on in the mesh; ending the task for it would
+            # call it failed).
+            pause = FOLLOW_RETRY_SECONDS
+            while True:
+                try:
+                    events = following_turn(caller.state, turn.forum_id, target)
+                    async with contextlib.aclosing(events) as following:
+                        async for event in following:
+                            await inbox.put(event)
+                    return
+                except Exception as error:
+                    log.warning("task %s: following its turn failed: %r", turn.task_id, error)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, FOLLOW_RETRY_CAP_SECONDS)
 
         pumping = asyncio.create_task(pump(), name=f"a2a-follow:{turn.task_id}")
         try:
@@ -240,8 +252,6 @@ class MeshExecutor(AgentExecutor):
                 item = await inbox.get()
                 if isinstance(item, _Moved) or turn.line.id != target.id:
                     return None
-                if isinstance(item, Exception):
-                    raise item
                 if isinstance(item, Answered | Failed):
                     return item
                 for event in translator.events(item):
