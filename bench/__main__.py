@@ -35,6 +35,7 @@ from bench.sandbox import Sandbox, management_url_for, sandbox
 from bench.stats import Run, Samples, percentile, summary, table
 from bench.streaming import StreamingBench
 from bench.tool_rounds import ToolRoundsBench
+from bench.tracing_cost import TracingBench
 from yoke.logs import configure_logging
 from yoke.redact import redact_url
 from yoke.settings import Settings
@@ -65,6 +66,7 @@ SIZES: tuple[tuple[str, float, float, type, str], ...] = (
     ("slow-seconds", 5.0, 2.0, float, "seconds the slow forum's model takes per step"),
     ("joins", 10000, 200, int, "idle forums joined (scale)"),
     ("scale-turns", 20, 3, int, "turns in one of them after the joins (scale)"),
+    ("tracing-turns", 100, 10, int, "turns one at a time with tracing off, then on (tracing)"),
 )
 
 
@@ -96,7 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "and the call line -> result line, against the inline one's; (9) streaming, "
             "--stream-turns turns one at a time through the gateway of an agent whose model "
             "streams 50 pieces over 2 s (fixture-stream-50-2): POST -> the first delta and "
-            "POST -> the finished line on an open /stream. Uses "
+            "POST -> the finished line on an open /stream; (10) tracing, --tracing-turns "
+            "turns one at a time with the services restarted untraced, then tracing every "
+            "span to an OTLP sink in the bench: CPU per turn off and on. Uses "
             "YOKE_AMQP_URL / YOKE_MONGODB_URL (and YOKE_RABBITMQ_MANAGEMENT_URL) when set; "
             "works in a fresh vhost and database that it removes afterwards. Prints a table "
             "with targets and pass/miss, writes it as JSON, asserts nothing."
@@ -117,7 +121,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             default=None,
             help=f"{text} (default {default:g}, --quick {quick:g})",
         )
-    phases = ("hop", "gateway", "streaming", "tools", "replicas", "growth", "isolation", "scale")
+    phases = (
+        "hop",
+        "gateway",
+        "streaming",
+        "tools",
+        "replicas",
+        "growth",
+        "isolation",
+        "scale",
+        "tracing",
+    )
     for phase in phases:
         parser.add_argument(
             f"--skip-{phase}", action="store_true", help=f"leave the {phase} phase out"
@@ -193,6 +207,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "isolation_turns",
         "joins",
         "scale_turns",
+        "tracing_turns",
         "mesh_shards",
         "join_concurrency",
     ):
@@ -424,6 +439,8 @@ async def measure_turns(
             results["isolation"] = await mesh.isolation()
         if not args.skip_scale:
             results["scale"] = await mesh.scale()
+        if not args.skip_tracing:  # last: it restarts the services, and leaves them traced
+            results["tracing"] = await TracingBench(mesh).run()
         failed = False
     finally:
         codes = await mesh.stop()

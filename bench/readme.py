@@ -30,6 +30,7 @@ PHASES = {
     "growth": "growth",
     "isolation": "isolation",
     "scale": "scale",
+    "tracing": "tracing",
 }
 
 

@@ -26,6 +26,7 @@ SECTIONS = (
     "growth",
     "isolation",
     "scale",
+    "tracing",
     "ratios",
     "targets",
 )
@@ -213,6 +214,31 @@ def tool_lines(tools: Figures) -> list[str]:
     return lines
 
 
+def tracing_lines(tracing: Figures) -> list[str]:
+    """CPU per turn with tracing off and with every span sampled (bench/tracing_cost.py)."""
+    if "on" not in tracing:
+        return []
+    off, on = tracing["off"], tracing["on"]
+    title = f"Tracing, {tracing['turns']} turns one at a time, CPU per turn (ms)"
+    lines = ["", f"{title:<58}{'off':>10}{'on':>10}"]
+    for name in sorted(set(off["cpuMsPerTurn"]) | set(on["cpuMsPerTurn"])):
+        lines.append(
+            f"  {name:<56}{off['cpuMsPerTurn'].get(name, math.nan):>10.2f}"
+            f"{on['cpuMsPerTurn'].get(name, math.nan):>10.2f}"
+        )
+    lines.append(
+        f"  {'the five services':<56}{off['servicesCpuMsPerTurn']:>10.2f}"
+        f"{on['servicesCpuMsPerTurn']:>10.2f}"
+    )
+    ratio = tracing.get("servicesCpuRatio")
+    lines.append(
+        f"  every span sampled: {on['spansPerTurn']:g} spans a turn"
+        + (f", the services' CPU x{ratio:.2f}" if ratio is not None else "")
+        + f"; turn p50 {off['p50Ms']:.1f} -> {on['p50Ms']:.1f} ms"
+    )
+    return lines
+
+
 def render(results: Figures) -> str:
     lines: list[str] = []
     header = (
@@ -241,6 +267,7 @@ def render(results: Figures) -> str:
     lines += gateway_lines(results["gateway"])
     lines += streaming_lines(results["streaming"])
     lines += tool_lines(results["tools"])
+    lines += tracing_lines(results["tracing"])
     cpu_latency = results["turnLatency"].get("cpuMsPerTurn") or {}
     cpu_load = results["throughput"].get("cpuMsPerTurn") or {}
     if cpu_latency or cpu_load:

@@ -32,6 +32,7 @@ SMALLEST = [
     "--slow-seconds=1",
     "--joins=50",
     "--scale-turns=1",
+    "--tracing-turns=3",
 ]
 SECTIONS = (
     "rawRelay",
@@ -45,13 +46,14 @@ SECTIONS = (
     "growth",
     "isolation",
     "scale",
+    "tracing",
     "ratios",
     "targets",
 )
 # About 70 s on a quiet machine (the tool rounds' and streaming's share about 10 each; 90 s at
 # load average 4); the deadline leaves room for a shared one (it took 225 s at load average 20
-# on 2 cpus).
-DEADLINE = 300
+# on 2 cpus); the tracing phase restarts the services twice (about 20 s more).
+DEADLINE = 360
 
 
 def test_the_smallest_bench_measures_every_phase(
@@ -109,6 +111,10 @@ def test_the_smallest_bench_measures_every_phase(
         "guardian",
     }
     assert figures["scale"]["joins"] == 50
+    tracing = figures["tracing"]  # the services restarted untraced, then tracing every span
+    assert tracing["off"]["turns"] == 3 and tracing["on"]["turns"] == 3, tracing
+    assert tracing["off"]["spansPerTurn"] == 0 and tracing["on"]["spansPerTurn"] > 10, tracing
+    assert tracing["on"]["collectorBatches"] > 0 and tracing["servicesCpuRatio"] is not None
     assert len(figures["targets"]) == 5
     assert all(target["pass"] in (True, False) for target in figures["targets"])
     assert "pass" in done.stdout or "miss" in done.stdout  # the table, with its verdicts
