@@ -29,7 +29,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import anyio
 from fastapi import FastAPI
@@ -78,6 +78,10 @@ CALL_SECONDS = Histogram(
     ["outcome"],
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
 )
+# Every outcome's series from the start: a rate needs the 0 before a first call.
+for _outcome in get_args(Outcome):
+    CALLS.labels(_outcome)
+    CALL_SECONDS.labels(_outcome)
 
 PATH = "/mcp"
 DOOR: Literal["mcp"] = "mcp"

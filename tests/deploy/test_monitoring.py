@@ -31,6 +31,7 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
+from bench.callers import A2aCaller, McpCaller
 from tests.support.fake_openai import FakeOpenAI, completion, failure, openai_env
 from tests.support.gateway_process import gateway_process
 from tests.support.mesh import JoinFactory, Launch, Mesh, agent_lines, lines_until, say
@@ -43,8 +44,11 @@ from yoke.ids import new_id
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, TextPart
 from yoke.outbox import Outbox
+from yoke.publishing import publish_agent
 from yoke.runtime.catalog_store import ToolCatalog
+from yoke.runtime.joins import create_agent
 from yoke.store import Store
+from yoke.tokens import create_token, ensure_token_indexes
 from yoke.tools.catalog import CatalogEntry
 from yoke.webhooks import add_webhook, ensure_webhook_indexes
 
@@ -89,6 +93,9 @@ FILLED_BY = {
     "Webhook delivery latency p95 (s)": "the webhook forum's deliveries",
     "Shards owned per replica": "every sharded service; the followup replicas 0 and 1",
     "Shard hand-overs": "followup replica 1 stopped: replica 0 gains its shard",
+    "Agents called from outside: MCP calls and A2A tasks": "the published echo agent, called "
+    "once over MCP and sent one A2A task (mcp answered; a2a submitted, working, completed)",
+    "Agents called from outside: latency p95 (s)": "the same MCP call and A2A task",
 }
 # Panels a demo's echo agent must fill too: fixture models are recorded like any model.
 ECHO_PANELS = {"LLM latency p95 (s)", "LLM requests by outcome", "Tokens per second"}
@@ -484,6 +491,25 @@ async def webhook_deliveries(
     await eventually(delivered, timeout=60, what="3 webhook deliveries", interval=0.2)
 
 
+async def published_agent_called(store: Store, gateway: ServiceProcess) -> None:
+    """The echo agent, published, called once through each of the gateway's caller doors with
+    the official clients (bench/callers.py's, as a user's program would)."""
+    agent = await create_agent(store, "published echo")
+    await publish_agent(store, "monitored", agent.id)
+    await ensure_token_indexes(store)
+    _, secret = await create_token(store, "monitoring-caller", can_call=["monitored"])
+    url = f"http://127.0.0.1:{gateway.port}"
+    for caller in (
+        McpCaller(url, secret, "monitored", 60),
+        A2aCaller(url, secret, "monitored", 60),
+    ):
+        await caller.open()
+        try:
+            await caller.call("called from outside")
+        finally:
+            await caller.close()
+
+
 async def shard_handed_back(mesh: Mesh, second_replica: ServiceProcess) -> None:
     """Replica 1 stops (SIGTERM, cleanly): replica 0 gains its shard."""
     first = mesh.processes[REPLICATED]
@@ -512,6 +538,7 @@ async def test_every_dashboard_panel_shows_data(
     mesh: Mesh,
     receiver: Receiver,
     second_replica: ServiceProcess,
+    gateway: ServiceProcess,
 ) -> None:
     started = time.time()
     await asyncio.gather(
@@ -523,6 +550,7 @@ async def test_every_dashboard_panel_shows_data(
         compaction(store, client, new_join, mesh),
         webhook_deliveries(store, client, new_join, receiver),
         shard_handed_back(mesh, second_replica),
+        published_agent_called(store, gateway),
     )
     queries = panel_queries()
     assert {title for title, _, _ in queries} == set(FILLED_BY)  # every panel is accounted for
