@@ -92,7 +92,7 @@ class OperationCounter(monitoring.CommandListener):
 
     def started(self, event: monitoring.CommandStartedEvent) -> None:
         STORE_OPERATIONS.labels(self.service, event.command_name, _origin()).inc()
-        if tracing.ids() is not None:
+        if tracing.recording():
             if len(self._traced) >= MAX_TRACED_COMMANDS:
                 self._traced.clear()
             collection = event.command.get(event.command_name)

@@ -283,13 +283,19 @@ def span(
     )
 
 
+def recording() -> bool:
+    """Whether the current span is recorded (in a trace, and sampled): what a listener asks
+    before it prepares a child span."""
+    return _active is not None and trace.get_current_span().is_recording()
+
+
 def finished_span(
     name: str, seconds: float, attributes: Attributes, *, error: str | None = None
 ) -> None:
     """A child span of the current one that has just ended, ``seconds`` long (what an event
-    listener hears of: a store command); nothing outside a trace."""
+    listener hears of: a store command); nothing outside a recorded trace."""
     tracing = _active
-    if tracing is None or not trace.get_current_span().get_span_context().is_valid:
+    if tracing is None or not trace.get_current_span().is_recording():
         return
     end = time.time_ns()
     made = tracing.tracer.start_span(
