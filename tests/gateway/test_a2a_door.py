@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -698,3 +700,25 @@ async def test_an_a2a_task_costs_an_http_turns_store_operations_and_a_few_more(
     # The mesh does the same for a line from either door; the door's own operations are few.
     assert total(a2a_cost, gateway=False) <= total(http_cost, gateway=False) + 2
     assert total(a2a_cost, gateway=True) <= 12, breakdown(a2a_cost)
+
+
+async def test_the_guides_a2a_client_runs_as_written(agents: Agents, store: Store) -> None:
+    """docs/agents-as-tools.md's A2A client, run as a newcomer would run it (only the token and
+    the gateway's address told)."""
+    guide = (Path(__file__).parents[2] / "docs/agents-as-tools.md").read_text()
+    code = guide.split("## 4.", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    agent = await create_agent(store, "Helpdesk")
+    await publish_agent(store, "helpdesk", agent.id, "Answers questions about orders.")
+    caller = await agents.caller("helpdesk")
+    code = code.replace('TOKEN = "yoke_..."', f"TOKEN = {caller.secret!r}")
+    code = code.replace("http://localhost:8080", agents.gateway_url)
+    run = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(run.communicate(), 120)
+    assert run.returncode == 0, err.decode()[-3000:]
+    assert out.decode().splitlines() == [
+        "helpdesk True",
+        "TASK_STATE_COMPLETED Where is order 1234?",
+        "TASK_STATE_COMPLETED ticket-1234",
+    ], out.decode()
