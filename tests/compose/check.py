@@ -919,7 +919,7 @@ def hardened_containers(run: Run) -> str:
 
 def prometheus_targets(run: Run) -> str:
     expected_yoke = sum(
-        n for s, n in EXPECTED.items() if s not in ("rabbitmq", "mongodb", "prometheus")
+        n for s, n in EXPECTED.items() if s not in ("rabbitmq", "mongodb", "prometheus", "jaeger")
     )
     last = ""
 
