@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from services.gateway.deps import ApiError, Gateway, unavailable
@@ -195,7 +195,7 @@ async def turn_outcome(store: Store, forum_id: str, line: Message) -> Outcome | 
     return None
 
 
-async def follow_turn(state: Gateway, forum_id: str, line: Message) -> AsyncIterator[TurnEvent]:
+async def follow_turn(state: Gateway, forum_id: str, line: Message) -> AsyncGenerator[TurnEvent]:
     """The turn of ``line`` as it goes: deltas and approval waits as they come, then its
     answer or its end (the generator stops after it). Bound it with ``asyncio.timeout``."""
     settings = state.settings

@@ -34,7 +34,7 @@ from a2a.server.tasks.push_notification_config_store import (
 from a2a.types.a2a_pb2 import TaskPushNotificationConfig, TaskState
 from a2a.utils.errors import InvalidParamsError
 from a2a.utils.proto_utils import to_stream_response
-from google.protobuf.json_format import MessageToDict  # type: ignore[import-untyped]
+from google.protobuf.json_format import MessageToDict
 from pydantic import Field
 from pymongo import ASCENDING
 from pymongo.asynchronous.collection import AsyncCollection

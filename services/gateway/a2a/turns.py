@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from datetime import datetime
-from typing import cast
 
 from a2a.types.a2a_pb2 import (
     Artifact,
@@ -48,9 +47,9 @@ A2AEvent = TaskStatusUpdateEvent | TaskArtifactUpdateEvent
 
 
 def following_turn(state: Gateway, forum_id: str, line: Line) -> AsyncGenerator[TurnEvent, None]:
-    """:func:`~services.gateway.calling.follow_turn`, typed as the generator it is (to close it,
-    and its forum subscription, when a reader stops early)."""
-    return cast(AsyncGenerator[TurnEvent, None], follow_turn(state, forum_id, line))
+    """:func:`~services.gateway.calling.follow_turn` (a generator: close it, and its forum
+    subscription, when a reader stops early)."""
+    return follow_turn(state, forum_id, line)
 
 
 def state_name(state: TaskState) -> str:
