@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BeforeValidator, Field, ValidationError
 from starlette.background import BackgroundTask
 
-from services.gateway import a2a, console, mcp_door
+from services.gateway import a2a, bodies, console, mcp_door, submitting
 from services.gateway.deps import (
     REQUEST_SECONDS,
     REQUESTS,
@@ -65,7 +65,6 @@ from yoke.models import (
     Conversation,
     Message,
     SubmitMessage,
-    SubmitReply,
     WireModel,
     check_storable,
     unstorable,
@@ -94,12 +93,6 @@ IDEMPOTENCY_KEY_PATTERN = re.compile(r"[\x20-\x7e]+")
 PAGE_READ_LINES = 100
 # An open stream looks its token up again before a chunk at most this often.
 TOKEN_CHECK_SECONDS = 1.0
-# The door's reasons (SubmitReply.code) as HTTP statuses; anything else is a 400.
-STATUS_OF_CODE: Mapping[str, int] = {
-    "too_large": 413,
-    "unknown_conversation": 404,
-    "not_a_forum": 404,
-}
 
 
 class PostAuthor(WireModel):
@@ -156,24 +149,8 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The request's JSON body: refused (413) past ``limit`` bytes before it is all read, 408
     when it does not arrive within the header timeout (a slow body holds a connection as a
     slow head would), 415 when it is not ``application/json``."""
-    declared = request.headers.get("content-length")
-    # h11 has checked it is digits; ASCII digits of a sane length are checked again here, as
-    # int() takes other scripts' digits and refuses more than 4,300 of them.
-    if declared is not None and (not SEQ_PATTERN.fullmatch(declared) or int(declared) > limit):
-        raise ApiError(413, "too_large", f"body is {declared[:20]} bytes; the limit is {limit}")
     timeout = gateway(request).settings.gateway_header_timeout_seconds
-    body = bytearray()
-    try:
-        async with asyncio.timeout(timeout):
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise ApiError(413, "too_large", f"body is over the limit of {limit} bytes")
-    except TimeoutError as error:
-        REFUSALS.labels("body_timeout").inc()
-        raise ApiError(
-            408, "body_timeout", f"the body did not arrive within {timeout:g} s"
-        ) from error
+    body = await bodies.read_body(request, limit, timeout)
     media_type, _, parameters = request.headers.get("content-type", "").partition(";")
     charset = parameters.strip().lower().removeprefix("charset=").strip('"')
     if media_type.strip().lower() != "application/json" or charset not in ("", "utf-8"):
@@ -287,22 +264,6 @@ def check_idempotency_key(request: Request, idempotency_key: str | None) -> None
         )
 
 
-async def mesh_answer(state: Gateway, submitted: Awaitable[SubmitReply]) -> SubmitReply:
-    """The door's answer to a command being submitted (through ``state.client``, bounded by
-    ``gateway_submit_timeout_seconds``), or a 503 without one."""
-    timeout = state.settings.gateway_submit_timeout_seconds
-    try:
-        return await submitted
-    except TimeoutError as error:
-        if str(error):  # the publish's own bound (Client's publish_timeout) says what it was
-            REFUSALS.labels("publish_timeout").inc()
-            raise unavailable(f"{error}; try again") from error
-        raise unavailable(f"the mesh did not answer within {timeout:g} s; try again") from error
-    except Exception as error:
-        log.warning("could not submit to the mesh: %r", error)
-        raise unavailable("the mesh cannot be reached; try again") from error
-
-
 async def submit_line(
     state: Gateway,
     forum: Conversation,
@@ -323,22 +284,7 @@ async def submit_line(
         # Namespaced too: one token's key never finds another token's line.
         idempotency_key=token.namespaced(idempotency_key or new_id()),
     )
-    body = command.model_dump_json(exclude_none=True).encode()
-    timeout = state.settings.gateway_submit_timeout_seconds
-    submitting = state.client.submit_raw(
-        body,
-        reply_timeout=timeout,
-        # A broker in a memory or disk alarm reads no publish: a 503, not a POST that hangs.
-        publish_timeout=state.settings.gateway_publish_timeout_seconds,
-    )
-    reply = await mesh_answer(state, submitting)
-    if reply.status == "rejected":
-        code = reply.code or "invalid_command"
-        if code == "rate_limited":
-            # The door counts each token's lines (YOKE_TOKEN_LINES_PER_MINUTE, in the store).
-            retry = {"Retry-After": str(reply.retry_after or 60)}
-            raise ApiError(429, code, reply.error or "too many lines; retry later", retry)
-        raise ApiError(STATUS_OF_CODE.get(code, 400), code, reply.error or "rejected")
+    reply = await submitting.submit_line(state, command)
     assert reply.message_id is not None
     accepted = Accepted(message_id=reply.message_id, duplicate=bool(reply.duplicate))
     return JSONResponse(accepted.to_wire(), status_code=202)
@@ -491,7 +437,7 @@ async def decide_approval(
         reply_timeout=state.settings.gateway_submit_timeout_seconds,
         publish_timeout=state.settings.gateway_publish_timeout_seconds,
     )
-    reply = await mesh_answer(state, deciding)
+    reply = await submitting.mesh_answer(state, deciding)
     if reply.status == "rejected":
         code = reply.code or "invalid_command"
         status = STATUS_OF_DECISION_CODE.get(code, 400)

@@ -21,9 +21,10 @@ import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from services.gateway.deps import ApiError, Gateway, unavailable
+from services.gateway.deps import Gateway, unavailable
 from services.gateway.limits import REFUSALS
 from services.gateway.stream import BindTimeout
+from services.gateway.submitting import submit_line
 from yoke import publishing
 from yoke.client import STOP_LINE
 from yoke.ids import new_id
@@ -36,7 +37,6 @@ from yoke.models import (
     Message,
     MessagePosted,
     SubmitMessage,
-    SubmitReply,
 )
 from yoke.publishing import PublishedAgent, find_published, published_agents
 from yoke.store import Store
@@ -47,8 +47,6 @@ from yoke.tokens import Token
 OUTCOME_LINES = 200
 # A caller waiting for its answer reads the store this often when no event comes.
 POLL_SECONDS = 2.0
-# The door's reasons as HTTP statuses (what ApiError carries to the doors); else 400.
-STATUS_OF_CODE = {"too_large": 413, "unknown_conversation": 404, "not_a_forum": 404}
 
 
 @dataclass(frozen=True)
@@ -129,7 +127,7 @@ async def post_line(
         idempotency_key=token.namespaced(idempotency_key or new_id()),
         kept=KeptForum(door=door, agent=agent.id, key=key),
     )
-    reply = await _submit(state, command)
+    reply = await submit_line(state, command)
     assert reply.message_id is not None
     line = await state.store.get_message(reply.message_id)
     if line is None:  # accepted means stored: only a store that lost it comes here
@@ -146,26 +144,7 @@ async def stop_turn(state: Gateway, token: Token, door: CallerDoor, forum_id: st
         text=STOP_LINE,
         idempotency_key=token.namespaced(new_id()),
     )
-    await _submit(state, command)
-
-
-async def _submit(state: Gateway, command: SubmitMessage) -> SubmitReply:
-    settings = state.settings
-    try:
-        reply = await state.client.submit_raw(
-            command.model_dump_json(exclude_none=True).encode(),
-            reply_timeout=settings.gateway_submit_timeout_seconds,
-            publish_timeout=settings.gateway_publish_timeout_seconds,
-        )
-    except TimeoutError as error:
-        raise unavailable("the mesh did not answer in time; try again") from error
-    if reply.status == "rejected":
-        code = reply.code or "invalid_command"
-        if code == "rate_limited":
-            retry = {"Retry-After": str(reply.retry_after or 60)}
-            raise ApiError(429, code, reply.error or "too many lines; retry later", retry)
-        raise ApiError(STATUS_OF_CODE.get(code, 400), code, reply.error or "rejected")
-    return reply
+    await submit_line(state, command)
 
 
 def outcome_of(line: Message, candidate: Message) -> TurnEvent | None:

@@ -23,7 +23,6 @@ the token rides in the ASGI scope to the handlers. A handler raises nothing but 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import re
@@ -59,8 +58,8 @@ from starlette.types import Message as AsgiMessage
 from starlette.types import Receive, Scope, Send
 
 from services.gateway import calling, owed_answers
+from services.gateway.bodies import read_body
 from services.gateway.deps import ApiError, Gateway, gateway, require_token
-from services.gateway.limits import REFUSALS
 from yoke.errors import describe_validation_error, is_transient
 from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
 from yoke.models import Message, check_storable
@@ -90,8 +89,6 @@ DOOR: Literal["mcp"] = "mcp"
 DEFAULT_CONVERSATION = "default"
 # Visible ASCII, spaces only inside: a key a caller can write back exactly as it was told.
 CONVERSATION_PATTERN = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]{0,126}[\x21-\x7e])?")
-# A Content-Length as ASCII digits, few enough for int() to read at once.
-LENGTH_PATTERN = re.compile(r"[0-9]{1,18}")
 TOKEN_SCOPE_KEY = "yoke.token"
 INPUT_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -174,33 +171,17 @@ class McpDoor:
     async def _read_body(self, request: Request, send: Send) -> bytes | None:
         """The whole body, or None once refused: past the limit (413, before it is all read),
         slower than a request's head may be (408), or nested past MAX_BODY_DEPTH."""
-        timeout = self.settings.gateway_header_timeout_seconds
-        declared = request.headers.get("content-length")
-        if declared is not None and (
-            not LENGTH_PATTERN.fullmatch(declared) or int(declared) > self.body_limit
-        ):
-            await _refuse(send, 413, INVALID_REQUEST, f"the body is over {self.body_limit} bytes")
-            return None
-        body = bytearray()
+        seconds = self.settings.gateway_header_timeout_seconds
         try:
-            async with asyncio.timeout(timeout):
-                async for chunk in request.stream():
-                    body += chunk
-                    if len(body) > self.body_limit:
-                        error = f"the body is over {self.body_limit} bytes"
-                        await _refuse(send, 413, INVALID_REQUEST, error)
-                        return None
-        except TimeoutError:
-            REFUSALS.labels("body_timeout").inc()
-            await _refuse(
-                send, 408, INVALID_REQUEST, f"the body did not arrive within {timeout:g} s"
-            )
+            body = await read_body(request, self.body_limit, seconds)
+        except ApiError as refused:
+            await _refuse(send, refused.status, INVALID_REQUEST, refused.error)
             return None
-        if nesting_depth(bytes(body)) > MAX_BODY_DEPTH:
-            error = f"the body is nested too deeply (more than {MAX_BODY_DEPTH} levels)"
-            await _refuse(send, 400, PARSE_ERROR, error)
+        if nesting_depth(body) > MAX_BODY_DEPTH:
+            why = f"the body is nested too deeply (more than {MAX_BODY_DEPTH} levels)"
+            await _refuse(send, 400, PARSE_ERROR, why)
             return None
-        return bytes(body)
+        return body
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:

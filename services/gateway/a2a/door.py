@@ -23,7 +23,6 @@ names) count against the token's open streams and end when the token is revoked.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -41,13 +40,13 @@ from starlette.types import Receive
 
 from services.gateway.a2a.caller import CALLER_KEY, Caller
 from services.gateway.a2a.cards import agent_card
+from services.gateway.bodies import read_body
 from services.gateway.calling import callable_agent
 from services.gateway.deps import RETRY_AFTER_SECONDS, ApiError, Gateway, TokenDep, gateway
 from services.gateway.limits import REFUSALS
 from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
 from yoke.lru import LRUCache
 from yoke.publishing import PublishedAgent
-from yoke.settings import Settings
 from yoke.tokens import Token, token_in_force
 
 log = logging.getLogger(__name__)
@@ -130,7 +129,8 @@ class Door:
         if self._rpc is None:
             raise ApiError(503, "unavailable", "the A2A door is starting; try again")
         settings = state.settings
-        body = await read_body(request, settings.max_text_bytes * 2 + 65536, settings)
+        limit = settings.max_text_bytes * 2 + 65536
+        body = await read_body(request, limit, settings.gateway_header_timeout_seconds)
         parsed = parsed_body(body)
         if isinstance(parsed, Refused):
             REFUSALS.labels("a2a_body").inc()
@@ -158,30 +158,6 @@ class Door:
 def _rpc_url(request: Request, name: str) -> str:
     """The JSON-RPC URL as this caller reached the gateway (its scheme, host and any root path)."""
     return str(request.base_url).rstrip("/") + f"/a2a/{name}"
-
-
-async def read_body(request: Request, limit: int, settings: Settings) -> bytes:
-    """The body, refused past ``limit`` bytes (413) before it is all read, or when it does not
-    arrive within the header timeout (408): a slow body holds a connection as a slow head."""
-    declared = request.headers.get("content-length")
-    # ASCII digits of a sane length only: int() takes other scripts' digits, and huge ones slowly.
-    sized = declared is not None and declared.isascii() and declared.isdigit()
-    if declared is not None and sized and (len(declared) > 18 or int(declared) > limit):
-        raise ApiError(413, "too_large", f"body is {declared[:20]} bytes; the limit is {limit}")
-    timeout = settings.gateway_header_timeout_seconds
-    body = bytearray()
-    try:
-        async with asyncio.timeout(timeout):
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise ApiError(413, "too_large", f"body is over the limit of {limit} bytes")
-    except TimeoutError as error:
-        REFUSALS.labels("body_timeout").inc()
-        raise ApiError(
-            408, "body_timeout", f"the body did not arrive within {timeout:g} s"
-        ) from error
-    return bytes(body)
 
 
 def _no_constant(name: str) -> object:

@@ -1,0 +1,60 @@
+"""How the gateway hands a command to the mesh: published on ``yoke.commands`` through its
+:class:`~yoke.client.Client`, bounded in time, and the door's answer or refusal in HTTP terms.
+Every line the gateway submits (the REST API's, the MCP and A2A doors') comes through here."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Mapping
+
+from services.gateway.deps import ApiError, Gateway, unavailable
+from services.gateway.limits import REFUSALS
+from yoke.models import SubmitMessage, SubmitReply
+
+log = logging.getLogger(__name__)
+
+# The door's reasons (SubmitReply.code) as HTTP statuses; anything else is a 400.
+STATUS_OF_CODE: Mapping[str, int] = {
+    "too_large": 413,
+    "unknown_conversation": 404,
+    "not_a_forum": 404,
+}
+
+
+async def mesh_answer(state: Gateway, submitted: Awaitable[SubmitReply]) -> SubmitReply:
+    """The door's answer to a command being submitted (through ``state.client``, bounded by
+    ``gateway_submit_timeout_seconds``), or a 503 without one."""
+    timeout = state.settings.gateway_submit_timeout_seconds
+    try:
+        return await submitted
+    except TimeoutError as error:
+        if str(error):  # the publish's own bound (Client's publish_timeout) says what it was
+            REFUSALS.labels("publish_timeout").inc()
+            raise unavailable(f"{error}; try again") from error
+        raise unavailable(f"the mesh did not answer within {timeout:g} s; try again") from error
+    except Exception as error:
+        log.warning("could not submit to the mesh: %r", error)
+        raise unavailable("the mesh cannot be reached; try again") from error
+
+
+async def submit_line(state: Gateway, command: SubmitMessage) -> SubmitReply:
+    """The door's acceptance of the line ``command`` (``message_id`` set), or its refusal as an
+    :class:`ApiError`: 429 with Retry-After past the token's lines per minute, 413, 404, 400;
+    503 when the mesh does not answer in time."""
+    settings = state.settings
+    submitting = state.client.submit_raw(
+        command.model_dump_json(exclude_none=True).encode(),
+        reply_timeout=settings.gateway_submit_timeout_seconds,
+        # A broker in a memory or disk alarm reads no publish: a 503, not a request that hangs.
+        publish_timeout=settings.gateway_publish_timeout_seconds,
+    )
+    reply = await mesh_answer(state, submitting)
+    if reply.status == "rejected":
+        code = reply.code or "invalid_command"
+        if code == "rate_limited":
+            # The door counts each token's lines (YOKE_TOKEN_LINES_PER_MINUTE, in the store).
+            retry = {"Retry-After": str(reply.retry_after or 60)}
+            raise ApiError(429, code, reply.error or "too many lines; retry later", retry)
+        raise ApiError(STATUS_OF_CODE.get(code, 400), code, reply.error or "rejected")
+    assert reply.message_id is not None
+    return reply
