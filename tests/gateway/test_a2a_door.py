@@ -20,7 +20,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -51,6 +50,7 @@ from tests.support.fake_openai import FakeOpenAI, completion, openai_env, stream
 from tests.support.gateway_process import metric
 from tests.support.mesh import Mesh
 from tests.support.processes import eventually
+from tests.support.published import Agents, Caller
 from tests.support.store_operations import breakdown, settled_operations, total
 from tests.support.webhook_receiver import Receiver
 from yoke.publishing import PublishedAgent, publish_agent
@@ -58,7 +58,7 @@ from yoke.runtime.join_config import ApprovalConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
 from yoke.store import Store
-from yoke.tokens import Token, create_token, ensure_token_indexes
+from yoke.tokens import create_token, ensure_token_indexes
 from yoke.webhooks import signature_matches
 
 pytestmark = pytest.mark.slow
@@ -87,41 +87,6 @@ def gateway_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def gateway_exits() -> tuple[int, ...]:
     return (0,)
-
-
-@dataclass
-class Caller:
-    token: Token
-    secret: str
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.secret}"}
-
-
-@dataclass
-class Agents:
-    """Publishes agents under fresh names and makes tokens to call them."""
-
-    store: Store
-    gateway_url: str
-
-    async def publish(
-        self, model: str = "fixture-echo", description: str = "", **options: object
-    ) -> PublishedAgent:
-        name = f"agent-{uuid.uuid4().hex[:6]}"
-        agent = await create_agent(self.store, name, model=model, **options)  # type: ignore[arg-type]
-        name = f"a-{uuid.uuid4().hex[:8]}"
-        return await publish_agent(self.store, name, agent.id, description or f"Ask {name}.")
-
-    async def caller(self, *names: str) -> Caller:
-        token, secret = await create_token(
-            self.store, f"a2a-{uuid.uuid4().hex[:8]}", can_call=list(names)
-        )
-        return Caller(token, secret)
-
-    def url(self, agent: PublishedAgent) -> str:
-        return f"{self.gateway_url}/a2a/{agent.id}"
 
 
 @pytest.fixture(scope="module")

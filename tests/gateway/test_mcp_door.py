@@ -16,10 +16,8 @@ import re
 import sys
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -28,7 +26,6 @@ import pytest
 from mcp import ClientSession, MCPError
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import INVALID_PARAMS, METHOD_NOT_FOUND, CallToolResult, TextContent
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway import owed_answers
 from services.gateway.calling import caller_id, kept_forum_id
@@ -37,12 +34,14 @@ from tests.support.fake_openai import FakeOpenAI, completion, openai_env
 from tests.support.gateway_process import metric
 from tests.support.mesh import Mesh
 from tests.support.processes import eventually
-from yoke.publishing import PublishedAgent, publish_agent, unpublish_agent
+from tests.support.published import Agents
+from tests.support.store_operations import breakdown, settled_operations, total
+from yoke.publishing import publish_agent, unpublish_agent
 from yoke.runtime.join_config import ApprovalConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
 from yoke.store import Store
-from yoke.tokens import Token, create_token, ensure_token_indexes
+from yoke.tokens import create_token, ensure_token_indexes
 
 pytestmark = pytest.mark.slow
 
@@ -76,39 +75,10 @@ def gateway_exits() -> tuple[int, ...]:
     return (0,)
 
 
-@dataclass
-class Caller:
-    """A token that may call some names, and the secret its client sends."""
-
-    token: Token
-    secret: str
-
-
-@dataclass
-class Agents:
-    """Publishes fixture-model agents under fresh names and makes tokens to call them."""
-
-    store: Store
-
-    async def publish(
-        self, model: str = "fixture-echo", description: str = "", **options: object
-    ) -> PublishedAgent:
-        name = f"agent-{uuid.uuid4().hex[:6]}"
-        agent = await create_agent(self.store, name, model=model, **options)  # type: ignore[arg-type]
-        name = f"a-{uuid.uuid4().hex[:8]}"
-        return await publish_agent(self.store, name, agent.id, description or f"Ask {name}.")
-
-    async def caller(self, *names: str) -> Caller:
-        token, secret = await create_token(
-            self.store, f"mcp-{uuid.uuid4().hex[:8]}", can_call=list(names)
-        )
-        return Caller(token, secret)
-
-
 @pytest.fixture(scope="module")
-async def agents(store: Store, mesh: Mesh) -> Agents:
+async def agents(store: Store, mesh: Mesh, gateway_url: str) -> Agents:
     await ensure_token_indexes(store)
-    return Agents(store)
+    return Agents(store, gateway_url)
 
 
 @asynccontextmanager
@@ -481,36 +451,6 @@ async def test_hostile_json_rpc_gets_protocol_errors_never_a_500(
 # --- what a call costs ------------------------------------------------------------------------
 
 
-async def _store_operations(mesh: Mesh, gateway_url: str) -> Counter[str]:
-    """Store operations so far: the services' while handling deliveries, and the gateway's."""
-    counts: Counter[str] = Counter()
-    texts = {name: await process.metrics() for name, process in mesh.processes.items()}
-    async with httpx.AsyncClient(timeout=30) as client:
-        texts["gateway"] = (await client.get(f"{gateway_url}/metrics")).text
-    for name, text in texts.items():
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = sample.labels
-                if sample.name != "yoke_store_operations_total":
-                    continue
-                if name == "gateway" or labels.get("origin") == "delivery":
-                    counts[f"{name}:{labels['command']}"] += int(sample.value)
-    return counts
-
-
-async def _settled(mesh: Mesh, gateway_url: str) -> Counter[str]:
-    """The counts once nothing has moved for a second (a turn's tail deliveries are done)."""
-    loop = asyncio.get_running_loop()
-    last = await _store_operations(mesh, gateway_url)
-    quiet_since = loop.time()
-    while loop.time() - quiet_since < 1.0:
-        await asyncio.sleep(0.25)
-        now = await _store_operations(mesh, gateway_url)
-        if now != last:
-            last, quiet_since = now, loop.time()
-    return last
-
-
 async def test_an_mcp_turn_costs_an_http_turns_store_operations_and_a_few_more(
     gateway_url: str, agents: Agents, store: Store, mesh: Mesh, poster: Poster
 ) -> None:
@@ -544,22 +484,16 @@ async def test_an_mcp_turn_costs_an_http_turns_store_operations_and_a_few_more(
         for warm in range(2):  # caches warm, the kept forum made and joined
             await http_turn(http, f"warm {warm}")
             await session.call_tool(echo.id, {"message": f"warm {warm}"})
-        before = await _settled(mesh, gateway_url)
+        before = await settled_operations(mesh, gateway_url)
         await http_turn(http, "what does a turn cost?")
-        middle = await _settled(mesh, gateway_url)
+        middle = await settled_operations(mesh, gateway_url)
         seconds = []
         started = time.perf_counter()
         result = await session.call_tool(echo.id, {"message": "what does a call cost?"})
         seconds.append(time.perf_counter() - started)
-        after = await _settled(mesh, gateway_url)
+        after = await settled_operations(mesh, gateway_url)
     assert text_of(result) == ["what does a call cost?"]
     http_cost, mcp_cost = middle - before, after - middle
-
-    def total(counts: Counter[str], gateway: bool) -> int:
-        return sum(v for k, v in counts.items() if k.startswith("gateway:") == gateway)
-
-    def breakdown(counts: Counter[str]) -> str:
-        return ", ".join(f"{key}={value}" for key, value in sorted(counts.items()))
 
     print(f"HTTP turn: {breakdown(http_cost)}")
     print(f"MCP turn: {breakdown(mcp_cost)}")
