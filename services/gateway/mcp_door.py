@@ -275,7 +275,8 @@ class McpDoor:
                 # that passes through it: its subscription is closed either way.
                 async for event in calling.follow_turn(state, forum_id, line):
                     if isinstance(event, calling.Delta):
-                        await progress.send(event.text)
+                        if event.text:  # a draft's last delta says only that it ended
+                            await progress.send(event.text)
                     elif isinstance(event, calling.Waiting):
                         await progress.send(f"waiting for a person to approve: {event.tool}")
                     else:

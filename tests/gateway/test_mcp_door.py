@@ -197,6 +197,7 @@ async def test_progress_notifications_carry_the_deltas_in_order(
     progress = [value for value, _ in received]
     assert progress == sorted(progress) and len(set(progress)) == len(progress), received
     assert "".join(message or "" for _, message in received) == said
+    assert all(message for _, message in received), received  # no empty end marker
 
 
 async def test_past_the_deadline_the_answer_names_the_conversation_and_a_call_there_collects_it(
