@@ -267,7 +267,7 @@ def render(results: Figures) -> str:
     lines += gateway_lines(results["gateway"])
     lines += streaming_lines(results["streaming"])
     lines += tool_lines(results["tools"])
-    lines += tracing_lines(results["tracing"])
+    lines += tracing_lines(results.get("tracing", {}))  # absent from runs before the phase
     cpu_latency = results["turnLatency"].get("cpuMsPerTurn") or {}
     cpu_load = results["throughput"].get("cpuMsPerTurn") or {}
     if cpu_latency or cpu_load:
