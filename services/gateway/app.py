@@ -45,6 +45,7 @@ from services.gateway.deps import (
     Gateway,
     TokenDep,
     gateway,
+    hold_stream,
     unavailable,
 )
 from services.gateway.limits import MAX_HEADER_BYTES, REFUSALS, gateway_protocol
@@ -557,25 +558,7 @@ async def stream(
         if not SEQ_PATTERN.fullmatch(last_event_id.strip()):
             raise ApiError(400, "invalid_last_event_id", "Last-Event-ID must be a seq (a number)")
         cursor = int(last_event_id)
-    open_streams = state.streams_by_token
-    if open_streams.get(token.id, 0) >= settings.gateway_streams_per_token:
-        REFUSALS.labels("streams_per_token").inc()
-        raise ApiError(
-            429,
-            "too_many_streams",
-            f"token {token.id!r} has {settings.gateway_streams_per_token} streams open on this "
-            "gateway, its limit: close one first",
-            {"Retry-After": str(RETRY_AFTER_SECONDS)},
-        )
-    open_streams[token.id] = open_streams.get(token.id, 0) + 1
-
-    def release() -> None:
-        left = open_streams.get(token.id, 1) - 1
-        if left > 0:
-            open_streams[token.id] = left
-        else:
-            open_streams.pop(token.id, None)
-
+    release = hold_stream(state, token)
     stack = contextlib.AsyncExitStack()
     stack.callback(release)
     try:

@@ -6,6 +6,7 @@ from ``app``, so that ``app`` can import them all without a cycle.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -150,3 +151,35 @@ def require_monologue_reader(token: Token, what: str) -> None:
             "forbidden",
             f"token {token.id!r} may not read {what} (yoke token create --can-read-monologues)",
         )
+
+
+def hold_stream(state: Gateway, token: Token) -> Callable[[], None]:
+    """Count a stream against the token's open streams on this process
+    (YOKE_GATEWAY_STREAMS_PER_TOKEN: the REST API's and the A2A door's together): 429 past it.
+    Returns the release, which only its first call does."""
+    limit = state.settings.gateway_streams_per_token
+    open_streams = state.streams_by_token
+    if open_streams.get(token.id, 0) >= limit:
+        REFUSALS.labels("streams_per_token").inc()
+        raise ApiError(
+            429,
+            "too_many_streams",
+            f"token {token.id!r} has {limit} streams open on this gateway, its limit: close one "
+            "first",
+            {"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
+    open_streams[token.id] = open_streams.get(token.id, 0) + 1
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if released:
+            return
+        released = True
+        left = open_streams.get(token.id, 1) - 1
+        if left > 0:
+            open_streams[token.id] = left
+        else:
+            open_streams.pop(token.id, None)
+
+    return release

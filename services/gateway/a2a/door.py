@@ -42,7 +42,13 @@ from services.gateway.a2a.caller import CALLER_KEY, Caller
 from services.gateway.a2a.cards import agent_card
 from services.gateway.bodies import read_body
 from services.gateway.calling import callable_agent
-from services.gateway.deps import RETRY_AFTER_SECONDS, ApiError, Gateway, TokenDep, gateway
+from services.gateway.deps import (
+    ApiError,
+    Gateway,
+    TokenDep,
+    gateway,
+    hold_stream,
+)
 from services.gateway.limits import REFUSALS
 from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
 from yoke.lru import LRUCache
@@ -206,37 +212,6 @@ def sanitized(response: Response) -> Response:
     error["message"] = "internal error; try again"
     error.pop("data", None)
     return JSONResponse(body, status_code=response.status_code)
-
-
-def hold_stream(state: Gateway, token: Token) -> Callable[[], None]:
-    """Count a stream against the token's open streams (YOKE_GATEWAY_STREAMS_PER_TOKEN, with the
-    REST streams): 429 past it. Returns the release, to call once."""
-    limit = state.settings.gateway_streams_per_token
-    open_streams = state.streams_by_token
-    if open_streams.get(token.id, 0) >= limit:
-        REFUSALS.labels("streams_per_token").inc()
-        raise ApiError(
-            429,
-            "too_many_streams",
-            f"token {token.id!r} has {limit} streams open on this gateway, its limit: close one "
-            "first",
-            {"Retry-After": str(RETRY_AFTER_SECONDS)},
-        )
-    open_streams[token.id] = open_streams.get(token.id, 0) + 1
-    released = False
-
-    def release() -> None:
-        nonlocal released
-        if released:
-            return
-        released = True
-        left = open_streams.get(token.id, 1) - 1
-        if left > 0:
-            open_streams[token.id] = left
-        else:
-            open_streams.pop(token.id, None)
-
-    return release
 
 
 async def watched(
