@@ -54,7 +54,6 @@ from tests.support.published import Agents, Caller
 from tests.support.store_operations import breakdown, settled_operations, total
 from tests.support.webhook_receiver import Receiver
 from yoke.publishing import PublishedAgent, publish_agent
-from yoke.runtime.join_config import ApprovalConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
 from yoke.store import Store
@@ -315,17 +314,7 @@ def reply_of_event(event: StreamResponse) -> str:
 async def test_a_task_waiting_for_an_approver_is_working_with_the_tools_name(
     agents: Agents, store: Store, fake_openai: FakeOpenAI, gateway_url: str
 ) -> None:
-    gated = await agents.publish(
-        model="gpt-test",
-        tools=["calculator"],
-        approval=ApprovalConfig(tools=["calculator"], timeout_seconds=600),
-    )
-    fake_openai.script(
-        completion(tool_calls=[("call-1", "calculator", '{"expression": "6 * 7"}')]),
-        completion("it is 42"),
-    )
-    caller = await agents.caller(gated.id)
-    _, approver = await create_token(store, f"approver-{uuid.uuid4().hex[:6]}", can_approve=True)
+    gated, caller, approver = await agents.gated(fake_openai)
     async with a2a_client(agents, gated, caller) as (client, _):
         task = await sent(client, request("what is 6 * 7?", "sums", now=True))
         waiting = await eventually_task(

@@ -30,14 +30,13 @@ from mcp.types import INVALID_PARAMS, METHOD_NOT_FOUND, CallToolResult, TextCont
 from services.gateway import owed_answers
 from services.gateway.calling import caller_id, kept_forum_id
 from services.gateway.mcp_door import DEFAULT_CONVERSATION
-from tests.support.fake_openai import FakeOpenAI, completion, openai_env
+from tests.support.fake_openai import FakeOpenAI, openai_env
 from tests.support.gateway_process import metric
 from tests.support.mesh import Mesh
 from tests.support.processes import eventually
 from tests.support.published import Agents
 from tests.support.store_operations import breakdown, settled_operations, total
 from yoke.publishing import publish_agent, unpublish_agent
-from yoke.runtime.join_config import ApprovalConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
 from yoke.store import Store
@@ -231,17 +230,7 @@ async def test_past_the_deadline_the_answer_names_the_conversation_and_a_call_th
 async def test_a_call_waiting_for_an_approver_says_so_and_is_answered_once_approved(
     gateway_url: str, agents: Agents, store: Store, fake_openai: FakeOpenAI
 ) -> None:
-    gated = await agents.publish(
-        model="gpt-test",
-        tools=["calculator"],
-        approval=ApprovalConfig(tools=["calculator"], timeout_seconds=600),
-    )
-    fake_openai.script(
-        completion(tool_calls=[("call-1", "calculator", '{"expression": "6 * 7"}')]),
-        completion("it is 42"),
-    )
-    caller = await agents.caller(gated.id)
-    _, approver = await create_token(store, f"approver-{uuid.uuid4().hex[:6]}", can_approve=True)
+    gated, caller, approver = await agents.gated(fake_openai)
     forum_id = kept_forum_id(caller.token, "mcp", gated, DEFAULT_CONVERSATION)
     waiting = asyncio.Event()
     received: list[str | None] = []

@@ -6,7 +6,9 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from tests.support.fake_openai import FakeOpenAI, completion
 from yoke.publishing import PublishedAgent, publish_agent
+from yoke.runtime.join_config import ApprovalConfig
 from yoke.runtime.joins import create_agent
 from yoke.store import Store
 from yoke.tokens import Token, create_token
@@ -48,6 +50,23 @@ class Agents:
             self.store, f"caller-{uuid.uuid4().hex[:8]}", can_call=list(names)
         )
         return Caller(token, secret)
+
+    async def gated(self, fake_openai: FakeOpenAI) -> tuple[PublishedAgent, Caller, str]:
+        """An agent (the fake OpenAI model) whose calculator call waits for a person's approval,
+        then answers "it is 42"; a caller of it, and the secret of a token that may approve."""
+        agent = await self.publish(
+            model="gpt-test",
+            tools=["calculator"],
+            approval=ApprovalConfig(tools=["calculator"], timeout_seconds=600),
+        )
+        fake_openai.script(
+            completion(tool_calls=[("call-1", "calculator", '{"expression": "6 * 7"}')]),
+            completion("it is 42"),
+        )
+        _, approver = await create_token(
+            self.store, f"approver-{uuid.uuid4().hex[:6]}", can_approve=True
+        )
+        return agent, await self.caller(agent.id), approver
 
     def url(self, agent: PublishedAgent) -> str:
         """The A2A agent's base URL."""
