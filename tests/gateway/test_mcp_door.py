@@ -214,10 +214,16 @@ async def test_past_the_deadline_the_answer_names_the_conversation_and_a_call_th
         assert "still working" in said and "conversation='slow one'" in said
         assert await calls_counted(gateway_url, "timeout") == timed_out + 1
 
-        # The next call there collects the answer (the slow model is done before its deadline),
+        # A call there collects the answer (the slow model is done before the second call's
+        # deadline on a quiet machine; on a loaded one a call may say "still working" again)
         # and sends nothing of its own.
-        again = await session.call_tool(slow.id, {"message": "well?", "conversation": "slow one"})
-        assert not again.is_error, again
+        for _ in range(5):
+            again = await session.call_tool(
+                slow.id, {"message": "well?", "conversation": "slow one"}
+            )
+            assert not again.is_error, again
+            if "still working" not in text_of(again)[0]:
+                break
         answer, note = text_of(again)
         assert answer == "take your time" and "not sent" in note
     forum_id = kept_forum_id(caller.token, "mcp", slow, "slow one")
