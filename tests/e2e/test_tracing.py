@@ -36,7 +36,7 @@ from tests.support.worker_tools import WorkerTool, ask_direct, registered_worker
 from yoke import topology
 from yoke.client import Client
 from yoke.ids import new_id
-from yoke.models import Message, ToolResultPart
+from yoke.models import Message, MessagePosted, ToolResultPart
 from yoke.runtime.calls.approvals import pending_approvals
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
@@ -197,6 +197,69 @@ def answer_forwarded(trace: Trace) -> bool:
         )
         for span in trace
     )
+
+
+def chats(trace: Trace, step: Span) -> bool:
+    """Whether ``step`` called the model."""
+    return any(child.name == f"chat {MODEL}" for child in trace.children(step))
+
+
+async def answering_step(
+    jaeger: Jaeger, trace: Trace, calling: Span, line_id: str, since: datetime
+) -> tuple[Trace, Trace, Span]:
+    """The step that answered a round's last results line ``line_id`` once its answer has
+    reached egress, with the turn's trace as it stands then and the trace that holds the step:
+    the turn's own, or one whose span that wrote the line links to ``calling``, the step that
+    waited (a line written by a sweep, outside any turn)."""
+    found: tuple[Trace, Trace, Span] | None = None
+
+    def answering(candidate: Trace) -> Span | None:
+        forwarded = {
+            ancestor.span_id
+            for forward in spans_of(candidate, "yoke-egress", "forward")
+            for ancestor in candidate.ancestors(forward)
+        }
+        return next(
+            (
+                span
+                for span in spans_of(candidate, "yoke-processor", "step")
+                if span.attributes.get("yoke.message_id") == line_id
+                and chats(candidate, span)
+                and span.span_id in forwarded
+            ),
+            None,
+        )
+
+    async def arrived() -> bool:
+        nonlocal found
+        turn = await jaeger.find_trace(trace.trace_id)
+        assert turn is not None
+        step = answering(turn)
+        if step is not None:
+            found = (turn, turn, step)
+            return True
+        searched = await jaeger.find_traces("yoke-processor", since=since, operation="tool_result")
+        for other in searched:
+            if not any(
+                (link.trace_id, link.span_id) == (trace.trace_id, calling.span_id)
+                for span in other
+                for link in span.links
+            ):
+                continue
+            linked = await jaeger.find_trace(other.trace_id)
+            step = answering(linked) if linked is not None else None
+            if linked is not None and step is not None:
+                found = (turn, linked, step)
+                return True
+        return False
+
+    try:
+        await eventually(arrived, timeout=WAIT, what=f"the step answering {line_id}", interval=0.5)
+    except AssertionError as error:
+        turn = await jaeger.find_trace(trace.trace_id)
+        raise AssertionError(f"{error}; the turn's trace:\n{(turn or trace).tree()}") from None
+    assert found is not None
+    return found
 
 
 def every(*conditions: Any) -> Any:
@@ -383,6 +446,7 @@ async def test_a_tool_round_traces_every_call_and_the_workers_own_span(
         ),
         completion("the tools have answered"),
     )
+    since = datetime.now(UTC)
     header, trace_id, _ = traceparent()
     reply = await ask_direct(
         amqp_url,
@@ -398,9 +462,12 @@ async def test_a_tool_round_traces_every_call_and_the_workers_own_span(
     trace = await jaeger.trace(
         trace_id,
         timeout=WAIT,
-        until=every(has(worker_service, f"execute_tool {tool.name}"), answer_forwarded),
+        until=every(
+            has(worker_service, f"execute_tool {tool.name}"),
+            has("yoke-ingestion", "tool_result"),
+            has("yoke-processor", "step", **{"yoke.trigger": "tool_call"}),
+        ),
     )
-    print_tree("a turn with a tool round", trace)
     calling = one_of(trace, "yoke-processor", "step", **{"yoke.trigger": "tool_call"})
     calculator = one_of(trace, "yoke-processor", "execute_tool calculator")
     asked = one_of(trace, "yoke-processor", f"execute_tool {tool.name}")
@@ -410,29 +477,59 @@ async def test_a_tool_round_traces_every_call_and_the_workers_own_span(
     assert asked.attributes["yoke.tool.waits"] is True
     above(trace, calculator, calling)
     above(trace, asked, calling)
-    # The worker's own span, from its own process, below the publish of its call.
+    # The worker's own span, from its own process, below the publish of its call; its answer
+    # goes on in the same trace, through the door.
     ran = one_of(trace, worker_service, f"execute_tool {tool.name}")
     assert ran.kind == "consumer" and ran.attributes["gen_ai.tool.name"] == tool.name
     above(trace, ran, asked)
-    # Its answer goes on in the same trace: the door, the result line, the step that answers.
+    above(trace, one_of(trace, "yoke-ingestion", "tool_result"), ran)
     # Two results lines (the calculator's in the round, the worker's of its own): the step of
-    # the last one calls the model, the other waits for it.
-    results_steps = [
-        span
-        for span in spans_of(trace, "yoke-processor", "step")
-        if span.attributes["yoke.trigger"] == "tool_result"
+    # the later one calls the model (invariant 10), the other waits for it.
+    monologue = str(calling.attributes["yoke.conversation_id"])
+    results = {
+        part.name: line
+        for line in await store.history(monologue)
+        for part in line.parts
+        if isinstance(part, ToolResultPart)
+    }
+    assert sorted(results) == sorted(["calculator", tool.name])
+    last = max(results.values(), key=lambda line: line.seq)
+    trace, home, answering = await answering_step(jaeger, trace, calling, last.id, since)
+    print_tree("a turn with a tool round", trace)
+    both = [trace] if home is trace else [trace, home]
+    if home is not trace:
+        print_tree("its answer, in a trace of its own", home)
+    waits = [
+        (found, span)
+        for found in both
+        for span in spans_of(found, "yoke-processor", "step")
+        if span.attributes["yoke.trigger"] == "tool_result" and span != answering
     ]
-    assert len(results_steps) == 2, trace.tree()
-    [answering] = [
-        span
-        for span in results_steps
-        if any(child.name == f"chat {MODEL}" for child in trace.children(span))
-    ]
-    above(trace, answering, ran)
+    assert len(waits) == 1 and not chats(*waits[0]), "\n".join(t.tree() for t in both)
+    # Whatever delivery ran it, the answering step is that delivery's child ...
+    delivery = home.parent(answering)
+    assert delivery is not None and delivery.kind == "consumer", home.tree()
+    assert delivery.name == f"process {MessagePosted.TYPE}"
+    if home is trace:
+        # ... below the worker's answer when the worker's line came last, below the round's
+        # step when the round's own line did (the worker answered before the step wrote it).
+        above(trace, answering, ran if last is results[tool.name] else calling)
+    else:
+        # ... or, when the deadline reaper's sweep finished the call between the door's end
+        # and its line (it writes the line, the door's copy is a repeat), in a trace of its
+        # own, whose span that wrote the worker's line links to the step that waited.
+        assert last is results[tool.name], home.tree()
+        [written] = home.roots()
+        assert (written.name, written.service) == ("tool_result", "yoke-processor"), home.tree()
+        assert [(link.trace_id, link.span_id) for link in written.links] == [
+            (trace_id, calling.span_id)
+        ]
+        assert written.links[0].attributes["yoke.link"] == "waited_for"
+        above(home, answering, written)
     # Egress saw the call line too (nothing of it to forward), then the answer.
-    forwards = spans_of(trace, "yoke-egress", "forward")
-    assert len(forwards) == 2, trace.tree()
-    above(trace, forwards[-1], answering)
+    forwards = [span for found in both for span in spans_of(found, "yoke-egress", "forward")]
+    assert len(forwards) == 2, "\n".join(t.tree() for t in both)
+    above(home, forwards[-1], answering)
     # A step's log line names the trace and the span Jaeger has.
     ended = [
         entry
