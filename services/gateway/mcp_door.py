@@ -1,5 +1,6 @@
 """The MCP door (``/mcp``): every published agent a tool of an MCP server, for the systems that
-call agents as tools (Claude Desktop, Cursor, another agent). DESIGN §3, "Agents others call".
+call agents as tools (Claude Desktop, Cursor, another agent); how to call one:
+docs/agents-as-tools.md.
 
 Served by the ``mcp`` package's lowlevel ``Server``, not ``MCPServer``: ``MCPServer``'s tools
 are one list of registered functions for every caller, while here ``tools/list`` is the

@@ -1,4 +1,4 @@
-"""OpenTelemetry for the mesh: the one module that knows it (DESIGN §3 "Tracing").
+"""OpenTelemetry for the mesh: the one module that knows it (docs/architecture.md, "Tracing").
 
 Off unless ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set. Then :func:`configure` installs an SDK
 ``TracerProvider`` (sampler and resource from the standard ``OTEL_*`` variables; service name

@@ -1,5 +1,5 @@
 """``yoke agent publish/unpublish/published`` and ``yoke token create --can-call``: what the
-gateway's MCP and A2A doors show, and to whom (DESIGN "Agents others call")."""
+gateway's MCP and A2A doors show, and to whom (docs/agents-as-tools.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One trace per turn (DESIGN §3 "Tracing", issue #33), read back from a real Jaeger.
+"""One trace per turn (docs/architecture.md, "Tracing"), read back from a real Jaeger.
 
 The five services, the gateway and a worker tool (the SDK's ``serve``, a process of its own)
 run with ``OTEL_EXPORTER_OTLP_ENDPOINT`` pointing at the module's Jaeger (tests/support/jaeger.py);

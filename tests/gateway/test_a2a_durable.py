@@ -1,4 +1,5 @@
-"""An A2A task survives ``kill -9`` of every service and of the gateway (issue #32, "Durable").
+"""An A2A task survives ``kill -9`` of every service and of the gateway
+(docs/agents-as-tools.md, "Durable").
 
 A task is sent to a slow agent, with a push config; then the five services and the gateway
 are killed with SIGKILL mid-turn and started again (a new gateway process, on another port).
