@@ -51,7 +51,7 @@ from tests.support.gateway_process import metric
 from tests.support.mesh import Mesh
 from tests.support.processes import eventually
 from tests.support.published import Agents, Caller
-from tests.support.store_operations import breakdown, settled_operations, total
+from tests.support.store_operations import breakdown, http_turn, settled_operations, total
 from tests.support.webhook_receiver import Receiver
 from yoke.publishing import PublishedAgent, publish_agent
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
@@ -604,23 +604,9 @@ async def test_an_a2a_task_costs_an_http_turns_store_operations_and_a_few_more(
     forum = await create_forum(store, "cost")
     await join_conversation(store, poster, echo.agent_actor_id, forum.id)
     _, secret = await create_token(store, f"http-{uuid.uuid4().hex[:6]}", [forum.id])
-    auth = {"Authorization": f"Bearer {secret}"}
 
-    async def http_turn(http: httpx.AsyncClient, text: str) -> None:
-        """A line posted over REST and its answer read back as a REST client would."""
-        body = {"author": {"externalId": "ada", "displayName": "Ada"}, "text": text}
-        posted = await http.post(f"/v1/forums/{forum.id}/messages", json=body, headers=auth)
-        assert posted.status_code == 202, posted.text
-        line = await store.get_message(posted.json()["messageId"])
-        assert line is not None
-
-        async def answered() -> bool:
-            page = await http.get(
-                f"/v1/forums/{forum.id}/messages", params={"after": line.seq}, headers=auth
-            )
-            return any(m["role"] == "agent" for m in page.json()["messages"])
-
-        await eventually(answered, timeout=60, what=f"the answer to {text!r}", interval=0.05)
+    async def rest_turn(http: httpx.AsyncClient, text: str) -> None:
+        await http_turn(http, store, forum.id, secret, text)
 
     seconds: list[float] = []
 
@@ -635,10 +621,10 @@ async def test_an_a2a_task_costs_an_http_turns_store_operations_and_a_few_more(
         httpx.AsyncClient(base_url=gateway_url, timeout=TIMEOUT) as http,
         a2a_client(agents, echo, caller) as (client, _),
     ):
-        await http_turn(http, "warm")  # caches warm, the kept forum made and joined
+        await rest_turn(http, "warm")  # caches warm, the kept forum made and joined
         await a2a_task(client, "warm")
         before = await settled_operations(mesh, gateway_url)
-        await http_turn(http, "what does a turn cost?")
+        await rest_turn(http, "what does a turn cost?")
         middle = await settled_operations(mesh, gateway_url)
         seconds.clear()
         await a2a_task(client, "what does a task cost?")

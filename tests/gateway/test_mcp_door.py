@@ -33,9 +33,8 @@ from services.gateway.mcp_door import DEFAULT_CONVERSATION
 from tests.support.fake_openai import FakeOpenAI, openai_env
 from tests.support.gateway_process import metric
 from tests.support.mesh import Mesh
-from tests.support.processes import eventually
 from tests.support.published import Agents
-from tests.support.store_operations import breakdown, settled_operations, total
+from tests.support.store_operations import breakdown, http_turn, settled_operations, total
 from yoke.publishing import publish_agent, unpublish_agent
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
@@ -456,32 +455,18 @@ async def test_an_mcp_turn_costs_an_http_turns_store_operations_and_a_few_more(
     await join_conversation(store, poster, echo.agent_actor_id, forum.id)
     _, secret = await create_token(store, f"http-{uuid.uuid4().hex[:6]}", [forum.id])
 
-    async def http_turn(http: httpx.AsyncClient, text: str) -> None:
-        """A line posted over REST and its answer read back as a REST client would."""
-        auth = {"Authorization": f"Bearer {secret}"}
-        body = {"author": {"externalId": "ada", "displayName": "Ada"}, "text": text}
-        posted = await http.post(f"/v1/forums/{forum.id}/messages", json=body, headers=auth)
-        assert posted.status_code == 202, posted.text
-        line = await store.get_message(posted.json()["messageId"])
-        assert line is not None
-
-        async def answered() -> bool:
-            page = await http.get(
-                f"/v1/forums/{forum.id}/messages", params={"after": line.seq}, headers=auth
-            )
-            return any(m["role"] == "agent" for m in page.json()["messages"])
-
-        await eventually(answered, timeout=60, what=f"the answer to {text!r}", interval=0.05)
+    async def rest_turn(http: httpx.AsyncClient, text: str) -> None:
+        await http_turn(http, store, forum.id, secret, text)
 
     async with (
         httpx.AsyncClient(base_url=gateway_url, timeout=30) as http,
         mcp_session(gateway_url, caller.secret) as session,
     ):
         for warm in range(2):  # caches warm, the kept forum made and joined
-            await http_turn(http, f"warm {warm}")
+            await rest_turn(http, f"warm {warm}")
             await session.call_tool(echo.id, {"message": f"warm {warm}"})
         before = await settled_operations(mesh, gateway_url)
-        await http_turn(http, "what does a turn cost?")
+        await rest_turn(http, "what does a turn cost?")
         middle = await settled_operations(mesh, gateway_url)
         seconds = []
         started = time.perf_counter()

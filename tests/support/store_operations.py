@@ -14,6 +14,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.mesh import Mesh
+from tests.support.processes import eventually
+from yoke.store import Store
 
 
 async def store_operations(mesh: Mesh, gateway_url: str) -> Counter[str]:
@@ -52,3 +54,24 @@ def total(counts: Counter[str], *, gateway: bool) -> int:
 
 def breakdown(counts: Counter[str]) -> str:
     return ", ".join(f"{key}={value}" for key, value in sorted(counts.items()) if value)
+
+
+async def http_turn(
+    http: httpx.AsyncClient, store: Store, forum_id: str, secret: str, text: str
+) -> None:
+    """The baseline the caller doors' costs are held against: a line posted over REST and its
+    answer read back as a REST client would (polling the page after the line)."""
+    auth = {"Authorization": f"Bearer {secret}"}
+    body = {"author": {"externalId": "ada", "displayName": "Ada"}, "text": text}
+    posted = await http.post(f"/v1/forums/{forum_id}/messages", json=body, headers=auth)
+    assert posted.status_code == 202, posted.text
+    line = await store.get_message(posted.json()["messageId"])
+    assert line is not None
+
+    async def answered() -> bool:
+        page = await http.get(
+            f"/v1/forums/{forum_id}/messages", params={"after": line.seq}, headers=auth
+        )
+        return any(m["role"] == "agent" for m in page.json()["messages"])
+
+    await eventually(answered, timeout=60, what=f"the answer to {text!r}", interval=0.05)
