@@ -6,10 +6,9 @@ from ``app``, so that ``app`` can import them all without a cycle.
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -21,7 +20,7 @@ from yoke.client import Client
 from yoke.models import Conversation, WireModel
 from yoke.settings import Settings
 from yoke.store import Store
-from yoke.tokens import Token, find_token, hash_secret, token_in_force
+from yoke.tokens import Token, find_token, hash_secret
 
 REQUESTS = Counter(
     "yoke_gateway_requests", "HTTP requests answered by the gateway", ["route", "status"]
@@ -32,9 +31,6 @@ REQUEST_SECONDS = Histogram(
 STREAMS = Gauge("yoke_gateway_streams", "Event streams open on this gateway process")
 # Seconds a client is told to wait (Retry-After) when the mesh or the store does not answer.
 RETRY_AFTER_SECONDS = 5
-# An open stream looks its token up again before a chunk at most this often.
-TOKEN_CHECK_SECONDS = 1.0
-ChunkT = TypeVar("ChunkT")
 
 
 @dataclass
@@ -187,18 +183,3 @@ def hold_stream(state: Gateway, token: Token) -> Callable[[], None]:
             open_streams.pop(token.id, None)
 
     return release
-
-
-async def while_in_force(
-    chunks: AsyncIterator[ChunkT], store: Store, token: Token
-) -> AsyncIterator[ChunkT]:
-    """``chunks`` until they end or the token is revoked: ``yoke token revoke`` takes effect at
-    once on an open stream, which ends before its next chunk once a check finds the token gone
-    (one lookup by id at most every TOKEN_CHECK_SECONDS)."""
-    checked = time.monotonic()
-    async for chunk in chunks:
-        if time.monotonic() - checked >= TOKEN_CHECK_SECONDS:
-            if not await token_in_force(store, token):
-                return
-            checked = time.monotonic()
-        yield chunk

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -47,13 +48,12 @@ from services.gateway.deps import (
     TokenDep,
     gateway,
     hold_stream,
-    while_in_force,
 )
 from services.gateway.limits import REFUSALS
 from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
 from yoke.lru import LRUCache
 from yoke.publishing import PublishedAgent
-from yoke.tokens import Token
+from yoke.tokens import Token, token_in_force
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,8 @@ INTERNAL_ERROR = -32603
 STREAMING_METHODS = frozenset(
     {"SendStreamingMessage", "SubscribeToTask", "message/stream", "tasks/resubscribe"}
 )
+# An open stream looks its token up again at most this often (a revoked one ends it).
+TOKEN_CHECK_SECONDS = 1.0
 # Cards kept built (a few per published agent: one per URL it was reached by).
 CARDS_CACHED = 256
 
@@ -217,8 +219,13 @@ async def watched(
 ) -> AsyncIterator[Any]:
     """A stream's events until it ends, the client goes, or its token is revoked; released
     whichever way it ends."""
+    checked = time.monotonic()
     try:
-        async for chunk in while_in_force(chunks, state.store, token):
+        async for chunk in chunks:
+            if time.monotonic() - checked >= TOKEN_CHECK_SECONDS:
+                if not await token_in_force(state.store, token):
+                    return
+                checked = time.monotonic()
             yield chunk
     finally:
         release()
