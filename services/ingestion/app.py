@@ -213,10 +213,13 @@ def answered(reply: SubmitReply) -> None:
 
 
 class Door:
-    """Turns submit commands into forum lines, each in its speaker's own namespace."""
+    """Turns submit commands into forum lines, each in its speaker's own namespace, and copies
+    each into the watching monologues as it accepts it (``copies``, ingestion's runtime, in the
+    forum's lane where the line's event would run: a delivery and a hop saved per line)."""
 
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, copies: ActorRuntime) -> None:
         self.service = service
+        self.copies = copies
         self.store = service.store
         settings = service.settings
         self.max_text_bytes = settings.max_text_bytes
@@ -325,7 +328,7 @@ class Door:
         # wrong type there cannot fail the write.
         extra = {k: v for k, v in (command.meta or {}).items() if k not in _MESH_META_KEYS}
         followed = await self.followed.followed(forum.id)
-        stored, created = await self.service.poster.post_or_republish(
+        stored, created = await self.service.poster.post_and_take(
             Message(
                 id=message_id,
                 conversation_id=forum.id,
@@ -335,6 +338,7 @@ class Door:
                 parts=[TextPart(text=command.text)],
                 meta=MessageMeta.model_validate({**extra, "agentHops": 0}),
             ),
+            self.copies.take,
             route={topology.FOLLOWED_HEADER: "yes"} if followed else None,
         )
         return SubmitReply(status="accepted", message_id=stored.id, duplicate=not created)
@@ -356,6 +360,7 @@ class Door:
         refused = await self.over_limit(user, key, derive_id("submit", forum_id, key))
         if refused is None and opening is not None:
             await self.kept_forums.open(opening)
+            self.copies.forget(forum_id)  # its join's event comes after this line, in this lane
         return refused
 
     async def over_limit(self, user: str, key: str, message_id: str) -> SubmitReply | None:
@@ -581,7 +586,16 @@ INGESTION_ACTOR = ActorDefinition(
 
 
 def register(service: Service) -> None:
-    door = Door(service)
+    # Forum lines only (its own copies go to monologues, the processor's business), and not
+    # those the door copied as it accepted them. An instance's document is written by its own
+    # lane alone once the join made it: kept, so a line costs no lookup of who watches.
+    copies = ActorRuntime(
+        service,
+        [INGESTION_ACTOR],
+        where=[{"kind": "forum", "type": "message", "copied": "no"}],
+        kept=True,
+    )
+    door = Door(service, copies)
     service.retention.add(slot_rule())  # the limits' slots of past minutes
     # The door is where outside letters come from; it counts what the bounded queue drops.
     service.background(
@@ -590,8 +604,10 @@ def register(service: Service) -> None:
     )
 
     async def joined(event: AgentForumJoined) -> None:
-        # On the forum's shard, whose commands this process handles: its next line reads anew.
+        # On the forum's shard, whose commands this process handles: its next line reads anew
+        # whether follow-up is on and who watches it.
         door.followed.forget(event.forum_id)
+        copies.forget(event.forum_id)
 
     service.on_event(AgentForumJoined, joined)
     service.on_intake(topology.COMMANDS_EXCHANGE, topology.SUBMIT_COMMAND, door.key, door.handle)
@@ -603,5 +619,3 @@ def register(service: Service) -> None:
     service.on_intake(
         topology.COMMANDS_EXCHANGE, topology.APPROVAL_COMMAND, approvals.key, approvals.handle
     )
-    # Forum lines only (its own copies go to monologues, the processor's business).
-    ActorRuntime(service, [INGESTION_ACTOR], where=[{"kind": "forum", "type": "message"}])

@@ -490,13 +490,14 @@ class Store:
     async def load_state(self, state_id: str) -> Doc | None:
         return await self.states.find_one({"_id": state_id})
 
-    async def save_state(self, state_id: str, document: Doc) -> None:
+    async def save_state(self, state_id: str, document: Doc) -> bool:
         """Save what the instance's lane owns of its document (:data:`RUNTIME_FIELDS`): one
         writer, and the join's fields (``configVersion``) are left as the join wrote them.
 
         Never an upsert: a join that was left (its state deleted) stays left, whatever a step
-        that was still running saves afterwards.
+        that was still running saves afterwards; False says it is gone.
         """
-        await self.states.update_one(
+        saved = await self.states.update_one(
             {"_id": state_id}, {"$set": {k: document[k] for k in RUNTIME_FIELDS if k in document}}
         )
+        return saved.matched_count > 0

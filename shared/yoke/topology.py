@@ -76,6 +76,11 @@ GUARDED_HEADER = "yoke-guarded"
 # set on its monologue line; people's, by the door, when some join of the forum has it): only
 # those reach the follow-up service.
 FOLLOWED_HEADER = "yoke-followed"
+# "yes" on a person's forum line that ingestion's door copied into the watching monologues as it
+# accepted it, "no" on every other line: ingestion's route takes only forum lines marked "no",
+# so the door's own lines are not delivered back to it (a line whose copy a crash cut short is
+# republished by the outbox sweep unmarked, and copied then).
+COPIED_HEADER = "yoke-copied"
 # The version of the join configuration the processor stepped with (not bound on): whoever reads
 # the configuration for such a line reads it once per version (yoke.runtime.join_config).
 CONFIG_VERSION_HEADER = "yoke-config-version"
@@ -114,6 +119,7 @@ def interest(event_type: str, **headers: str) -> Interest:
         "calls": CALLS_HEADER,
         "guarded": GUARDED_HEADER,
         "followed": FOLLOWED_HEADER,
+        "copied": COPIED_HEADER,
     }
     return {EVENT_HEADER: event_type, **{names[key]: value for key, value in headers.items()}}
 
@@ -126,6 +132,7 @@ def posted_headers(message: Message, kind: str) -> dict[str, str]:
         TYPE_HEADER: message.type,
         ROLE_HEADER: message.role,
         CALLS_HEADER: "yes" if calls else "no",
+        COPIED_HEADER: "no",
     }
 
 

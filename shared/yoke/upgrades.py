@@ -37,6 +37,10 @@ LEGACY_INTERESTS: dict[str, tuple[Interest, ...]] = {
     "followup": (
         {EVENT_HEADER: "conversation.message.posted", KIND_HEADER: "forum", TYPE_HEADER: "message"},
     ),
+    # Ingestion took every forum line; now not those its door copied as it accepted them.
+    "ingestion": (
+        {EVENT_HEADER: "conversation.message.posted", KIND_HEADER: "forum", TYPE_HEADER: "message"},
+    ),
 }
 
 

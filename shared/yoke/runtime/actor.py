@@ -137,22 +137,69 @@ class ActorRuntime:
         definitions: list[ActorDefinition[Any, Any]],
         *,
         where: list[dict[str, str]] | None = None,
+        kept: bool = False,
     ) -> None:
         """``where``: which posted messages reach this service at all (see ``Service.on_event``);
-        lines not delivered are read by seq when a later event shows the gap."""
+        lines not delivered are read by seq when a later event shows the gap.
+
+        ``kept``: each conversation's watching instances are read once and kept, for actors
+        whose documents only their own lane writes once made (no repoint, no configuration
+        another writer changes). A join that adds an instance calls :meth:`forget` for its
+        conversation (from its event, in that lane); an instance found gone when saved (a leave)
+        is forgotten then; a hand-over forgets them all.
+        """
         self.service = service
         self.definitions = definitions
         # Per instance and conversation: how far it got (see _advance), ahead of the store.
         self._passed: LRUCache[str, int] = LRUCache()
+        # Per actor and conversation: the documents of the instances watching it, when kept.
+        self._kept: LRUCache[str, list[dict[str, Any]]] | None = LRUCache() if kept else None
+        self._generation = 0
+        if kept:
+            service.on_handover(self.forget)
         service.on_event(MessagePosted, self.on_posted, where=where)
+
+    def forget(self, conversation_id: str | None = None) -> None:
+        """Read the instances watching ``conversation_id`` (every one: None) anew next time."""
+        self._generation += 1
+        if self._kept is None:
+            return
+        if conversation_id is None:
+            self._kept.clear()
+            return
+        for definition in self.definitions:
+            self._kept.pop(f"{definition.name}|{conversation_id}", None)
+
+    async def _watching(self, actor: str, conversation_id: str) -> list[dict[str, Any]]:
+        """The documents of ``actor``'s instances that follow ``conversation_id``; kept, they are
+        read once and then are this runtime's own, saved as it saves them."""
+        if self._kept is None:
+            return await self.service.store.states_watching(actor, conversation_id)
+        key = f"{actor}|{conversation_id}"
+        documents = self._kept.get(key)
+        if documents is None:
+            generation = self._generation
+            documents = await self.service.store.states_watching(actor, conversation_id)
+            if generation == self._generation:  # no join or hand-over while it was read
+                self._kept[key] = documents
+        return documents
+
+    async def take(self, message: Message) -> bool:
+        """Handle a line this process has just stored, in its conversation's lane, as its event
+        would be (ingestion's door copies what it accepts): True when every instance is done
+        with it, False when one set it aside (then its event is to come back here, and with it
+        the letter for an operator's replay)."""
+        try:
+            await self.on_posted(MessagePosted.of(message))
+        except SetAside:
+            return False
+        return True
 
     async def on_posted(self, event: MessagePosted) -> None:
         set_aside: list[str] = []
         for definition in self.definitions:
             # Read them all first: a cursor held open across handlers pins a server connection.
-            documents = await self.service.store.states_watching(
-                definition.name, event.conversation_id
-            )
+            documents = await self._watching(definition.name, event.conversation_id)
             for document in documents:
                 set_aside += await self._advance(definition, document, event)
         if set_aside:
@@ -273,6 +320,8 @@ class ActorRuntime:
             reason = f"{definition.name} {document['instanceId']}: line {message.id}: {error!r}"
             return reason, message.seq
         if repointed:
+            self.forget(watch)  # kept, it would be watching another conversation now
+            self.forget(str(document["watch"]))
             return REPOINTED, message.seq
         through = message.seq
         state = definition.state_schema.model_validate(document["state"])
@@ -369,7 +418,8 @@ class ActorRuntime:
         document["watch"] = watch
         document["watermark"] = watermark
         self._passed[f"{document['_id']}|{watch}"] = watermark
-        await self.service.store.save_state(str(document["_id"]), document)
+        if not await self.service.store.save_state(str(document["_id"]), document):
+            self.forget(watch)  # gone (a leave): the next line reads who is left
 
 
 # What _run says of a line besides a set-aside reason: no trigger for the instance (passed

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from yoke import topology
 from yoke.bus import Bus
@@ -59,13 +59,46 @@ class Poster:
             MESSAGES_POSTED.labels(self.service, stored.type).inc()
         return stored, created
 
+    async def post_and_take(
+        self,
+        message: Message,
+        take: Callable[[Message], Awaitable[bool]],
+        *,
+        route: Mapping[str, str] | None = None,
+    ) -> tuple[Message, bool]:
+        """:meth:`post_or_republish` of a line its writer's own service then handles in the same
+        delivery (``take``: ingestion's door copies it as it accepts it), its event marked so
+        (:data:`topology.COPIED_HEADER`) and not delivered back to that service.
+
+        The event goes out before ``take`` (whoever reads the forum sees the line before any
+        answer to it), but the outbox counts the line published only once ``take`` is done: a
+        crash in between leaves it to the outbox sweep, whose event is unmarked and so handled
+        the usual way. ``take`` saying False (it set the line aside) publishes it again unmarked,
+        for the same reason.
+        """
+        stored, created = await self.store.insert_message(message)
+        if self.tails is not None:
+            self.tails.saw(stored)
+        marked = {**(route or {}), topology.COPIED_HEADER: "yes"}
+        await self.publish(stored, route=marked, confirm=False)
+        if await take(stored):
+            self.store.outbox.confirmed(stored.id)
+        else:
+            await self.publish(stored, route=route)
+        if created:
+            MESSAGES_POSTED.labels(self.service, stored.type).inc()
+        return stored, created
+
     async def emit(self, payload: EventPayload, *, event_id: str) -> None:
         """Publish a non-message event (``agent.*``) under a caller-derived id."""
         await self.bus.publish_event(Envelope.wrap(event_id, payload), payload.key)
 
-    async def publish(self, message: Message, *, route: Mapping[str, str] | None = None) -> None:
+    async def publish(
+        self, message: Message, *, route: Mapping[str, str] | None = None, confirm: bool = True
+    ) -> None:
         """Publish a stored message's event, with the headers the services route on (and
-        ``route``, what its writer adds: see :data:`topology.GUARDED_HEADER`)."""
+        ``route``, what its writer adds: see :data:`topology.GUARDED_HEADER`); ``confirm``:
+        the outbox counts it published now (else its caller says when)."""
         payload = MessagePosted.of(message)
         kind = await self.store.conversation_kind(message.conversation_id)
         # The event id derives from the message: a republished event is recognisably the same.
@@ -74,7 +107,8 @@ class Poster:
             payload.key,
             {**topology.posted_headers(message, kind), **(route or {})},
         )
-        self.store.outbox.confirmed(message.id)
+        if confirm:
+            self.store.outbox.confirmed(message.id)
 
     def outbox_sweep(self) -> OutboxSweep:
         """What republishes the events a crash left unconfirmed (see :mod:`yoke.outbox`)."""
