@@ -187,6 +187,10 @@ class Egress:
                 role="agent",
                 parts=[part for part in line.parts if isinstance(part, TextPart)],
                 meta=MessageMeta(
+                    # The monologue line it forwards, whose seq tells ingestion that monologue's
+                    # head before its next copy there (yoke.runtime.service observes it).
+                    source_conversation_id=line.conversation_id,
+                    source_seq=line.seq,
                     causation_id=line.id,
                     in_reply_to=line.meta.in_reply_to,
                     agent_hops=line.meta.agent_hops + 1,

@@ -565,6 +565,7 @@ async def _copy_to_monologue(
                 source_conversation_id=line.conversation_id,
                 source_message_id=line.id,
                 source_actor_id=line.author_actor_id,
+                source_seq=line.seq,
                 agent_hops=line.meta.agent_hops,
             ),
         )

@@ -41,10 +41,13 @@ def is_step_trigger(config: ProcessorConfig, state: ProcessorState, message: Mes
 def carried_meta(context: Context, trigger: Message) -> MessageMeta:
     """Routing for the step's output: the forum, the cause, and the forum line it answers."""
     forum_line = trigger.meta.in_reply_to
+    forum_seq = None
     if trigger.meta.source_conversation_id == context.config.source_conversation_id:
         forum_line = trigger.meta.source_message_id or forum_line
+        forum_seq = trigger.meta.source_seq
     return MessageMeta(
         source_conversation_id=context.config.source_conversation_id,
+        source_seq=forum_seq,
         causation_id=trigger.id,
         in_reply_to=forum_line,
         agent_hops=trigger.meta.agent_hops,

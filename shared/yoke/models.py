@@ -138,6 +138,9 @@ class MessageMeta(WireModel):
     source_conversation_id: str | None = None
     source_message_id: str | None = None
     source_actor_id: str | None = None
+    # A seq of source_conversation_id's that exists (the line this one copies or answers):
+    # whoever writes there next starts from it, not from a head it saw earlier.
+    source_seq: int | None = Field(default=None, ge=1)
     causation_id: str | None = None
     in_reply_to: str | None = None
     agent_hops: int = Field(default=0, ge=0)

@@ -34,6 +34,7 @@ FORUM_LINE_HEADERS: dict[str, str | int] = {
     topology.KIND_HEADER: "forum",
     topology.TYPE_HEADER: "message",
     topology.FOLLOWED_HEADER: "yes",
+    topology.COPIED_HEADER: "no",
 }
 
 

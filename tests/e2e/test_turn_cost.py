@@ -30,8 +30,8 @@ from yoke.store import Store, bucket_key, seq_bucket
 
 pytestmark = pytest.mark.slow
 
-MAX_STORE_OPERATIONS = 13
-MAX_DELIVERIES = 6
+MAX_STORE_OPERATIONS = 9
+MAX_DELIVERIES = 5
 
 
 async def _counts(mesh: Mesh) -> Counter[str]:

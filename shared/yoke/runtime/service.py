@@ -433,6 +433,9 @@ class Service:
         if isinstance(payload, MessagePosted):
             # What this process learns of a conversation's head saves it a lookup when it writes.
             self.store.observe_seq(payload.conversation_id, payload.seq)
+            meta = payload.message.meta
+            if meta.source_conversation_id and meta.source_seq:  # egress writes there next
+                self.store.observe_seq(meta.source_conversation_id, meta.source_seq)
             if tracing.enabled():
                 tracing.annotate(
                     {
