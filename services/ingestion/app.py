@@ -15,6 +15,7 @@ import json
 import logging
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from typing import Annotated, TypeVar
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -212,6 +213,10 @@ def answered(reply: SubmitReply) -> None:
     tracing.annotate(attributes)
 
 
+def accepted_reply(line: Message, created: bool) -> SubmitReply:
+    return SubmitReply(status="accepted", message_id=line.id, duplicate=not created)
+
+
 class Door:
     """Turns submit commands into forum lines, each in its speaker's own namespace, and copies
     each into the watching monologues as it accepts it (``copies``, ingestion's runtime, in the
@@ -243,7 +248,15 @@ class Door:
     async def _handle(self, message: AbstractIncomingMessage) -> None:
         user = speaker_of(message)
         refuse_reply_to(self.users, user, message, "command")
-        reply = await self.submit(message.body, user)
+        sent = False
+
+        async def accepted(reply: SubmitReply) -> None:
+            # As soon as the line is stored, before its copies: the submitter waits for no more.
+            nonlocal sent
+            sent = True
+            await self._answer(message, reply)
+
+        reply = await self.submit(message.body, user, accepted)
         answered(reply)
         COMMANDS.labels("duplicate" if reply.duplicate else reply.status).inc()
         if reply.status == "rejected":
@@ -256,6 +269,10 @@ class Door:
             # line past its rate limit, or a flood would fill that queue (invariant 14).
             if not message.reply_to and reply.code != "rate_limited":
                 raise Malformed(f"rejected command: {reply.error}")
+        if not sent:
+            await self._answer(message, reply)
+
+    async def _answer(self, message: AbstractIncomingMessage, reply: SubmitReply) -> None:
         if message.reply_to:
             await self.service.bus.reply(
                 message.reply_to,
@@ -263,9 +280,15 @@ class Door:
                 reply.model_dump_json(exclude_none=True).encode(),
             )
 
-    async def submit(self, body: bytes, user: str | None) -> SubmitReply:
+    async def submit(
+        self,
+        body: bytes,
+        user: str | None,
+        accepted: Callable[[SubmitReply], Awaitable[None]] | None = None,
+    ) -> SubmitReply:
         """The line ``body`` asks for, written as RabbitMQ ``user`` may say it (None: the
-        command had no ``user_id``), or the rejection that says why not."""
+        command had no ``user_id``), or the rejection that says why not; ``accepted`` is told
+        as soon as the line is stored, before it is copied."""
         command = parse_command(body, self.max_body_bytes, SubmitMessage)
         if isinstance(command, SubmitReply):
             return command
@@ -328,6 +351,11 @@ class Door:
         # wrong type there cannot fail the write.
         extra = {k: v for k, v in (command.meta or {}).items() if k not in _MESH_META_KEYS}
         followed = await self.followed.followed(forum.id)
+
+        async def stored_first(line: Message, created: bool) -> None:
+            if accepted is not None:
+                await accepted(accepted_reply(line, created))
+
         stored, created = await self.service.poster.post_and_take(
             Message(
                 id=message_id,
@@ -340,8 +368,9 @@ class Door:
             ),
             self.copies.take,
             route={topology.FOLLOWED_HEADER: "yes"} if followed else None,
+            stored_first=stored_first,
         )
-        return SubmitReply(status="accepted", message_id=stored.id, duplicate=not created)
+        return accepted_reply(stored, created)
 
     async def open_kept(
         self, forum_id: str, kept: KeptForum, user: str, key: str
