@@ -36,7 +36,7 @@ REPLY = "reply"
 STAGES = (
     ("door: submit -> its reply", START, ACCEPTED),
     ("door: submit -> forum line on yoke.events", START, LINE),
-    ("ingestion: forum line -> monologue copy", LINE, COPY),
+    ("door: forum line -> its monologue copy", LINE, COPY),
     ("processor: copy -> agent answer", COPY, ANSWER),
     ("egress: answer -> forum reply", ANSWER, REPLY),
 )
