@@ -217,6 +217,12 @@ def accepted_reply(line: Message, created: bool) -> SubmitReply:
     return SubmitReply(status="accepted", message_id=line.id, duplicate=not created)
 
 
+def counted(reply: SubmitReply) -> None:
+    """What the door answered, on its span and in its counter, once it answers."""
+    answered(reply)
+    COMMANDS.labels("duplicate" if reply.duplicate else reply.status).inc()
+
+
 class Door:
     """Turns submit commands into forum lines, each in its speaker's own namespace, and copies
     each into the watching monologues as it accepts it (``copies``, ingestion's runtime, in the
@@ -254,11 +260,13 @@ class Door:
             # As soon as the line is stored, before its copies: the submitter waits for no more.
             nonlocal sent
             sent = True
+            counted(reply)
             await self._answer(message, reply)
 
         reply = await self.submit(message.body, user, accepted)
-        answered(reply)
-        COMMANDS.labels("duplicate" if reply.duplicate else reply.status).inc()
+        if sent:
+            return
+        counted(reply)
         if reply.status == "rejected":
             log.warning(
                 "rejected command: %s",
@@ -269,8 +277,7 @@ class Door:
             # line past its rate limit, or a flood would fill that queue (invariant 14).
             if not message.reply_to and reply.code != "rate_limited":
                 raise Malformed(f"rejected command: {reply.error}")
-        if not sent:
-            await self._answer(message, reply)
+        await self._answer(message, reply)
 
     async def _answer(self, message: AbstractIncomingMessage, reply: SubmitReply) -> None:
         if message.reply_to:

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support import faults
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
-from tests.support.processes import ServiceProcess
+from tests.support.processes import ServiceProcess, eventually
 from yoke.client import Client
 from yoke.runtime.joins import create_agent, join_conversation, leave_conversation
 from yoke.runtime.posting import Poster
@@ -57,16 +57,26 @@ async def test_a_door_killed_around_its_copies_loses_and_repeats_nothing(
     await lines_until(store, forum_id, lambda lines: len(agent_lines(lines)) == 1)
     faulty = start_faulty_ingestion(mesh, point)
     await faulty.wait_healthy()
-    with contextlib.suppress(TimeoutError):  # the door dies before it answers
-        await client.submit(
+    # The door may die before it answers: nobody waits for the answer, only for the death.
+    submitting = asyncio.create_task(
+        client.submit(
             forum_id,
             "through the crash",
             external_id="test:alice",
             display_name="alice",
             idempotency_key="test:through-the-crash",
-            reply_timeout=20,
+            reply_timeout=60,
         )
-    assert faulty.popen.wait(20) == faults.EXIT_CODE, faulty.output()[-2000:]
+    )
+
+    async def died() -> bool:
+        return faulty.popen.poll() is not None
+
+    await eventually(died, timeout=30, what=f"ingestion to die at {point}")
+    submitting.cancel()
+    with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+        await submitting
+    assert faulty.popen.wait(5) == faults.EXIT_CODE, faulty.output()[-2000:]
     faulty.stop()
     mesh.start("ingestion")
     await mesh.processes["ingestion"].wait_healthy()
