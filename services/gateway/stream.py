@@ -242,14 +242,16 @@ class Hub:
         subscriber = Subscriber(forum_id, max_bytes=buffer_bytes)
         async with self._forum_lock(forum_id):
             if not self._subscribers.get(forum_id):
-                try:
-                    async with asyncio.timeout(bind_timeout):
-                        await self._bind(forum_id, bind=True)
-                except TimeoutError as error:
-                    self._unbind_later(forum_id)
+                # Waited for, never cancelled: a cancelled AMQP call closes the whole channel
+                # (aiormq), and every forum's stream would wait for it to be restored.
+                binding = asyncio.ensure_future(self._bind(forum_id, bind=True))
+                done, _ = await asyncio.wait({binding}, timeout=bind_timeout)
+                if not done:
+                    self._unbind_later(forum_id, binding)
                     raise BindTimeout(
                         f"the broker did not bind the forum's events within {bind_timeout:g} s"
-                    ) from error
+                    )
+                binding.result()
             self._subscribers.setdefault(forum_id, set()).add(subscriber)
         try:
             yield subscriber
@@ -261,11 +263,15 @@ class Hub:
                     self._subscribers.pop(forum_id, None)
                     await self._unbind_quietly(forum_id)
 
-    def _unbind_later(self, forum_id: str) -> None:
-        """Undo a bind cut short, in the background (its bindings would wake nobody, but they
-        would stay for ever); under the forum's lock, so a new stream's bind comes after."""
+    def _unbind_later(self, forum_id: str, binding: asyncio.Future[None]) -> None:
+        """Undo a bind that took too long, in the background, once it is done (its bindings
+        would wake nobody, but they would stay for ever); under the forum's lock, so a new
+        stream's bind comes after."""
 
         async def unbind() -> None:
+            # Outside the lock: another stream of the forum tries its own bind meanwhile, and
+            # answers at its own bound.
+            await asyncio.gather(binding, return_exceptions=True)
             async with self._forum_lock(forum_id):
                 if not self._subscribers.get(forum_id):
                     await self._unbind_quietly(forum_id)
