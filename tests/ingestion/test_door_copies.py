@@ -15,7 +15,7 @@ import pytest
 
 from tests.support import faults
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
-from tests.support.processes import ServiceProcess, eventually
+from tests.support.processes import eventually
 from yoke.client import Client
 from yoke.runtime.joins import create_agent, join_conversation, leave_conversation
 from yoke.runtime.posting import Poster
@@ -27,17 +27,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def mesh_env() -> dict[str, str]:
     return {"YOKE_OUTBOX_GRACE_SECONDS": "1"}
-
-
-def start_faulty_ingestion(mesh: Mesh, point: str) -> ServiceProcess:
-    assert mesh.processes["ingestion"].stop() == 0
-    process = ServiceProcess(
-        ["-m", "tests.support.faults", "services.ingestion"],
-        {**mesh.env, faults.VARIABLE: point},
-        mesh.log_dir / f"ingestion-{point.replace(':', '_')}.log",
-    )
-    mesh.processes["ingestion"] = process
-    return process
 
 
 @pytest.mark.parametrize(
@@ -55,7 +44,7 @@ async def test_a_door_killed_around_its_copies_loses_and_repeats_nothing(
     forum_id, join = await new_join()
     await say(client, forum_id, "before the crash")
     await lines_until(store, forum_id, lambda lines: len(agent_lines(lines)) == 1)
-    faulty = start_faulty_ingestion(mesh, point)
+    faulty = mesh.start_faulty("ingestion", point)
     await faulty.wait_healthy()
     # The door may die before it answers: nobody waits for the answer, only for the death.
     submitting = asyncio.create_task(

@@ -14,7 +14,7 @@ import pytest
 
 from tests.support import faults
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
-from tests.support.processes import ServiceProcess, eventually
+from tests.support.processes import eventually
 from yoke.client import Client
 from yoke.models import Message, Part, TextPart, ToolCallPart, ToolResultPart
 from yoke.runtime.actor import instance_state_id
@@ -58,17 +58,6 @@ def test_every_step_of_the_swap_has_a_fault_point() -> None:
     ]
 
 
-def start_faulty_processor(mesh: Mesh, point: str) -> ServiceProcess:
-    assert mesh.processes["processor"].stop() == 0
-    process = ServiceProcess(
-        ["-m", "tests.support.faults", "services.processor"],
-        {**mesh.env, faults.VARIABLE: point},
-        mesh.log_dir / f"processor-{point.replace(':', '_')}.log",
-    )
-    mesh.processes["processor"] = process
-    return process
-
-
 CASES = [(point, True) for point in FAULT_POINTS] + [
     # Nobody speaks until the swap is over: the wake-up left in the outbox alone finishes it.
     ("after:yoke.runtime.actor:ActorContext.repoint", False)
@@ -85,7 +74,7 @@ async def test_a_crash_inside_a_compaction_loses_and_repeats_no_line(
     mesh: Mesh,
 ) -> None:
     forum_id, join = await new_join(compaction_threshold_tokens=THRESHOLD, compaction_keep=KEEP)
-    faulty = start_faulty_processor(mesh, point)
+    faulty = mesh.start_faulty("processor", point)
     await faulty.wait_healthy()
     texts: list[str] = []
 

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from tests.support import faults
 from tests.support.processes import ServiceProcess, eventually
 from yoke.cli.supervisor import SERVICES
 from yoke.client import Client
@@ -67,6 +68,18 @@ class Mesh:
             for process in self.processes.values():
                 process.kill()
             raise
+
+    def start_faulty(self, name: str, point: str) -> ServiceProcess:
+        """Stop ``name`` cleanly and start it again under ``tests.support.faults`` with the fault
+        ``point`` (``after:module:function``, say): it dies there the first time."""
+        assert self.processes[name].stop() == 0
+        process = ServiceProcess(
+            ["-m", "tests.support.faults", f"services.{name}"],
+            {**self.env, faults.VARIABLE: point},
+            self.log_dir / f"{name}-{point.replace(':', '_')}.log",
+        )
+        self.processes[name] = process
+        return process
 
     async def restart(self, name: str) -> ServiceProcess:
         self.processes[name].kill()
