@@ -48,9 +48,7 @@ class Poster:
     ) -> tuple[Message, bool]:
         """:meth:`post`, also saying which it did: ``True``, this call stored it; ``False``, it
         was stored already, and its event is published again."""
-        stored, created = await self.store.insert_message(message)
-        if self.tails is not None:
-            self.tails.saw(stored)
+        stored, created = await self._store(message)
         # Also when it was written before (a redelivered effect): its event may never have gone
         # out if its writer died in between, and publishing it again now, before anything that
         # follows it, keeps the conversation's order. Consumers take an event once.
@@ -80,9 +78,7 @@ class Poster:
         wrote it) before ``take`` begins: the door answers its submitter then, not after the
         copies.
         """
-        stored, created = await self.store.insert_message(message)
-        if self.tails is not None:
-            self.tails.saw(stored)
+        stored, created = await self._store(message)
         marked = {**(route or {}), topology.COPIED_HEADER: "yes"}
         published = asyncio.ensure_future(self.publish(stored, route=marked, confirm=False))
         try:
@@ -99,6 +95,13 @@ class Poster:
             await self.publish(stored, route=route)
         if created:
             MESSAGES_POSTED.labels(self.service, stored.type).inc()
+        return stored, created
+
+    async def _store(self, message: Message) -> tuple[Message, bool]:
+        """Stored under the next seq (or found stored), and seen by the process's tails."""
+        stored, created = await self.store.insert_message(message)
+        if self.tails is not None:
+            self.tails.saw(stored)
         return stored, created
 
     async def emit(self, payload: EventPayload, *, event_id: str) -> None:
