@@ -171,6 +171,7 @@ class Egress:
                     in_reply_to=notice.meta.in_reply_to,
                     agent_hops=notice.meta.agent_hops + 1,
                     notice_reason=told.reason,
+                    covers_seq=notice.meta.covers_seq,
                 ),
             )
         )
@@ -194,6 +195,7 @@ class Egress:
                     causation_id=line.id,
                     in_reply_to=line.meta.in_reply_to,
                     agent_hops=line.meta.agent_hops + 1,
+                    covers_seq=line.meta.covers_seq,
                 ),
                 usage=line.usage,
             ),

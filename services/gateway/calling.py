@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
@@ -149,14 +150,22 @@ async def stop_turn(state: Gateway, token: Token, door: CallerDoor, forum_id: st
 
 def outcome_of(line: Message, candidate: Message) -> TurnEvent | None:
     """What ``candidate`` (a forum line) says of ``line``'s turn: its answer, its end, a wait
-    for an approver (the approval notice: the turn goes on), or nothing."""
-    if candidate.role != "agent" or candidate.meta.in_reply_to != line.id:
+    for an approver (the approval notice: the turn goes on), or nothing.
+
+    An agent line ends the turn when it replies to ``line`` or covers it (``coversSeq``): a
+    reply that answered ``line`` together with newer lines (a burst under ``coalesce`` or
+    ``interrupt``, lines held through a tool round) is its answer, a stop's notice its end."""
+    if candidate.role != "agent":
+        return None
+    replies = candidate.meta.in_reply_to == line.id
+    covers = candidate.meta.covers_seq is not None and candidate.meta.covers_seq >= line.seq
+    if not (replies or covers):
         return None
     if candidate.type == "message":
         return Answered(candidate)
     reason = candidate.meta.notice_reason
     if reason == "approval":
-        return Waiting(tool=candidate.text)
+        return Waiting(tool=candidate.text) if replies else None
     return Failed(candidate.text, reason)
 
 
@@ -174,9 +183,12 @@ async def turn_outcome(store: Store, forum_id: str, line: Message) -> Outcome | 
     return None
 
 
-async def follow_turn(state: Gateway, forum_id: str, line: Message) -> AsyncGenerator[TurnEvent]:
+async def follow_turn(
+    state: Gateway, forum_id: str, line: Message, *, deadline: float | None = None
+) -> AsyncGenerator[TurnEvent]:
     """The turn of ``line`` as it goes: deltas and approval waits as they come, then its
-    answer or its end (the generator stops after it). Bound it with ``asyncio.timeout``."""
+    answer or its end (the generator stops after it). Past ``deadline`` (``time.monotonic``)
+    it stops without one: the turn goes on in the mesh, and the store has its end later."""
     settings = state.settings
     async with contextlib.AsyncExitStack() as stack:
         try:
@@ -194,8 +206,13 @@ async def follow_turn(state: Gateway, forum_id: str, line: Message) -> AsyncGene
         # its event on the way.
         ended = await turn_outcome(state.store, forum_id, line)
         while ended is None:
+            wait = POLL_SECONDS
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    return
             try:
-                item = await asyncio.wait_for(subscriber.take(), POLL_SECONDS)
+                item = await asyncio.wait_for(subscriber.take(), wait)
             except TimeoutError:
                 item = None  # quiet: read the store (an event may have been lost)
             if subscriber.overflowed:

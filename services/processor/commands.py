@@ -170,6 +170,7 @@ async def carry_out_stop(context: Context, trigger: Message, open_calls: OpenCal
         text=f"Stopped, as {by.display_name} asked: I will not answer the earlier messages.",
         reason="stopped",
     )
+    meta.covers_seq = meta.source_seq  # the lines before the stop end unanswered
     await context.post(
         Message(
             id=context.effect_id("notice", "stopped"),

@@ -17,7 +17,13 @@ from collections.abc import AsyncIterator
 from typing import Literal
 
 from services.processor.notices import post_notice
-from services.processor.step import Context, answered_through, carried_meta, post_agent_line
+from services.processor.step import (
+    Context,
+    answered_through,
+    carried_meta,
+    forum_covered,
+    post_agent_line,
+)
 from yoke import topology
 from yoke.ids import SYSTEM_ACTOR_ID, forwarded_line_id
 from yoke.llm.base import InferenceRequest, InferenceResult, ProviderFailed, estimate_tokens
@@ -59,21 +65,26 @@ class Inference:
         config, state = context.config, context.state
         answered = state.answered
         covered = max((line.seq for line in transcript), default=trigger.seq)
+        # ... and the forum's lines they copy are settled by whatever the step posts.
+        covers = forum_covered(context, transcript)
         # Whatever the call ends in (an answer, a notice), the lines it was shown are done; the
         # steps of those still queued call no model.
         state.answered = Progress(conversation_id=trigger.conversation_id, seq=covered)
         spent = budget_spent(config, state)
         if spent:
-            await post_notice(context, trigger, "budget", f"no answer: {spent}")
+            await post_notice(context, trigger, "budget", f"no answer: {spent}", covers=covers)
             return
         unpriced = unpriced_under_budget(config, state, context.settings)
         if unpriced:
-            await post_notice(context, trigger, "unpriced", unpriced)
+            await post_notice(context, trigger, "unpriced", unpriced, covers=covers)
             return
         if config.while_busy != "queue":
             transcript = unanswered_last(transcript, answered_through(answered, trigger))
         async with activity(context, "thinking"):
-            if not await self.infer_and_post(context, trigger, transcript, answering, covered):
+            done = await self.infer_and_post(
+                context, trigger, transcript, answering, covered, covers
+            )
+            if not done:
                 state.answered = answered  # cancelled: the next step answers these lines
 
     async def infer_and_post(
@@ -83,11 +94,14 @@ class Inference:
         transcript: list[Message],
         answering: Message | None = None,
         covered: int | None = None,
+        covers: int | None = None,
     ) -> bool:
         """Returns ``False`` when the model call was cancelled (an interrupt, a stop)."""
         draft = draft_of(context, trigger, answering)
         try:
-            return await self.infer_into(context, trigger, transcript, draft, answering, covered)
+            return await self.infer_into(
+                context, trigger, transcript, draft, answering, covered, covers
+            )
         finally:
             await draft.end("abandoned")  # unless it ended "posted" already
             await draft.close()
@@ -100,8 +114,10 @@ class Inference:
         draft: Draft,
         answering: Message | None = None,
         covered: int | None = None,
+        covers: int | None = None,
     ) -> bool:
-        """The model call, streamed into ``draft``, and its answer posted unless cancelled."""
+        """The model call, streamed into ``draft``, and its answer posted unless cancelled;
+        either settles the forum's lines through ``covers``."""
         config, state = context.config, context.state
         model = config.model_for(state)
         streamed = 0
@@ -146,7 +162,9 @@ class Inference:
                 return False
             except ProviderFailed as error:
                 await draft.end("abandoned")
-                await post_notice(context, trigger, "provider", f"the model failed: {error}")
+                await post_notice(
+                    context, trigger, "provider", f"the model failed: {error}", covers=covers
+                )
                 return True
             flight.settle()  # from here on the answer is posted: a line arriving now waits
         usage = result.usage
@@ -159,7 +177,7 @@ class Inference:
             parts.append(TextPart(text=result.text))
             await draft.end("posted")  # the line follows at once and replaces the draft
         parts.extend(result.tool_calls)
-        await post_agent_line(context, trigger, parts, usage, answering)
+        await post_agent_line(context, trigger, parts, usage, answering, covers)
         return True
 
 

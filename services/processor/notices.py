@@ -42,15 +42,22 @@ def forum_notice(config: ProcessorConfig, reason: str, text: str | None = None) 
 
 
 async def post_notice(
-    context: Context, trigger: Message, reason: str, text: str, *, forum_text: str | None = None
+    context: Context,
+    trigger: Message,
+    reason: str,
+    text: str,
+    *,
+    forum_text: str | None = None,
+    covers: int | None = None,
 ) -> None:
     """A line for operators in the monologue, never a trigger; egress tells the forum's people
     in plain words (:data:`FORUM_NOTICES`, or ``forum_text``), so nobody waits for an answer in
-    silence."""
+    silence. A step that gives up on the lines it was shown settles them (``covers``)."""
     NOTICES.labels(reason).inc()
     log.warning(text, extra={"conversationId": trigger.conversation_id, "messageId": trigger.id})
     meta = carried_meta(context, trigger)
     meta.forum_notice = forum_notice(context.config, reason, forum_text)
+    meta.covers_seq = covers
     await context.post(
         Message(
             id=context.effect_id("notice", reason),

@@ -54,6 +54,23 @@ def carried_meta(context: Context, trigger: Message) -> MessageMeta:
     )
 
 
+def forum_covered(context: Context, lines: list[Message]) -> int | None:
+    """The newest forum seq among the copies of the join's forum lines in ``lines``: what a
+    reply or notice of a step shown them settles (``meta.coversSeq``: a line answered with a
+    newer one, or held through a tool round, ends its caller's wait by it)."""
+    forum = context.config.source_conversation_id
+    return max(
+        (
+            line.meta.source_seq
+            for line in lines
+            if line.role == "user"
+            and line.meta.source_conversation_id == forum
+            and line.meta.source_seq is not None
+        ),
+        default=None,
+    )
+
+
 def is_slash_command(line: Message) -> bool:
     """A person's ``/command`` (:func:`yoke.slash.slash_command` decides what one is):
     answered by the processor itself, never by the model."""
@@ -195,9 +212,11 @@ async def post_agent_line(
     parts: list[Part],
     usage: Usage | None = None,
     answering: Message | None = None,
+    covers: int | None = None,
 ) -> None:
     """The step's output, as the agent; its id derives from the trigger (one per step), its
-    routing from the line it answers (the trigger, or the newest of a burst)."""
+    routing from the line it answers (the trigger, or the newest of a burst), and it settles
+    the forum's lines through ``covers`` (at least the line it answers)."""
     await context.post(
         Message(
             id=context.effect_id("output"),
@@ -206,14 +225,18 @@ async def post_agent_line(
             participant_id=context.state.agent_participant_id,
             role="agent",
             parts=parts,
-            meta=answer_meta(context, trigger, answering),
+            meta=answer_meta(context, trigger, answering, covers),
             usage=usage,
         )
     )
 
 
-def answer_meta(context: Context, trigger: Message, answering: Message | None) -> MessageMeta:
-    """:func:`carried_meta` of the line answered, caused by the trigger."""
+def answer_meta(
+    context: Context, trigger: Message, answering: Message | None, covers: int | None = None
+) -> MessageMeta:
+    """:func:`carried_meta` of the line answered, caused by the trigger, settling the forum's
+    lines through ``covers`` and the line answered."""
     meta = carried_meta(context, answering or trigger)
     meta.causation_id = trigger.id
+    meta.covers_seq = max((seq for seq in (covers, meta.source_seq) if seq), default=None)
     return meta

@@ -155,6 +155,12 @@ class MessageMeta(WireModel):
     forum_notice: ForumNotice | None = None
     # On the forum's notice line egress makes of it: the notice's reason (ForumNotice.reason).
     notice_reason: str | None = None
+    # On an agent's reply or notice (in its monologue and in the forum): the forum seq through
+    # which it settles that agent's forum lines. Every line up to it was answered by this line
+    # or an earlier one (a burst under coalesce or interrupt, lines held through a tool round),
+    # or will never be (a stop): whoever waits for a line's answer waits for the first agent
+    # line in reply to it or covering it.
+    covers_seq: int | None = Field(default=None, ge=1)
 
 
 class Usage(WireModel):

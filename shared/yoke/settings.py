@@ -112,10 +112,18 @@ class Settings(BaseSettings):
     gateway_bind_timeout_seconds: float = Field(default=5.0, gt=0)
     # How long an MCP tools/call waits for the agent's answer before it names the conversation.
     mcp_call_timeout_seconds: float = Field(default=120.0, gt=0)
+    # How long a gateway follows an A2A task's turn for a caller (the process running it, a
+    # resubscriber); a turn that outlasts it (a person's approval) leaves the task working, and
+    # tasks/get, a resubscribe and its push notifications bring its end from the store.
+    a2a_follow_seconds: float = Field(default=900.0, gt=0)
     # The A2A door's bounds (invariant 14): the tasks one token keeps (past it, its oldest are
-    # forgotten) and the push notification configs one task may hold.
+    # forgotten), the push notification configs one task may hold and one token holds at most.
     a2a_tasks_per_token: int = Field(default=1000, ge=1)
     a2a_push_configs_per_task: int = Field(default=4, ge=1)
+    a2a_push_configs_per_token: int = Field(default=1000, ge=1)
+    # Hosts a URL set on an outsider's word (an A2A push) may reach although they are inside
+    # the operator's network (yoke.outbound): host names, IPs or CIDRs, comma-separated.
+    push_allowed_hosts: str = ""
     # Outgoing webhooks: one POST's timeout; a failing receiver is retried with backoff from
     # the first wait up to the cap, for up to the window, then its lines are dead-lettered.
     webhook_timeout_seconds: float = Field(default=10.0, gt=0)

@@ -144,6 +144,9 @@ async def test_queue_answers_each_line_on_its_own_in_order(
     assert [(a.text, a.meta.in_reply_to) for a in answers(lines)] == list(
         zip(["answer one", "answer two", "answer three"], asked, strict=True)
     )
+    # Each reply settles the forum through the line it answers (meta.coversSeq).
+    seq_of = {line.id: line.seq for line in lines}
+    assert [a.meta.covers_seq for a in answers(lines)] == [seq_of[line] for line in asked]
     assert len(fake_openai.requests) == 3 and not fake_openai.rejected
     # The second call saw up to its own line, not the one queued behind it.
     assert user_contents(fake_openai.requests[1])[-1] == "alice: line two"
@@ -166,6 +169,8 @@ async def test_coalesce_answers_a_burst_sent_during_a_slow_step_once_seeing_all_
         ("first answer", first),
         ("one answer for the burst", burst[-1]),
     ]
+    # The burst's reply settles every line of it: their callers know it answered them.
+    assert [r.meta.covers_seq for r in replies] == [seq_of[first], seq_of[burst[-1]]]
     prompt = fake_openai.requests[1]
     assert user_contents(prompt)[-5:] == [f"alice: burst line {n}" for n in range(1, 6)]
     # The burst comes after the first answer in the prompt, though stored before it.
@@ -196,6 +201,8 @@ async def test_interrupt_cancels_the_model_call_and_the_next_answer_covers_both_
         await until(lambda: len(ends_of(deltas, join.agent_actor_id)) == 2, "both drafts")
     (answer,) = answers(lines)
     assert (answer.text, answer.meta.in_reply_to) == ("both, at once", second)
+    seq_of = {line.id: line.seq for line in lines}
+    assert answer.meta.covers_seq == seq_of[second] > seq_of[first]  # it answered both
     # The cancelled draft ended abandoned, and its text never became a line.
     assert ends_of(deltas, join.agent_actor_id) == ["abandoned", "posted"]
     assert not any("nobody is to see" in line.text for line in lines)
@@ -238,6 +245,9 @@ async def test_stop_drops_every_agents_model_call_and_the_lines_before_it(
     told = notices(lines)
     assert sorted(n.author_actor_id for n in told) == sorted(agents)  # one notice each
     assert {n.meta.in_reply_to for n in told} == {stop}
+    # Each notice settles the lines before the stop: they end unanswered.
+    seq_of = {line.id: line.seq for line in lines}
+    assert {n.meta.covers_seq for n in told} == {seq_of[stop]}
     assert all("bob" in n.text for n in told)
     replies = answers(lines)
     assert sorted(r.author_actor_id for r in replies) == sorted(agents)

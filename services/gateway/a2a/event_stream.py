@@ -12,6 +12,7 @@ a no-op.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncGenerator
 
 from a2a.server.cluster.event_stream import TaskEventStream, VersionedEvent
@@ -43,8 +44,9 @@ class MeshEventStream(TaskEventStream):
             return
         line = await self.state.store.get_message(record.line_id)
         translator = TurnTranslator(task_id, record.context_id)
+        deadline = time.monotonic() + self.state.settings.a2a_follow_seconds
         while line is not None:
-            events = following_turn(self.state, record.forum_id, line)
+            events = following_turn(self.state, record.forum_id, line, deadline)
             ended: Answered | Failed | None = None
             async with contextlib.aclosing(events) as following:
                 async for event in following:

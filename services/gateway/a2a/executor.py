@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from typing import Final
 
@@ -25,6 +26,7 @@ from a2a.server.events import EventQueue
 from a2a.types.a2a_pb2 import Message as A2AMessage
 from a2a.types.a2a_pb2 import Role, Task, TaskState, TaskStatus
 from a2a.utils.errors import InternalError
+from prometheus_client import Gauge
 
 from services.gateway.a2a.caller import Caller, caller_of
 from services.gateway.a2a.push import MeshPushConfigStore
@@ -53,11 +55,24 @@ FOLLOW_RETRY_SECONDS = 1.0
 FOLLOW_RETRY_CAP_SECONDS = 30.0
 
 
+FOLLOWED = Gauge(
+    "yoke_a2a_tasks_followed",
+    "A2A tasks whose turn this gateway follows now for their callers (each holds a forum "
+    "subscription until its end or YOKE_A2A_FOLLOW_SECONDS).",
+)
+
+
 class _Moved:
     """The task follows a newer line now."""
 
 
+class _Detached:
+    """The task was followed for as long as a gateway follows one: its turn goes on in the
+    mesh, and ``tasks/get``, a resubscribe and its pushes bring the end from the store."""
+
+
 MOVED = _Moved()
+DETACHED = _Detached()
 
 
 def message_text(message: A2AMessage | None) -> str:
@@ -87,7 +102,7 @@ class Turn:
         self.posting = 0
         self.settled = asyncio.Event()
         self.settled.set()
-        self.inbox: asyncio.Queue[TurnEvent | _Moved] = asyncio.Queue(INBOX_EVENTS)
+        self.inbox: asyncio.Queue[TurnEvent | _Moved | _Detached] = asyncio.Queue(INBOX_EVENTS)
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
@@ -130,9 +145,11 @@ class MeshExecutor(AgentExecutor):
             line = await self._next_line(task_id, context_id, message, event_queue)
         turn = Turn(task_id, context_id, line, event_queue)
         self.turns[task_id] = turn
+        FOLLOWED.inc()
         try:
             await self._follow(caller, turn)
         finally:
+            FOLLOWED.dec()
             if self.turns.get(task_id) is turn:
                 del self.turns[task_id]
 
@@ -207,10 +224,19 @@ class MeshExecutor(AgentExecutor):
 
     async def _follow(self, caller: Caller, turn: Turn) -> None:
         translator = TurnTranslator(turn.task_id, turn.context_id)
+        deadline = time.monotonic() + caller.state.settings.a2a_follow_seconds
         while True:
             target = turn.line
-            ended = await self._follow_line(caller, turn, target, translator)
+            ended = await self._follow_line(caller, turn, target, translator, deadline)
             await turn.settled.wait()
+            if isinstance(ended, _Detached):
+                log.info(
+                    "task %s: followed for %.0f s, left working (its end is read from the store)",
+                    turn.task_id,
+                    caller.state.settings.a2a_follow_seconds,
+                    extra={"conversationId": turn.forum_id, "messageId": turn.line.id},
+                )
+                return
             if ended is None or turn.line.id != target.id:
                 translator.moved()
                 continue  # a newer line: its turn is the task's now
@@ -222,11 +248,16 @@ class MeshExecutor(AgentExecutor):
             return
 
     async def _follow_line(
-        self, caller: Caller, turn: Turn, target: Message, translator: TurnTranslator
-    ) -> Answered | Failed | None:
+        self,
+        caller: Caller,
+        turn: Turn,
+        target: Message,
+        translator: TurnTranslator,
+        deadline: float,
+    ) -> Answered | Failed | _Detached | None:
         """``target``'s turn, translated onto the task's queue, until it ends (its end is
-        returned) or the task moves to a newer line (None)."""
-        inbox: asyncio.Queue[TurnEvent | _Moved] = asyncio.Queue(INBOX_EVENTS)
+        returned), the task moves to a newer line (None) or ``deadline`` passes."""
+        inbox: asyncio.Queue[TurnEvent | _Moved | _Detached] = asyncio.Queue(INBOX_EVENTS)
         turn.inbox = inbox
 
         async def pump() -> None:
@@ -236,10 +267,11 @@ class MeshExecutor(AgentExecutor):
             pause = FOLLOW_RETRY_SECONDS
             while True:
                 try:
-                    events = following_turn(caller.state, turn.forum_id, target)
+                    events = following_turn(caller.state, turn.forum_id, target, deadline)
                     async with contextlib.aclosing(events) as following:
                         async for event in following:
                             await inbox.put(event)
+                    await inbox.put(DETACHED)  # read only if no end came before it
                     return
                 except Exception as error:
                     log.warning("task %s: following its turn failed: %r", turn.task_id, error)
@@ -252,7 +284,7 @@ class MeshExecutor(AgentExecutor):
                 item = await inbox.get()
                 if isinstance(item, _Moved) or turn.line.id != target.id:
                     return None
-                if isinstance(item, Answered | Failed):
+                if isinstance(item, Answered | Failed | _Detached):
                     return item
                 for event in translator.events(item):
                     await turn.queue.enqueue_event(event)

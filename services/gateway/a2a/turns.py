@@ -11,6 +11,7 @@ so whoever translates the same turn, in whichever process, says the same.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator
 from datetime import datetime
 
@@ -46,10 +47,15 @@ STOPPED = "stopped"
 A2AEvent = TaskStatusUpdateEvent | TaskArtifactUpdateEvent
 
 
-def following_turn(state: Gateway, forum_id: str, line: Line) -> AsyncGenerator[TurnEvent, None]:
-    """:func:`~services.gateway.calling.follow_turn` (a generator: close it, and its forum
-    subscription, when a reader stops early)."""
-    return follow_turn(state, forum_id, line)
+def following_turn(
+    state: Gateway, forum_id: str, line: Line, deadline: float | None = None
+) -> AsyncGenerator[TurnEvent, None]:
+    """:func:`~services.gateway.calling.follow_turn` for a caller of the A2A door, which stops
+    ``YOKE_A2A_FOLLOW_SECONDS`` after it began, or at ``deadline`` (a generator: close it,
+    and its forum subscription, when a reader stops early)."""
+    if deadline is None:
+        deadline = time.monotonic() + state.settings.a2a_follow_seconds
+    return follow_turn(state, forum_id, line, deadline=deadline)
 
 
 def state_name(state: TaskState) -> str:
