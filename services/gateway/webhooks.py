@@ -15,6 +15,11 @@ costs at most one poll interval and a restart resumes where the cursor stands.
   (an hour by default; ``YOKE_WEBHOOK_RETRY_WINDOW_SECONDS``); past it, each line it still
   fails is dead-lettered after one try, until it answers again. Other 4xx (and 3xx: redirects
   are not followed) are dead-lettered at once and not retried.
+- **Outsiders' URLs.** A subscription whose URL an outsider set (an A2A task's push) is POSTed
+  through :func:`yoke.outbound.guarded_client`: its host is resolved and checked when it
+  connects, and it connects to the address it checked; an address inside the operator's network
+  (unless ``YOKE_PUSH_ALLOWED_HOSTS`` lets it through) is dead-lettered at once, not retried.
+  The operator's own webhooks (``yoke webhook add``) are the operator's word and go out as set.
 - **Isolation.** Each subscription runs as its own task with its own request timeout: a
   receiver that hangs holds up only its own subscription.
 - **One replica per subscription** (docs/architecture.md, invariant 8). Replicas hold subscriptions
@@ -46,6 +51,7 @@ from yoke.bus import Bus, ensure_forum_exchange
 from yoke.ids import derive_id, new_id
 from yoke.metrics import LATENCY_BUCKETS
 from yoke.models import Envelope, Message, MessagePosted, utcnow
+from yoke.outbound import RefusedRequest, guard_for, guarded_client
 from yoke.redact import redact
 from yoke.retention import Rule, Sweep
 from yoke.settings import Settings
@@ -78,7 +84,8 @@ log = logging.getLogger(__name__)
 DELIVERIES = Counter(
     "yoke_webhook_deliveries",
     "Webhook POST attempts by outcome: delivered (2xx), retried (5xx, 408, 429, timeout, "
-    "refused: tried again later), refused (another 4xx or a 3xx: dead-lettered, not retried), "
+    "refused: tried again later), refused (another 4xx or a 3xx, or an outsider's URL to an "
+    "address inside the operator's network: dead-lettered, not retried), "
     "dead_lettered (still failing past the retry window).",
     ["outcome"],
 )
@@ -317,6 +324,16 @@ class SubscriptionRunner:
         task's push, services/gateway/a2a/push.py) narrows it."""
         return deliverable(line)
 
+    def http(self) -> httpx.AsyncClient:
+        """The client POSTs go through: the operator's URL as set; an outsider's (a task's
+        push) through the guard."""
+        return self.worker.outsider_http if self.subscription.task_id else self.worker.http
+
+    def headers(self) -> dict[str, str]:
+        """Headers of the receiver's own beside the mesh's (a push config's authentication);
+        the mesh's signature headers win over them."""
+        return {}
+
     def body(self, delivery: str, line: Message) -> bytes:
         """What is POSTed for ``line`` (signed as it is); a subclass shapes its own."""
         subscription = self.subscription
@@ -341,6 +358,7 @@ class SubscriptionRunner:
         # Signed with the body: a receiver refuses a copy captured and sent again later.
         timestamp = str(int(time.time()))
         headers = {
+            **self.headers(),
             "Content-Type": "application/json",
             "User-Agent": "yoke-webhooks/1",
             TIMESTAMP_HEADER: timestamp,
@@ -349,12 +367,13 @@ class SubscriptionRunner:
         }
         started = time.perf_counter()
         status: int | None = None
+        forbidden = False
         timeout = settings.webhook_timeout_seconds
         try:
             # The whole exchange is bounded (not each read), and the answer's body is not read.
             async with (
                 asyncio.timeout(timeout),
-                worker.http.stream(
+                self.http().stream(
                     "POST", subscription.url, content=body, headers=headers, timeout=timeout
                 ) as response,
             ):
@@ -362,6 +381,9 @@ class SubscriptionRunner:
                 error = f"HTTP {status} {response.reason_phrase}".strip()
         except (TimeoutError, httpx.TimeoutException):
             error = f"no answer within {timeout:g} s"
+        except RefusedRequest as refused:  # an inside address: asking again changes nothing
+            forbidden = True
+            error = f"not sent: {one_line(str(refused))}"[:ERROR_CHARS]
         except httpx.HTTPError as failure:
             error = one_line(f"{type(failure).__name__}: {failure}")[:ERROR_CHARS]
         elapsed = time.perf_counter() - started
@@ -373,7 +395,7 @@ class SubscriptionRunner:
             self._move_past(cursor, line, failing=False)
             await self._save(cursor)
             return True
-        retryable = status is None or status >= 500 or status in (408, 429)
+        retryable = not forbidden and (status is None or status >= 500 or status in (408, 429))
         if not retryable:
             ATTEMPT_SECONDS.labels("refused").observe(elapsed)
             DELIVERIES.labels("refused").inc()
@@ -491,6 +513,8 @@ class WebhookWorker:
             follow_redirects=False,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
         )
+        # For URLs an outsider set (A2A pushes): checked at connect time (yoke.outbound).
+        self.outsider_http = guarded_client(guard_for(settings.push_allowed_hosts))
         self.bus = Bus(settings.amqp_url, name="gateway-webhooks")
         self.runners: dict[str, tuple[SubscriptionRunner, asyncio.Task[None]]] = {}
         # Subscriptions kept elsewhere than `yoke webhook add`'s, and what delivers each: the
@@ -555,6 +579,7 @@ class WebhookWorker:
         self.runners.clear()
         SUBSCRIPTIONS_HELD.set(0)
         await self.http.aclose()
+        await self.outsider_http.aclose()
         await self.bus.close()
 
     async def _on_event(self, message: AbstractIncomingMessage) -> None:

@@ -65,8 +65,13 @@ pytestmark = pytest.mark.slow
 # Lines a token may send a minute: more than any test but the one that passes it sends.
 LINES_PER_MINUTE = 8
 # Quick retries of a push; leases as by default (the worker looks at its subscriptions every
-# 2 s: the store's counts settle between two looks).
-GATEWAY_ENV = {"YOKE_WEBHOOK_BACKOFF_SECONDS": "0.2", "YOKE_WEBHOOK_BACKOFF_CAP_SECONDS": "1"}
+# 2 s: the store's counts settle between two looks). The receiver listens on loopback, which a
+# push may reach only when the operator lets it through.
+GATEWAY_ENV = {
+    "YOKE_WEBHOOK_BACKOFF_SECONDS": "0.2",
+    "YOKE_WEBHOOK_BACKOFF_CAP_SECONDS": "1",
+    "YOKE_PUSH_ALLOWED_HOSTS": "127.0.0.1",
+}
 TIMEOUT = httpx.Timeout(30.0, read=120.0)
 
 

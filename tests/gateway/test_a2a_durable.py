@@ -51,6 +51,8 @@ GATEWAY_ENV = {
     "YOKE_WEBHOOK_BACKOFF_SECONDS": "0.2",
     "YOKE_WEBHOOK_BACKOFF_CAP_SECONDS": "1",
     "YOKE_WEBHOOK_LEASE_SECONDS": "2",
+    # The receiver listens on loopback: a push reaches it only when the operator allows it.
+    "YOKE_PUSH_ALLOWED_HOSTS": "127.0.0.1",
 }
 TIMEOUT = httpx.Timeout(30.0, read=120.0)
 

@@ -223,6 +223,11 @@ async def test_the_sweep_removes_what_expired_and_keeps_what_is_live(mongodb_url
                 )
             },
         }
+        # A push config goes with its task, not before: an old one whose task is still kept
+        # stays (the old one above has no task).
+        seeded[push.CONFIGS].append(
+            {"_id": "push-of-young-task", "taskId": "task-young", "ageBucket": old_day}
+        )
         for collection, documents in seeded.items():
             await store.create_collections(collection)
             await store.db[collection].insert_many(documents)
@@ -233,7 +238,7 @@ async def test_the_sweep_removes_what_expired_and_keeps_what_is_live(mongodb_url
             *guardian_rules(settings),
             *webhook_rules(settings),
             task_store.retention_rule(settings),
-            push.retention_rule(settings),
+            push.retention_rule(store, settings),
             owed_answers.retention_rule(),
         ):
             sweep.add(rule)
@@ -249,7 +254,7 @@ async def test_the_sweep_removes_what_expired_and_keeps_what_is_live(mongodb_url
             DEAD_LETTERS: {"wd-young"},
             LEASES: {"wl-young"},
             task_store.COLLECTION: {"task-young"},
-            push.CONFIGS: {"push-young"},
+            push.CONFIGS: {"push-young", "push-of-young-task"},
             owed_answers.COLLECTION: {"owed-young"},
         }
         for collection, documents in seeded.items():

@@ -1,8 +1,8 @@
 """A real HTTP server for webhook tests: records every POST and answers as each path is told.
 
-It runs in the test's event loop on 127.0.0.1 (the gateway, a separate process, POSTs to it
-over TCP). Per path: a list of statuses to answer in turn, then a default; or ``hang``, which
-takes the request and never answers until the receiver closes.
+It runs in the test's event loop on 127.0.0.1, or another loopback address given (the gateway,
+a separate process, POSTs to it over TCP). Per path: a list of statuses to answer in turn, then
+a default; or ``hang``, which takes the request and never answers until the receiver closes.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ class Path:
 
 
 class Receiver:
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
         self.requests: list[Received] = []
         self.paths: dict[str, Path] = {}
         self.hanging = 0
@@ -57,7 +58,7 @@ class Receiver:
         self.port = 0
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._serve, self.host, 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
@@ -67,7 +68,7 @@ class Receiver:
             await self._server.wait_closed()
 
     def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
+        return f"http://{self.host}:{self.port}{path}"
 
     def answer(self, path: str, *statuses: int, then: int = 200) -> None:
         """Answer ``path`` with ``statuses`` in turn, then ``then`` for every later request."""

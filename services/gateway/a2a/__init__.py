@@ -74,7 +74,7 @@ async def start(door: Door, state: Gateway) -> MeshRequestHandler:
     webhooks: WebhookWorker = state.extras["webhooks"]
     webhooks.sources.append(pushes.subscriptions)
     webhooks.runner_for = push.runner_for(tasks)
-    for rule in (task_store.retention_rule(settings), push.retention_rule(settings)):
+    for rule in (task_store.retention_rule(settings), push.retention_rule(state.store, settings)):
         webhooks.retention.add(rule)
     return handler
 

@@ -14,16 +14,26 @@ config stays, for ``get``/``list``, until retention). The SDK's own sender is no
 POSTs from memory, once, and a restart loses what it had not sent.
 
 A config without a ``token`` gets a generated one, returned with the config: it is the secret a
-receiver checks the signature with. ``authentication`` is refused (deliveries are signed
-instead).
+receiver checks the signature with. A config's ``authentication`` (a scheme and credentials) is
+sent as the push's ``Authorization`` header beside the signature; the credentials are the
+caller's secret for its receiver, so they are kept in the config only (never shown back, never
+logged).
+
+The URL is the caller's word (:mod:`yoke.outbound`): refused when it is set if its host resolves
+inside the operator's network (``YOKE_PUSH_ALLOWED_HOSTS`` lets chosen hosts through), and
+checked again when each push connects. Bounded (invariant 14): a config given with a send is
+kept only once the send's line is accepted (a refused send keeps none), a task holds at most
+``YOKE_A2A_PUSH_CONFIGS_PER_TASK``, a token ``YOKE_A2A_PUSH_CONFIGS_PER_TOKEN``, and a task's
+configs go with it (the token's task cap, retention).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 
 from a2a.server.context import ServerCallContext
@@ -31,15 +41,16 @@ from a2a.server.tasks.push_notification_config_store import (
     PushNotificationConfigStore,
     normalize_push_notification_config,
 )
-from a2a.types.a2a_pb2 import TaskPushNotificationConfig, TaskState
+from a2a.types.a2a_pb2 import AuthenticationInfo, TaskPushNotificationConfig, TaskState
 from a2a.utils.errors import InvalidParamsError
 from a2a.utils.proto_utils import to_stream_response
 from google.protobuf.json_format import MessageToDict
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pymongo import ASCENDING
 from pymongo.asynchronous.collection import AsyncCollection
 
 from services.gateway.a2a.caller import caller_of
+from services.gateway.a2a.task_store import COLLECTION as TASKS
 from services.gateway.a2a.task_store import MeshTaskStore, TaskRecord
 from services.gateway.a2a.turns import agent_message, final_status, status_event, waiting_text
 from services.gateway.calling import OUTCOME_LINES, Answered, Failed, Waiting, outcome_of
@@ -48,6 +59,7 @@ from yoke.ages import day_bucket
 from yoke.ids import derive_id
 from yoke.lru import LRUCache
 from yoke.models import Document, Message, unstorable, utcnow
+from yoke.outbound import guard_for
 from yoke.retention import Rule
 from yoke.settings import Settings
 from yoke.store import Doc, Store
@@ -66,9 +78,20 @@ CONFIGS = "a2a_push_configs"
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_CHARS = 256
 MAX_CONFIG_ID_CHARS = 128
+MAX_CREDENTIALS_CHARS = 4096
+# An HTTP authentication scheme's name (RFC 9110 token) and what may follow it in the header.
+_SCHEME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
+_CREDENTIALS = re.compile(r"[\x21-\x7e]+( [\x21-\x7e]+)*")
 # A runner whose task ended but whose subscription is still there (the gateway died between
 # delivering the end and removing it) finds out at most this often.
 CHECK_SECONDS = 60.0
+
+
+class PushSubscription(WebhookSubscription):
+    """A push config's webhook subscription: the receiver's own ``Authorization`` rides along
+    (kept out of reprs and logs)."""
+
+    authorization: SecretStr | None = None
 
 
 class PushConfig(Document):
@@ -80,37 +103,60 @@ class PushConfig(Document):
     owner: str
     url: str
     secret: str
+    # The config's authentication: sent as "<scheme> <credentials>" (the caller's secret).
+    auth_scheme: str | None = None
+    auth_credentials: str | None = Field(default=None, repr=False)
     # Set once the task has its line: the config is then a live subscription of that forum,
     # until the task's end is delivered.
     forum_id: str | None = None
     live: bool = False
     created_at: datetime = Field(default_factory=utcnow)
-    # yoke.retention: kept as long as the tasks are (YOKE_RETENTION_A2A_TASK_DAYS).
+    # yoke.retention: kept as long as its task is (YOKE_RETENTION_A2A_TASK_DAYS, and while the
+    # task's record is there).
     age_bucket: str = Field(default_factory=day_bucket)
 
-    def subscription(self) -> WebhookSubscription:
+    def subscription(self) -> PushSubscription:
         assert self.forum_id is not None
-        return WebhookSubscription(
+        authorization = None
+        if self.auth_scheme and self.auth_credentials:
+            authorization = SecretStr(f"{self.auth_scheme} {self.auth_credentials}")
+        return PushSubscription(
             id=self.id,
             forum_id=self.forum_id,
             url=self.url,
             secret=self.secret,
             created_at=self.created_at,
             task_id=self.task_id,
+            authorization=authorization,
         )
 
     def as_a2a(self) -> TaskPushNotificationConfig:
-        return TaskPushNotificationConfig(
+        """The config as A2A shows it to its owner: the credentials stay out (the caller has
+        them; the mesh only sends them)."""
+        shown = TaskPushNotificationConfig(
             id=self.config_id, task_id=self.task_id, url=self.url, token=self.secret
         )
+        if self.auth_scheme:
+            shown.authentication.CopyFrom(AuthenticationInfo(scheme=self.auth_scheme))
+        return shown
 
 
 def subscription_id(task_id: str, config_id: str) -> str:
     return derive_id("a2a-push", task_id, config_id)
 
 
-def retention_rule(settings: Settings) -> Rule:
-    return Rule("a2a push configs", CONFIGS, "day", settings.retention_a2a_task_days)
+def retention_rule(store: Store, settings: Settings) -> Rule:
+    """Configs expire with their tasks: past the tasks' days, and only once the task's record
+    is gone (its subscription's cursor and leases go with it)."""
+
+    async def live(document: Doc) -> bool:
+        task_id = document.get("taskId")
+        if await store.db[TASKS].find_one({"_id": task_id}, {"_id": 1}) is not None:
+            return True
+        await end_subscription(store, str(document["_id"]))
+        return False
+
+    return Rule("a2a push configs", CONFIGS, "day", settings.retention_a2a_task_days, live=live)
 
 
 async def end_subscription(store: Store, push_id: str) -> None:
@@ -129,9 +175,13 @@ class MeshPushConfigStore(PushNotificationConfigStore):
         self.store = store
         self.tasks = tasks
         self.cap = settings.a2a_push_configs_per_task
-        # Tasks given a config before their line existed (with the send): the executor starts
-        # their subscriptions once it has posted the line, without a read for every task.
-        self._waiting: LRUCache[str, bool] = LRUCache(10_000)
+        self.token_cap = settings.a2a_push_configs_per_token
+        self.guard = guard_for(settings.push_allowed_hosts)
+        # A config given with a send, held here until the send's line is accepted (the SDK sets
+        # it before the executor posts the line): the executor's start() keeps it then, and a
+        # refused line drops it (the task store tells, :meth:`rejected`). Bounded all the same.
+        self._pending: LRUCache[str, PushConfig] = LRUCache(10_000)
+        tasks.dependents = self
 
     @property
     def collection(self) -> AsyncCollection[Doc]:
@@ -141,6 +191,7 @@ class MeshPushConfigStore(PushNotificationConfigStore):
         await self.store.create_collections(CONFIGS)
         await self.collection.create_index([("taskId", ASCENDING)], name="task")
         await self.collection.create_index([("live", ASCENDING)], name="live")
+        await self.collection.create_index([("owner", ASCENDING)], name="owner")
 
     async def subscriptions(self) -> list[WebhookSubscription]:
         """The live ones (tasks whose end is not delivered yet): few, read every refresh."""
@@ -158,11 +209,7 @@ class MeshPushConfigStore(PushNotificationConfigStore):
         config = normalize_push_notification_config(task_id, notification_config)
         if (problem := url_problem(config.url)) is not None:
             raise InvalidParamsError(message=f"invalid push notification url: {problem}")
-        if config.HasField("authentication"):
-            raise InvalidParamsError(
-                message="authentication is not supported: each push is signed instead "
-                "(X-Yoke-Signature, keyed by the config's token)"
-            )
+        scheme, credentials = authentication_of(config)
         secret = config.token or SECRET_PREFIX + secrets.token_urlsafe(32)
         if not MIN_TOKEN_CHARS <= len(secret) <= MAX_TOKEN_CHARS or unstorable(secret):
             raise InvalidParamsError(
@@ -173,6 +220,8 @@ class MeshPushConfigStore(PushNotificationConfigStore):
             raise InvalidParamsError(
                 message=f"a push config id is 1-{MAX_CONFIG_ID_CHARS} characters"
             )
+        if (problem := await self.guard.check(config.url)) is not None:
+            raise InvalidParamsError(message=f"invalid push notification url: {problem}")
         pushed = PushConfig(
             id=subscription_id(task_id, config.id),
             task_id=task_id,
@@ -180,27 +229,56 @@ class MeshPushConfigStore(PushNotificationConfigStore):
             owner=caller.owner,
             url=config.url,
             secret=secret,
+            auth_scheme=scheme,
+            auth_credentials=credentials,
         )
+        record = await self.tasks.record(task_id)
+        await self._check_token_cap(pushed)
+        if record is None:
+            # Given with the send that makes the task: kept once its line is accepted.
+            self._pending[task_id] = pushed
+            return pushed.as_a2a()
+        if record.line_id is None:
+            raise InvalidParamsError(message=f"task {task_id} was rejected: it has nothing to push")
         others = await self.collection.find({"taskId": task_id}, {"_id": 1}).to_list()
         if len({other["_id"] for other in others} - {pushed.id}) >= self.cap:
             raise InvalidParamsError(message=f"a task holds at most {self.cap} push configs")
         # Set again, it starts afresh (its URL or secret may differ): from the task's line.
         await end_subscription(self.store, pushed.id)
-        record = await self.tasks.record(task_id)
-        line = None
-        if record is not None and record.line_id is not None:
-            line = await self.store.get_message(record.line_id)
-        if line is None:
-            self._waiting[task_id] = True
+        line = await self.store.get_message(record.line_id)
+        # It goes with its task (retention): the task's day, not this one.
+        pushed = pushed.model_copy(update={"age_bucket": record.age_bucket})
         await self._keep(pushed, line)
         return pushed.as_a2a()
 
+    async def _check_token_cap(self, pushed: PushConfig) -> None:
+        """At most ``token_cap`` configs per token (one set again under its id is no more)."""
+        query: Doc = {"owner": pushed.owner, "_id": {"$ne": pushed.id}}
+        if await self.collection.count_documents(query) >= self.token_cap:
+            raise InvalidParamsError(
+                message=f"a token holds at most {self.token_cap} push configs: delete some "
+                "(tasks/pushNotificationConfig/delete), or wait for their tasks to go"
+            )
+
     async def start(self, task_id: str, line: Message) -> None:
-        """Subscribe the configs a task was given before its line (``line``) existed."""
-        if self._waiting.pop(task_id, None) is None:
-            return
-        for pushed in await self._configs(task_id):
+        """Keep the config given with the send whose line (``line``) was just accepted."""
+        pushed = self._pending.pop(task_id, None)
+        if pushed is not None:
             await self._keep(pushed, line)
+
+    def rejected(self, task_id: str) -> None:
+        """The task's line was refused: the config given with its send is not kept."""
+        self._pending.pop(task_id, None)
+
+    async def deleted(self, task_ids: Sequence[str]) -> None:
+        """The tasks are gone (the token's cap, a delete): their configs go too, with their
+        subscriptions' cursors and leases."""
+        for task_id in task_ids:
+            self._pending.pop(task_id, None)
+            found = await self.collection.find({"taskId": task_id}, {"_id": 1}).to_list()
+            for document in found:
+                await end_subscription(self.store, str(document["_id"]))
+                await self.collection.delete_one({"_id": document["_id"]})
 
     async def _keep(self, pushed: PushConfig, line: Message | None) -> None:
         """The config, live from ``line`` on when there is one (its cursor first: the worker
@@ -232,6 +310,30 @@ class MeshPushConfigStore(PushNotificationConfigStore):
             if config_id is None or pushed.config_id == config_id:
                 await end_subscription(self.store, pushed.id)
                 await self.collection.delete_one({"_id": pushed.id})
+
+
+def authentication_of(config: TaskPushNotificationConfig) -> tuple[str | None, str | None]:
+    """The config's authentication as (scheme, credentials), checked to make one header."""
+    if not config.HasField("authentication"):
+        return None, None
+    scheme = config.authentication.scheme.strip()
+    credentials = config.authentication.credentials.strip()
+    if not _SCHEME.fullmatch(scheme):
+        raise InvalidParamsError(
+            message="a push config's authentication needs its scheme (an HTTP authentication "
+            'scheme such as "Bearer")'
+        )
+    if not credentials:
+        raise InvalidParamsError(
+            message="a push config's authentication needs its credentials: they are sent as "
+            f"the push's Authorization header ({scheme} <credentials>)"
+        )
+    if len(credentials) > MAX_CREDENTIALS_CHARS or not _CREDENTIALS.fullmatch(credentials):
+        raise InvalidParamsError(
+            message="a push config's credentials are 1-"
+            f"{MAX_CREDENTIALS_CHARS} visible ASCII characters (one header value)"
+        )
+    return scheme, credentials
 
 
 class TaskPushRunner(SubscriptionRunner):
@@ -267,6 +369,13 @@ class TaskPushRunner(SubscriptionRunner):
             await end_subscription(self.worker.store, self.subscription.id)
             return False
         return outcome_of(follows[1], line) is not None
+
+    def headers(self) -> dict[str, str]:
+        """The config's authentication, as the A2A spec has the agent send it."""
+        subscription = self.subscription
+        if not isinstance(subscription, PushSubscription) or subscription.authorization is None:
+            return {}
+        return {"Authorization": subscription.authorization.get_secret_value()}
 
     def body(self, delivery: str, line: Message) -> bytes:
         assert self._task is not None  # wanted() found it

@@ -13,20 +13,23 @@ state or status message changes (a delta, an artifact piece, costs none); the pr
 the task is its writer (a ``tasks/cancel`` on another gateway writes ``canceled``, which the
 runner writes too). Bounded (invariant 14): a token keeps at most ``YOKE_A2A_TASKS_PER_TOKEN``
 tasks (its oldest are deleted once a tenth more have piled up) and every record is swept
-``YOKE_RETENTION_A2A_TASK_DAYS`` after it was made.
+``YOKE_RETENTION_A2A_TASK_DAYS`` after it was made; what hangs on a task (its push configs) is
+told when it is rejected or deleted (:class:`Dependents`).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from datetime import datetime
+from typing import Protocol
 
 from a2a.server.cluster.task_store import StoredTask, VersionedTaskStore
 from a2a.server.cluster.version import TaskVersion
 from a2a.server.context import ServerCallContext
 from a2a.server.events.event_queue import Event
-from a2a.types.a2a_pb2 import ListTasksRequest, ListTasksResponse, Task
+from a2a.types.a2a_pb2 import ListTasksRequest, ListTasksResponse, Task, TaskState
 from a2a.utils.constants import DEFAULT_LIST_TASKS_PAGE_SIZE
 from a2a.utils.errors import InvalidParamsError
 from prometheus_client import Counter, Histogram
@@ -98,6 +101,15 @@ def retention_rule(settings: Settings) -> Rule:
     return Rule("a2a tasks", COLLECTION, "day", settings.retention_a2a_task_days)
 
 
+class Dependents(Protocol):
+    """What keeps records of tasks (the push config store), told when a task ends up with
+    none: its line refused, or its record deleted."""
+
+    def rejected(self, task_id: str) -> None: ...
+
+    async def deleted(self, task_ids: Sequence[str]) -> None: ...
+
+
 class MeshTaskStore(VersionedTaskStore):
     """a2a-sdk's task store over ``a2a_tasks``, scoped to the caller of each request.
 
@@ -122,6 +134,8 @@ class MeshTaskStore(VersionedTaskStore):
         # record follows that line too (a message sent to the task through another gateway
         # moved it: that gateway writes the end).
         self._following: LRUCache[str, str] = LRUCache(10_000)
+        # Told of rejected and deleted tasks (the push config store sets itself here).
+        self.dependents: Dependents | None = None
 
     @property
     def collection(self) -> AsyncCollection[Doc]:
@@ -185,6 +199,8 @@ class MeshTaskStore(VersionedTaskStore):
         self._fresh.pop(task.id, None)
         attached = self._attached.pop(task.id, None)
         state = task.status.state
+        if state == TaskState.TASK_STATE_REJECTED and self.dependents is not None:
+            self.dependents.rejected(task.id)
         said = task.status.message.message_id if task.status.HasField("message") else ""
         written = self._written.get(task.id)
         if written is not None and attached is None and written[:2] == (state, said):
@@ -245,8 +261,11 @@ class MeshTaskStore(VersionedTaskStore):
             return
         found = await self.collection.find(query, {"_id": 1, "createdAt": 1}).to_list()
         found.sort(key=lambda record: (record.get("createdAt") or utcnow(), str(record["_id"])))
-        for record in found[: len(found) - self.cap]:
-            await self.collection.delete_one({"_id": record["_id"]})
+        trimmed = [str(record["_id"]) for record in found[: len(found) - self.cap]]
+        for task_id in trimmed:
+            await self.collection.delete_one({"_id": task_id})
+        if trimmed and self.dependents is not None:
+            await self.dependents.deleted(trimmed)
 
     async def list(self, params: ListTasksRequest, context: ServerCallContext) -> ListTasksResponse:
         """The caller's tasks with this agent, newest first (at most the token's cap: read
@@ -283,8 +302,10 @@ class MeshTaskStore(VersionedTaskStore):
 
     async def delete(self, task_id: str, context: ServerCallContext) -> None:
         caller = caller_of(context)
-        await self.collection.delete_one(
+        result = await self.collection.delete_one(
             {"_id": task_id, "owner": caller.owner, "agent": caller.agent.id}
         )
         self._written.pop(task_id, None)
         self._following.pop(task_id, None)
+        if result.deleted_count and self.dependents is not None:
+            await self.dependents.deleted([task_id])
