@@ -10,7 +10,8 @@ and only what is new from the store; it ends at the trigger under ``whileBusy: q
 from __future__ import annotations
 
 from yoke import tracing
-from yoke.models import Message, MessageMeta, Part, ToolCallPart, Usage
+from yoke.ids import SYSTEM_ACTOR_ID
+from yoke.models import Message, MessageMeta, Part, TextPart, ToolCallPart, Usage
 from yoke.runtime.actor import ActorContext
 from yoke.runtime.calls.records import open_call_id, own_result_line_id, round_results_line_id
 from yoke.runtime.instances import ProcessorConfig, ProcessorState, Progress, RoundMark
@@ -142,15 +143,22 @@ def recorded_round(context: Context, transcript: list[Message]) -> RoundMark | N
 
 async def with_recorded_round(context: Context, transcript: list[Message]) -> list[Message]:
     """``transcript`` led by the open round's call line and its results older than the window,
-    read by their ids (invariant 10: found by the record, not by the window); as it is when no
-    round is open (no store operation then)."""
+    read by their ids (invariant 10: found by the record, not by the window), and by the lines
+    said while the round waited that are older than the window: up to another window's worth
+    of them, and a note of how many older ones are not shown (nothing held is dropped
+    silently). As it is when no round is open (no store operation then)."""
     mark = recorded_round(context, transcript)
     if mark is None:
         return transcript
     call_line = await context.store.get_message(mark.call_line_id)
     if call_line is None:
         return transcript
-    missing = unanswered(call_ids(call_line), transcript)
+    start = transcript[0].seq
+    held_from = max(mark.seq, start - 1 - context.settings.context_lines)
+    held = await context.store.history(
+        call_line.conversation_id, after_seq=held_from, up_to_seq=start - 1
+    )
+    missing = unanswered(call_ids(call_line), held + transcript)
     ids = [round_results_line_id(context.instance_id, call_line.id)] + [
         own_result_line_id(open_call_id(context.instance_id, call_line.id, call_id))
         for call_id in sorted(missing)
@@ -158,9 +166,29 @@ async def with_recorded_round(context: Context, transcript: list[Message]) -> li
     earlier = []
     for message_id in ids:
         line = await context.store.get_message(message_id)
-        if line is not None and line.seq < transcript[0].seq:
+        if line is not None and line.seq <= held_from:
             earlier.append(line)
-    return [call_line, *sorted(earlier, key=lambda line: line.seq), *transcript]
+    led = [call_line, *sorted(earlier, key=lambda line: line.seq)]
+    if held_from > mark.seq:
+        led.append(untold(call_line, held_from - mark.seq))
+    return [*led, *held, *transcript]
+
+
+def untold(call_line: Message, count: int) -> Message:
+    """What the step after a long wait says of the lines it cannot show (never stored)."""
+    return Message(
+        id=f"{call_line.id}-untold",
+        conversation_id=call_line.conversation_id,
+        seq=call_line.seq,
+        author_actor_id=SYSTEM_ACTOR_ID,
+        parts=[
+            TextPart(
+                text=f"{count} earlier lines of this conversation, said while the tools ran, "
+                "are not shown here; the newest lines are below"
+            )
+        ],
+        meta=MessageMeta(instruction="held"),
+    )
 
 
 # --- what was answered -----------------------------------------------------------------------

@@ -27,12 +27,13 @@ from yoke.models import (
     ToolCallPart,
     ToolResultPart,
     call_signature,
+    utcnow,
 )
 from yoke.runtime.calls.records import OpenCall, open_call_id, round_results_line_id
 from yoke.runtime.calls.repository import OpenCalls
 from yoke.runtime.dispatch import ToolDispatch, deadline_after
 from yoke.runtime.in_flight import Arrival
-from yoke.runtime.instances import RoundMark
+from yoke.runtime.instances import WAIT_TOLD_AGAIN_SECONDS, RoundMark, WaitTold
 from yoke.runtime.rounds import call_ids, open_round, unanswered
 from yoke.runtime.tails import Tails
 from yoke.tools.base import Tool
@@ -197,7 +198,8 @@ class ToolRounds:
         self, context: Context, trigger: Message, transcript: list[Message]
     ) -> None:
         """A person's line that waits while the pending round has calls awaiting a decision is
-        told once (the notice's id derives from the line) what the agent waits for."""
+        told what the agent waits for: the first of the wait, and one again only every
+        :data:`WAIT_TOLD_AGAIN_SECONDS` (the notice's id derives from the line)."""
         call_line = open_round(transcript)
         if call_line is None or trigger.meta.agent_hops > 0:
             return
@@ -209,6 +211,14 @@ class ToolRounds:
             if call is not None and call.awaiting_approval and call.tool not in tools:
                 tools.append(call.tool)
         if tools:
+            told, now = context.state.wait_told, utcnow()
+            if (
+                told is not None
+                and told.call_line_id == call_line.id
+                and (now - told.at).total_seconds() < WAIT_TOLD_AGAIN_SECONDS
+            ):
+                return
+            context.state.wait_told = WaitTold(call_line_id=call_line.id, at=now)
             names = ", ".join(tools)
             await post_notice(
                 context,

@@ -10,6 +10,7 @@ step's state save.
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from typing import Any
 
 from pydantic import Field
@@ -174,6 +175,18 @@ class RoundMark(Progress):
     call_line_id: str
 
 
+class WaitTold(WireModel):
+    """The forum was told what the open round waits for (a person's decision), and when: once
+    a wait, again only after :data:`WAIT_TOLD_AGAIN_SECONDS`, so a person who writes on during a
+    long wait does not fill the monologue's window with notices."""
+
+    call_line_id: str
+    at: datetime
+
+
+WAIT_TOLD_AGAIN_SECONDS = 300.0
+
+
 class ProcessorState(WireModel):
     """What the processor's lane saves after a step (one writer: the lane)."""
 
@@ -192,6 +205,7 @@ class ProcessorState(WireModel):
     stopped: StopMark | None = None
     # Set by a round's step, cleared once its results are answered (or it is found lost).
     open_round: RoundMark | None = None
+    wait_told: WaitTold | None = None
 
 
 class IngestionConfig(WireModel):
