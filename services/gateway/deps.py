@@ -6,9 +6,11 @@ from ``app``, so that ``app`` can import them all without a cycle.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -21,6 +23,9 @@ from yoke.models import Conversation, WireModel
 from yoke.settings import Settings
 from yoke.store import Store
 from yoke.tokens import Token, find_token, hash_secret
+from yoke.tokens import collection as token_collection
+
+log = logging.getLogger(__name__)
 
 REQUESTS = Counter(
     "yoke_gateway_requests", "HTTP requests answered by the gateway", ["route", "status"]
@@ -29,8 +34,28 @@ REQUEST_SECONDS = Histogram(
     "yoke_gateway_request_seconds", "Time to answer an HTTP request (streams: to open)", ["route"]
 )
 STREAMS = Gauge("yoke_gateway_streams", "Event streams open on this gateway process")
+A2A_BAD_REQUESTS = Counter(
+    "yoke_a2a_bad_requests",
+    "A2A JSON-RPC requests refused as malformed before any task, by the JSON-RPC error's reason",
+    ["reason"],
+)
+# The JSON-RPC errors of a request the A2A door cannot act on, and their reasons (bounded).
+A2A_BAD_REQUEST_REASONS = {
+    -32700: "parse_error",
+    -32600: "invalid_request",
+    -32601: "method_not_found",
+    -32602: "invalid_params",
+    -32005: "content_type_not_supported",
+    -32009: "version_not_supported",
+}
+for _reason in A2A_BAD_REQUEST_REASONS.values():
+    A2A_BAD_REQUESTS.labels(_reason)
 # Seconds a client is told to wait (Retry-After) when the mesh or the store does not answer.
 RETRY_AFTER_SECONDS = 5
+# An open stream looks its token up again this often, idle or not (a revoked one ends it).
+TOKEN_CHECK_SECONDS = 1.0
+
+Chunk = TypeVar("Chunk")
 
 
 @dataclass
@@ -47,6 +72,8 @@ class Gateway:
     unknown_secrets: UnknownSecrets = field(default_factory=UnknownSecrets)
     # Streams open on this process, by token name (YOKE_GATEWAY_STREAMS_PER_TOKEN).
     streams_by_token: dict[str, int] = field(default_factory=dict)
+    # Their tokens, looked up again now and then (a revoked one ends them).
+    token_watch: TokenWatch = field(default_factory=lambda: TokenWatch())
 
 
 class ErrorBody(WireModel):
@@ -183,3 +210,92 @@ def hold_stream(state: Gateway, token: Token) -> Callable[[], None]:
             open_streams.pop(token.id, None)
 
     return release
+
+
+class TokenWatch:
+    """The tokens of the streams open on this process, looked up again together every
+    ``every`` seconds (one store read for them all, however many streams are open or idle);
+    a token found revoked, or revoked and made again, ends each of its streams."""
+
+    def __init__(self, every: float = TOKEN_CHECK_SECONDS) -> None:
+        self.every = every
+        # (token name, secret's hash) -> what to call when it is found revoked, by stream.
+        self._watched: dict[tuple[str, str], dict[object, Callable[[], None]]] = {}
+        self._looking: asyncio.Task[None] | None = None
+
+    def watch(self, store: Store, token: Token, revoked: Callable[[], None]) -> Callable[[], None]:
+        """Call ``revoked`` once ``token`` is found revoked; returns the end of the watch."""
+        key, stream = (token.id, token.hash), object()
+        self._watched.setdefault(key, {})[stream] = revoked
+        if self._looking is None or self._looking.done():
+            self._looking = asyncio.create_task(self._look(store))
+
+        def unwatch() -> None:
+            streams = self._watched.get(key, {})
+            streams.pop(stream, None)
+            if not streams:
+                self._watched.pop(key, None)
+
+        return unwatch
+
+    async def _look(self, store: Store) -> None:
+        while self._watched:
+            await asyncio.sleep(self.every)
+            keys = list(self._watched)
+            try:
+                found = {
+                    document["_id"]: document.get("hash")
+                    async for document in token_collection(store).find(
+                        {"_id": {"$in": sorted({name for name, _ in keys})}}, {"hash": 1}
+                    )
+                }
+            except Exception as error:  # the store away: looked up again at the next interval
+                log.warning("could not look up the open streams' tokens: %r", error)
+                continue
+            for key in keys:
+                name, secret_hash = key
+                if found.get(name) != secret_hash:
+                    for revoked in list(self._watched.pop(key, {}).values()):
+                        revoked()
+
+
+async def while_token_in_force(
+    chunks: AsyncIterator[Chunk], state: Gateway, token: Token
+) -> AsyncIterator[Chunk]:
+    """``chunks`` until they end or ``token`` is found revoked: every stream of a token (the REST
+    API's and the A2A door's) reads through this, so ``yoke token revoke`` ends it within the
+    token re-check interval (:class:`TokenWatch`), also while it has nothing to send.
+
+    When the token is found gone while the stream waits for its next chunk, that wait is
+    cancelled (in the stream's own task, so whatever the chunks hold is closed where it was
+    opened) and the stream ends as if its chunks had; found gone while a chunk is being sent,
+    the stream ends before the next."""
+    stream = asyncio.current_task()
+    assert stream is not None
+    waiting = revoked = False
+
+    def on_revoked() -> None:
+        nonlocal revoked
+        revoked = True
+        if waiting:
+            stream.cancel()
+
+    unwatch = state.token_watch.watch(state.store, token, on_revoked)
+    iterator = aiter(chunks)
+    try:
+        while not revoked:
+            waiting = True
+            try:
+                chunk = await anext(iterator)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if not revoked:
+                    raise
+                stream.uncancel()
+                return
+            finally:
+                waiting = False
+            yield chunk
+    finally:
+        unwatch()

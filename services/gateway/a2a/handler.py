@@ -20,11 +20,13 @@ from a2a.types.a2a_pb2 import (
     AgentCard,
     CancelTaskRequest,
     Message,
+    Part,
     SendMessageRequest,
     Task,
 )
 from a2a.utils.errors import (
     A2AError,
+    ContentTypeNotSupportedError,
     InternalError,
     InvalidParamsError,
     InvalidRequestError,
@@ -35,6 +37,7 @@ from a2a.utils.errors import (
 from a2a.utils.task import apply_history_length
 
 from services.gateway.a2a.caller import Caller, caller_of
+from services.gateway.a2a.cards import TEXT
 from services.gateway.a2a.event_stream import MeshEventStream
 from services.gateway.a2a.executor import DOOR, MeshExecutor, Turn, line_key, message_text
 from services.gateway.a2a.push import MeshPushConfigStore
@@ -59,8 +62,32 @@ def refusal(error: ApiError) -> A2AError:
     return InvalidParamsError(message=error.error)
 
 
+def media_type(part: Part) -> str:
+    """A part's media type as the card's modes name them: ``text/plain`` for text that says
+    none, a file's own (or ``a file``), ``application/json`` for data that says none."""
+    declared = part.media_type.split(";", 1)[0].strip().lower()
+    kind = part.WhichOneof("content")
+    if declared:
+        return declared
+    if kind == "text":
+        return TEXT
+    if kind == "data":
+        return "application/json"
+    return "a file of no media type" if kind in ("raw", "url") else "an empty part"
+
+
 def check_message(message: Message) -> None:
-    """What the mesh can take as a line, refused before anything is made of it."""
+    """What the mesh can take as a line, refused before anything is made of it.
+
+    The agent reads text (the card's input modes: ``text/plain``): a part of any other media
+    type is refused with ContentTypeNotSupportedError, alone or beside text, as A2A 1.0 requires
+    (3.1.1), rather than dropped unseen from what the agent is asked."""
+    refused = sorted({media_type(part) for part in message.parts} - {TEXT})
+    if refused:
+        raise ContentTypeNotSupportedError(
+            message=f"the agent takes {TEXT} parts only (and answers in {TEXT}); this message "
+            f"has {', '.join(refused)}: send it as text"[:500]
+        )
     text = message_text(message)
     if not text.strip():
         raise InvalidParamsError(message="the message has no text: the agent reads text parts")
