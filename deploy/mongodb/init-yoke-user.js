@@ -22,7 +22,8 @@ const services = {
 // its webhook worker's, its retention sweep's progress, the console's forum list (positions
 // of forums made before it), the MCP door's owed answers (calls that ran out of time) and the
 // A2A door's tasks and push configs (a push's cursor is removed once its task's end is
-// delivered); it creates collections and indexes because it starts before or without the
+// delivered); it inserts into the token's line count (line_limits: an MCP call that collects
+// an owed answer sends no line, yet counts as one; the count's slots are never updated); it creates collections and indexes because it starts before or without the
 // services (Store.ensure_indexes). It cannot write a line, an actor, a token or a call.
 const gatewayRole = {
   "role": "yokeGateway",
@@ -54,6 +55,10 @@ const gatewayRole = {
     {
       "resource": { "db": "yoke", "collection": "mcp_owed_answers" },
       "actions": ["find", "insert", "update", "remove"]
+    },
+    {
+      "resource": { "db": "yoke", "collection": "line_limits" },
+      "actions": ["find", "insert"]
     },
     {
       "resource": { "db": "yoke", "collection": "a2a_tasks" },

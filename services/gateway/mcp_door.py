@@ -16,10 +16,21 @@ Streamable HTTP, stateless, answered as an event stream:
   POST's own response stream; in JSON-response mode the SDK drops them. No GET stream (405):
   stateless, nothing would ever be sent on one.
 
-The bearer token is checked before the SDK sees a request (401 as on every route, with the
-gateway's own check), the body is bounded in bytes, time and depth as the REST API's is, and
-the token rides in the ASGI scope to the handlers. A handler raises nothing but a refusal
-(MCPError): the SDK would put any other exception's text on the wire.
+A request whose ``Host`` or ``Origin`` names no origin the gateway is reached at
+(``YOKE_GATEWAY_PUBLIC_ORIGINS``) is refused first (403): the transport's guard against DNS
+rebinding, which the SDK's own check would answer in plain text, and with 421 for a Host. A
+request without ``Origin`` (no browser sent it) needs only a known Host. Then the bearer token
+is checked before the SDK sees a request (401 as on every route, with the gateway's own check),
+the body is bounded in bytes, time and depth as the REST API's is, and the token rides in the
+ASGI scope to the handlers.
+
+A handler raises nothing but a refusal (MCPError): the SDK would put any other exception's text
+on the wire.
+
+A call waiting for its answer holds one of its token's streams
+(``YOKE_GATEWAY_STREAMS_PER_TOKEN``, with the REST API's and the A2A door's), and a call that
+collects an owed answer, posting no line, still counts against the token's lines per minute:
+one token cannot hold the gateway.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal, get_args
+from urllib.parse import urlsplit
 
 import anyio
 from fastapi import FastAPI
@@ -60,11 +72,12 @@ from starlette.types import Receive, Scope, Send
 
 from services.gateway import calling, owed_answers
 from services.gateway.bodies import read_body
-from services.gateway.deps import ApiError, Gateway, gateway, require_token
+from services.gateway.deps import ApiError, Gateway, gateway, hold_stream, require_token
 from yoke.errors import describe_validation_error, is_transient
 from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
 from yoke.models import Message, check_storable
 from yoke.publishing import PublishedAgent
+from yoke.rate_limit import LineLimit
 from yoke.settings import Settings
 from yoke.tokens import Token
 
@@ -108,6 +121,39 @@ INPUT_SCHEMA: dict[str, Any] = {
 }
 
 
+def public_origins(settings: Settings) -> frozenset[str]:
+    """The origins (``scheme://host[:port]``, lower case) the gateway is reached at: the
+    setting's, or where it listens on loopback. A value that is no bare origin is an error at
+    start, not a door that refuses every caller."""
+    named = [part.strip() for part in settings.gateway_public_origins.split(",") if part.strip()]
+    if not named:
+        port = settings.gateway_port
+        named = [f"http://127.0.0.1:{port}", f"http://localhost:{port}", f"http://[::1]:{port}"]
+    origins = set()
+    for origin in named:
+        parts = urlsplit(origin.lower())
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
+            raise ValueError(
+                f"YOKE_GATEWAY_PUBLIC_ORIGINS: {origin!r} is not an origin (scheme://host[:port])"
+            )
+        origins.add(f"{parts.scheme}://{parts.netloc}")
+    return frozenset(origins)
+
+
+def public_hosts(origins: frozenset[str]) -> frozenset[str]:
+    """The ``Host`` values of ``origins``: each one's host[:port], and with its scheme's default
+    port written out or left out alike."""
+    hosts = set()
+    for origin in origins:
+        parts = urlsplit(origin)
+        hosts.add(parts.netloc)
+        default = {"http": 80, "https": 443}[parts.scheme]
+        bare = parts.netloc.rsplit(":", 1)[0] if parts.port is not None else parts.netloc
+        if parts.port in (None, default):
+            hosts |= {bare, f"{bare}:{default}"}
+    return frozenset(hosts)
+
+
 def check_conversation(key: str) -> str:
     if not CONVERSATION_PATTERN.fullmatch(key):
         raise ValueError("use 1-128 visible ASCII characters (spaces only inside)")
@@ -130,6 +176,11 @@ class McpDoor:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.body_limit = settings.max_text_bytes * 2 + 4096
+        self.origins = public_origins(settings)
+        self.hosts = public_hosts(self.origins)
+        # The token's lines per minute, for a call that collects and so posts no line: the same
+        # count in the store that the door keeps for the lines (set once the store is up).
+        self.collect_limit: LineLimit | None = None
         self.server: Server[Any] = Server(
             "yoke-mesh",
             description="The mesh's published agents, each a tool: call one with a message.",
@@ -141,7 +192,7 @@ class McpDoor:
             stateless=True,
             json_response=False,
             max_request_body_size=self.body_limit,
-            # Bearer tokens, not cookies, and no CORS: a rebound page holds no token to send.
+            # Host and Origin are checked before (__call__), in the door's JSON-RPC words.
             security_settings=None,
         )
         self._bearer = HTTPBearer(auto_error=False)
@@ -154,6 +205,10 @@ class McpDoor:
         # The route as the gateway's request metrics name it (a plain Route sets no "route").
         scope["route"] = self.route
         request = Request(scope, receive)
+        if not self._from_public_origin(request):
+            where = "the gateway's origins (YOKE_GATEWAY_PUBLIC_ORIGINS)"
+            await _refuse(send, 403, INVALID_REQUEST, f"Host or Origin is not one of {where}")
+            return
         try:
             token = await require_token(request, await self._bearer(request))
         except ApiError as error:
@@ -168,6 +223,14 @@ class McpDoor:
             return
         scope[TOKEN_SCOPE_KEY] = token
         await self.sessions.handle_request(scope, _replay(body, receive), send)
+
+    def _from_public_origin(self, request: Request) -> bool:
+        """Host names the gateway as its callers reach it, and Origin (sent by browsers) is one
+        of its origins: a page elsewhere, or a name rebound to the gateway's address, is not."""
+        if request.headers.get("host", "").lower() not in self.hosts:
+            return False
+        origin = request.headers.get("origin")
+        return origin is None or origin.lower().rstrip("/") in self.origins
 
     async def _read_body(self, request: Request, send: Send) -> bytes | None:
         """The whole body, or None once refused: past the limit (413, before it is all read),
@@ -243,17 +306,54 @@ class McpDoor:
             limit = state.settings.max_text_bytes
             return "invalid", _error(f"message is {size} bytes; the limit is {limit}")
         key = arguments.conversation or DEFAULT_CONVERSATION
-        progress = Progress(ctx)
-        owed = await owed_answers.owed_line(
-            state.store, calling.kept_forum_id(token, DOOR, agent, key)
-        )
-        if owed is not None:
-            return await self._follow(state, agent, key, owed, progress, collected=True)
         try:
-            line = await calling.post_line(state, token, DOOR, agent, key, arguments.message)
+            release = hold_stream(state, token)  # while it waits: the token's streams bound it
         except ApiError as error:
             return _refused_line(error)
-        return await self._follow(state, agent, key, line, progress, collected=False)
+        try:
+            return await self._post_or_collect(state, token, agent, key, arguments.message, ctx)
+        finally:
+            release()
+
+    async def _post_or_collect(
+        self,
+        state: Gateway,
+        token: Token,
+        agent: PublishedAgent,
+        key: str,
+        message: str,
+        ctx: ServerRequestContext[Any],
+    ) -> tuple[Outcome, CallToolResult]:
+        """The conversation's oldest owed answer if there is one (``message`` is not sent),
+        else ``message`` posted and its answer."""
+        progress = Progress(ctx)
+        owner = _owner(token)
+        debt = await owed_answers.oldest_owed(
+            state.store, calling.kept_forum_id(token, DOOR, agent, key)
+        )
+        if debt is not None:
+            refused = await self._count_collecting(owner)
+            if refused is not None:
+                return "rate_limited", refused
+            return await self._follow(state, agent, key, debt.line, owner, progress, debt=debt)
+        try:
+            line = await calling.post_line(state, token, DOOR, agent, key, message)
+        except ApiError as error:
+            return _refused_line(error)
+        return await self._follow(state, agent, key, line, owner, progress, debt=None)
+
+    async def _count_collecting(self, owner: str) -> CallToolResult | None:
+        """A collecting call counted as one of the token's lines (the door counts those under
+        ``token:<namespace>``): its refusal past the token's lines per minute, else None."""
+        assert self.collect_limit is not None, "mount() sets it as the gateway starts"
+        wait = await self.collect_limit.take(f"token:{owner}")
+        if wait is None:
+            return None
+        limit = self.collect_limit.per_minute
+        return _error(
+            f"too many calls from this token ({limit} a minute, YOKE_TOKEN_LINES_PER_MINUTE; "
+            f"collecting an answer counts as one): retry after {wait} s"
+        )
 
     async def _follow(
         self,
@@ -261,13 +361,20 @@ class McpDoor:
         agent: PublishedAgent,
         key: str,
         line: Message,
+        owner: str,
         progress: Progress,
         *,
-        collected: bool,
+        debt: owed_answers.Debt | None,
     ) -> tuple[Outcome, CallToolResult]:
         """Follow ``line``'s turn to its end or the deadline; on the deadline (or a caller that
-        went) the answer is owed to the conversation, and its next call collects it."""
+        went) the answer is owed to the conversation, and a later call collects it. ``debt``:
+        the line's answer was owed, and is paid once handed back."""
         forum_id = line.conversation_id
+        limit = self.settings.mcp_owed_answers_per_token
+
+        async def owe() -> None:
+            await owed_answers.owe(state.store, forum_id, line, owner, limit)
+
         ended: calling.Answered | calling.Failed | None = None
         try:
             # anyio's deadline, as the SDK's task groups are anyio's.
@@ -283,15 +390,15 @@ class McpDoor:
                     else:
                         ended = event
         except ApiError as error:  # the forum's events could not be bound: the mesh is busy
-            await owed_answers.owe(state.store, forum_id, line)
+            await owe()
             return "failed", _error(error.error)
         except BaseException:
             # The caller went (or the gateway stops): its next call collects the answer.
             with anyio.CancelScope(shield=True):
-                await owed_answers.owe(state.store, forum_id, line)
+                await owe()
             raise
         if ended is None:
-            await owed_answers.owe(state.store, forum_id, line)
+            await owe()
             seconds = self.settings.mcp_call_timeout_seconds
             text = (
                 f"{agent.id} is still working on your message (past {seconds:g} s). Its answer "
@@ -299,12 +406,12 @@ class McpDoor:
                 f"{key!r} to collect it."
             )
             return "timeout", CallToolResult(content=[TextContent(type="text", text=text)])
-        if collected:
-            await owed_answers.paid(state.store, forum_id)
+        if debt is not None:
+            await owed_answers.paid(state.store, debt)
         if isinstance(ended, calling.Failed):
             return "failed", _error(ended.text)
         content = [TextContent(type="text", text=ended.message.text)]
-        if collected:
+        if debt is not None:
             note = (
                 "That was the answer to your earlier message in this conversation, which ran "
                 "out of time; this call's message was not sent: call again to send it."
@@ -339,6 +446,11 @@ def _caller(ctx: ServerRequestContext[Any]) -> tuple[Gateway, Token]:
     return gateway(request), token
 
 
+def _owner(token: Token) -> str:
+    """Whom a debt is owed to, and under what name the token's lines are counted."""
+    return token.namespace or token.id
+
+
 def _tool(agent: PublishedAgent) -> Tool:
     return Tool(name=agent.id, description=agent.description, input_schema=INPUT_SCHEMA)
 
@@ -349,7 +461,7 @@ def _error(text: str) -> CallToolResult:
 
 def _refused_line(error: ApiError) -> tuple[Outcome, CallToolResult]:
     """The door's refusal of the line, in its words (the REST API's statuses, as outcomes)."""
-    if error.status == 429:
+    if error.status == 429:  # its lines per minute, or its streams
         retry = error.headers.get("Retry-After", "60")
         return "rate_limited", _error(f"{error.error}: retry after {retry} s")
     if error.status in (400, 404, 413):
@@ -397,8 +509,9 @@ def mount(app: FastAPI, settings: Settings) -> McpDoor:
         async with inner(app) as state:
             gateway = app.state.gateway
             # Made before any traffic (FerretDB can hang making one lazily under load).
-            await gateway.store.create_collections(owed_answers.COLLECTION)
+            await owed_answers.ensure_indexes(gateway.store)
             gateway.extras["webhooks"].retention.add(owed_answers.retention_rule())
+            door.collect_limit = LineLimit(gateway.store, settings.token_lines_per_minute)
             async with door.running():
                 yield state
 

@@ -97,6 +97,10 @@ class Settings(BaseSettings):
     gateway_host: str = "127.0.0.1"  # compose says 0.0.0.0 (its port is published on loopback)
     # The gateway's own RabbitMQ user (compose's; make run's gateway runs as the services').
     gateway_amqp_user: str = "yoke-gateway"
+    # Where callers reach the gateway (scheme://host[:port], comma-separated): /mcp refuses a
+    # request whose Host or Origin names another (403: DNS rebinding). Empty: where it listens,
+    # http://127.0.0.1:PORT and http://localhost:PORT.
+    gateway_public_origins: str = ""
     # How long a POST waits for the door's answer before it says 503 (Retry-After).
     gateway_submit_timeout_seconds: float = Field(default=10.0, gt=0)
     # The gateway's bounds (invariant 14): open connections (more get 503 at once), seconds for a
@@ -138,6 +142,9 @@ class Settings(BaseSettings):
     gateway_docs: bool = False
     # A gateway replica holds a subscription in leases of this long (one delivers it at a time).
     webhook_lease_seconds: float = Field(default=10.0, gt=0)
+    # The MCP door's answers owed to one token (calls that ran out of time) at most: past it,
+    # its oldest debts are dropped (their answers stay in their conversations).
+    mcp_owed_answers_per_token: int = Field(default=100, ge=1)
 
     # Retention (yoke.retention): how often each process sweeps what it owns, how far back
     # its first round looks, and how many records of a bucket one round reads for liveness.

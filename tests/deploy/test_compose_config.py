@@ -216,8 +216,8 @@ def test_the_gateway_mongodb_user_reads_and_writes_only_what_it_must() -> None:
         if writes & set(privilege["actions"])
     }
     # Only bookkeeping: the webhook worker's, its retention sweep's progress, the console's
-    # forum list, the MCP door's owed answers, the A2A door's tasks and push configs; never a
-    # line, an actor, a token or a call.
+    # forum list, the MCP door's owed answers and the token line count a collecting call takes
+    # one of, the A2A door's tasks and push configs; never a line, an actor, a token or a call.
     assert written == {
         "webhook_cursors",
         "webhook_leases",
@@ -225,6 +225,7 @@ def test_the_gateway_mongodb_user_reads_and_writes_only_what_it_must() -> None:
         "retention",
         "forum_list",
         "mcp_owed_answers",
+        "line_limits",
         "a2a_tasks",
         "a2a_push_configs",
     }

@@ -19,6 +19,8 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import httpx2
@@ -31,11 +33,13 @@ from services.gateway import owed_answers
 from services.gateway.calling import caller_id, kept_forum_id
 from services.gateway.mcp_door import DEFAULT_CONVERSATION
 from tests.support.fake_openai import FakeOpenAI, openai_env
-from tests.support.gateway_process import metric
-from tests.support.mesh import Mesh
+from tests.support.gateway_process import metric, running_gateway
+from tests.support.mesh import Mesh, lines_until
 from tests.support.published import Agents
 from tests.support.store_operations import breakdown, http_turn, settled_operations, total
-from yoke.publishing import publish_agent, unpublish_agent
+from yoke.ages import BUCKET_FIELD
+from yoke.models import Message
+from yoke.publishing import PublishedAgent, publish_agent, unpublish_agent
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
 from yoke.store import Store
@@ -50,7 +54,11 @@ CALL_TIMEOUT_SECONDS = 8.0
 SLOW_MODEL = "fixture-slow-12"
 TEXT_LIMIT = {"YOKE_MAX_TEXT_BYTES": str(MAX_TEXT_BYTES)}
 # Lines a token may send a minute: more than any test but the one that passes it sends.
-LINES_PER_MINUTE = 5
+LINES_PER_MINUTE = 8
+# Streams (MCP calls waiting for their answer among them) one token holds at once, and the
+# answers owed to one token at most: small, so that a test reaches them.
+STREAMS_PER_TOKEN = 3
+OWED_PER_TOKEN = 2
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +73,13 @@ def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def gateway_env() -> dict[str, str]:
-    return {**TEXT_LIMIT, "YOKE_MCP_CALL_TIMEOUT_SECONDS": str(CALL_TIMEOUT_SECONDS)}
+    return {
+        **TEXT_LIMIT,
+        "YOKE_MCP_CALL_TIMEOUT_SECONDS": str(CALL_TIMEOUT_SECONDS),
+        "YOKE_TOKEN_LINES_PER_MINUTE": str(LINES_PER_MINUTE),
+        "YOKE_GATEWAY_STREAMS_PER_TOKEN": str(STREAMS_PER_TOKEN),
+        "YOKE_MCP_OWED_ANSWERS_PER_TOKEN": str(OWED_PER_TOKEN),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +243,146 @@ async def test_past_the_deadline_the_answer_names_the_conversation_and_a_call_th
     lines = await store.history(forum_id, after_seq=0, up_to_seq=await store.last_seq(forum_id))
     assert [line.text for line in lines if line.role == "user"] == ["take your time"]
     # Collected, it is owed no more: the conversation's next call sends its message.
-    assert await store.db[owed_answers.COLLECTION].find_one({"_id": forum_id}) is None
+    assert await owed_in(store, forum_id) == []
+
+
+async def owed_in(store: Store, forum_id: str) -> list[dict[str, Any]]:
+    """The answers owed in a forum as the door keeps them, oldest line first (and a debt of the
+    one-per-forum shape of before, ``_id`` the forum's id, which retention sweeps)."""
+    found = store.db[owed_answers.COLLECTION].find(
+        {"$or": [{"forumId": forum_id}, {"_id": forum_id}]}
+    )
+    return sorted(await found.to_list(), key=lambda owed: owed.get("lineSeq", 0))
+
+
+async def user_lines(store: Store, forum_id: str, count: int) -> list[Message]:
+    """The caller's lines in its kept forum, once there are ``count`` of them."""
+    lines = await lines_until(
+        store, forum_id, lambda found: sum(line.role == "user" for line in found) >= count
+    )
+    return [line for line in lines if line.role == "user"]
+
+
+async def collect(session: ClientSession, agent: PublishedAgent, key: str) -> list[str]:
+    """What the first call in conversation ``key`` that is not told "still working" returns
+    (the slow model answers within a few calls' deadlines, even on a loaded machine)."""
+    deadline = time.monotonic() + 180
+    while True:
+        result = await session.call_tool(agent.id, {"message": "well?", "conversation": key})
+        assert not result.is_error, result
+        said = text_of(result)
+        if "still working" not in said[0]:
+            return said
+        assert time.monotonic() < deadline, said
+
+
+async def test_calls_that_ran_out_of_time_together_are_each_collected_oldest_first(
+    gateway_url: str, agents: Agents, store: Store
+) -> None:
+    slow = await agents.publish(model=SLOW_MODEL)
+    caller = await agents.caller(slow.id)
+    forum_id = kept_forum_id(caller.token, "mcp", slow, "pair")
+    async with mcp_session(gateway_url, caller.secret) as session:
+        first = asyncio.create_task(
+            session.call_tool(slow.id, {"message": "first", "conversation": "pair"})
+        )
+        await user_lines(store, forum_id, 1)  # so that "first" is the older line
+        second = asyncio.create_task(
+            session.call_tool(slow.id, {"message": "second", "conversation": "pair"})
+        )
+        for result in await asyncio.gather(first, second):
+            assert "still working" in text_of(result)[0], result
+        line_first, line_second = await user_lines(store, forum_id, 2)
+
+        # Each caller was told to call again: each answer is handed back, the oldest first.
+        answer, note = await collect(session, slow, "pair")
+        assert answer == "first" and "not sent" in note
+        # Only what was handed back is paid: the second answer is still owed.
+        assert [owed["lineId"] for owed in await owed_in(store, forum_id)] == [line_second.id]
+        answer, note = await collect(session, slow, "pair")
+        assert answer == "second" and "not sent" in note
+    assert await owed_in(store, forum_id) == []
+    assert [line.id for line in await user_lines(store, forum_id, 2)] == [
+        line_first.id,
+        line_second.id,
+    ]
+
+
+async def test_an_answer_owed_again_keeps_the_age_it_was_first_owed_at(
+    gateway_url: str, agents: Agents, store: Store
+) -> None:
+    # Slow enough that the collecting call runs out of time too, even started late.
+    slower = await agents.publish(model="fixture-slow-24")
+    caller = await agents.caller(slower.id)
+    forum_id = kept_forum_id(caller.token, "mcp", slower, "aging")
+    async with mcp_session(gateway_url, caller.secret) as session:
+        result = await session.call_tool(slower.id, {"message": "age me", "conversation": "aging"})
+        assert "still working" in text_of(result)[0], result
+        [owed] = await owed_in(store, forum_id)
+        again = await session.call_tool(slower.id, {"message": "well?", "conversation": "aging"})
+        assert "still working" in text_of(again)[0], again
+        [still] = await owed_in(store, forum_id)
+        # Owed again, not anew: retention ages it from when it was first owed.
+        assert (still["at"], still[BUCKET_FIELD]) == (owed["at"], owed[BUCKET_FIELD])
+        answer, _ = await collect(session, slower, "aging")
+    assert answer == "age me"
+
+
+async def test_a_waiting_call_holds_one_of_the_tokens_streams_and_its_debts_are_bounded(
+    gateway_url: str, agents: Agents, store: Store
+) -> None:
+    slow = await agents.publish(model=SLOW_MODEL)
+    caller = await agents.caller(slow.id)
+    keys = [f"held {index}" for index in range(STREAMS_PER_TOKEN)]
+    async with mcp_session(gateway_url, caller.secret) as session:
+        calls = []
+        for key in keys:
+            calls.append(
+                asyncio.create_task(
+                    session.call_tool(slow.id, {"message": key, "conversation": key})
+                )
+            )
+            # Sent, so waiting (and in this order: the first is the oldest debt below).
+            await user_lines(store, kept_forum_id(caller.token, "mcp", slow, key), 1)
+        limited = await calls_counted(gateway_url, "rate_limited")
+        refused = await session.call_tool(slow.id, {"message": "one more", "conversation": "x"})
+        assert refused.is_error, refused
+        assert "streams" in text_of(refused)[0] and "retry after" in text_of(refused)[0]
+        assert await calls_counted(gateway_url, "rate_limited") == limited + 1
+        assert await store.history(kept_forum_id(caller.token, "mcp", slow, "x")) == []
+        for result in await asyncio.gather(*calls):
+            assert "still working" in text_of(result)[0], result
+
+        # Three answers owed to a token that is owed two at most: the oldest debt is dropped
+        # (its answer stays in its forum).
+        owing = [
+            key
+            for key in keys
+            if await owed_in(store, kept_forum_id(caller.token, "mcp", slow, key))
+        ]
+        assert owing == keys[1:]
+        # Its streams released, the token calls again.
+        answer, _ = await collect(session, slow, keys[1])
+    assert answer == keys[1]
+
+
+async def test_a_collecting_call_counts_against_the_tokens_lines_per_minute(
+    gateway_url: str, agents: Agents, store: Store
+) -> None:
+    slow = await agents.publish(model=SLOW_MODEL)
+    echo = await agents.publish()
+    caller = await agents.caller(slow.id, echo.id)
+    forum_id = kept_forum_id(caller.token, "mcp", slow, "late")
+    async with mcp_session(gateway_url, caller.secret) as session:
+        result = await session.call_tool(slow.id, {"message": "late", "conversation": "late"})
+        assert "still working" in text_of(result)[0], result
+        for index in range(LINES_PER_MINUTE - 1):  # the token's minute used up
+            said = await session.call_tool(echo.id, {"message": f"line {index}"})
+            assert text_of(said) == [f"line {index}"], said
+        refused = await session.call_tool(slow.id, {"message": "well?", "conversation": "late"})
+    assert refused.is_error, refused
+    assert re.search(r"retry after [0-9]+ s", text_of(refused)[0]), refused
+    assert len(await owed_in(store, forum_id)) == 1  # still owed, for when the minute is over
 
 
 async def test_a_call_waiting_for_an_approver_says_so_and_is_answered_once_approved(
@@ -441,6 +594,53 @@ async def test_hostile_json_rpc_gets_protocol_errors_never_a_500(
         assert response.status_code == 200 and '"result":{}' in response.text
     assert await metric(gateway_url, "yoke_gateway_requests_total", route="/mcp", status="500") == 0
     assert await metric(gateway_url, "yoke_gateway_requests_total", route="/mcp", status="413") >= 1
+
+
+async def test_a_request_naming_another_host_or_origin_is_refused(
+    gateway_url: str,
+    agents: Agents,
+    amqp_url: str,
+    module_mongodb_url: str,
+    tmp_path: Path,
+) -> None:
+    """DNS rebinding: a page of another origin, or a name that resolves to the gateway, is
+    refused (403); a client that sends no Origin (no browser) is not."""
+    caller = await agents.caller()
+    port = urlsplit(gateway_url).port
+    headers = {**ACCEPT, **caller.headers, "Content-Type": "application/json"}
+    async with httpx.AsyncClient(timeout=30) as client:
+
+        async def ping(url: str, **extra: str) -> httpx.Response:
+            return await client.post(f"{url}/mcp", content=rpc("ping"), headers=headers | extra)
+
+        for extra in (
+            {"Origin": "http://evil.example.com"},
+            {"Host": "evil.example.com"},
+            {"Host": "evil.example.com", "Origin": "http://evil.example.com"},
+            {"Origin": "null"},
+            {"Origin": f"http://127.0.0.1:{port + 1}"},
+            {"Origin": f"https://127.0.0.1:{port}"},
+        ):
+            response = await ping(gateway_url, **extra)
+            assert response.status_code == 403, (extra, response.status_code, response.text)
+            assert "origin" in str(rpc_error(response)["message"]).lower(), response.text
+        for extra in (
+            {},
+            {"Origin": gateway_url},
+            {"Host": f"localhost:{port}", "Origin": f"http://localhost:{port}"},
+        ):
+            response = await ping(gateway_url, **extra)
+            assert response.status_code == 200, (extra, response.text)
+
+        # Behind a proxy: the origins the operator names, and no other.
+        origins = "https://mesh.example.com, http://127.0.0.1:1234"
+        async with running_gateway(
+            amqp_url, module_mongodb_url, tmp_path, YOKE_GATEWAY_PUBLIC_ORIGINS=origins
+        ) as other:
+            named = {"Host": "mesh.example.com", "Origin": "https://mesh.example.com"}
+            assert (await ping(other, **named)).status_code == 200
+            assert (await ping(other, Host="127.0.0.1:1234")).status_code == 200
+            assert (await ping(other)).status_code == 403  # its listening address is not named
 
 
 # --- what a call costs ------------------------------------------------------------------------
