@@ -630,16 +630,24 @@ def route_of(request: Request) -> str:
 UNTRACED_PATHS = frozenset({"/metrics", "/healthz"})
 
 
+# Refusals anyone may earn (no token, a token outside its scope): no trace of them.
+REFUSED_STATUSES = frozenset({401, 403})
+
+
 async def traced(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    """The request as a server span, continuing the caller's ``traceparent`` when it sends one
-    (only as a parent: nothing else is read of it), named by its route once matched."""
-    with tracing.span(
+    """The request as a server span of a trace of the gateway's own, sampled by the operator's
+    sampler; the caller's ``traceparent`` is only its link (tracing.door). Named by its route
+    once matched; a refused request's spans are dropped."""
+    with tracing.door(
         request.method,  # the route's template, once matched: never a path's ids
         kind="server",
-        parent=request.headers,
+        caller=request.headers,
         attributes={"http.request.method": request.method, "url.path": request.url.path},
+        refusable=True,
     ):
         response = await call_next(request)
+        if response.status_code in REFUSED_STATUSES:
+            tracing.refuse()
         route = route_of(request)
         tracing.rename(f"{request.method} {route}")
         tracing.annotate({"http.route": route, "http.response.status_code": response.status_code})

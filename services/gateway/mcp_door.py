@@ -70,7 +70,7 @@ from starlette.routing import Route
 from starlette.types import Message as AsgiMessage
 from starlette.types import Receive, Scope, Send
 
-from services.gateway import calling, owed_answers
+from services.gateway import calling, mcp_tracing, owed_answers
 from services.gateway.bodies import read_body
 from services.gateway.deps import ApiError, Gateway, gateway, hold_stream, require_token
 from yoke.errors import describe_validation_error, is_transient
@@ -187,6 +187,8 @@ class McpDoor:
             on_list_tools=self.list_tools,
             on_call_tool=self.call_tool,
         )
+        # Spans of the door's trace, not the caller's (_meta's traceparent only a link).
+        mcp_tracing.install(self.server)
         self.sessions = StreamableHTTPSessionManager(
             app=self.server,
             stateless=True,

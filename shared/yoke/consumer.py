@@ -76,6 +76,9 @@ class Route:
     # Shown each delivery with its key as it arrives, before it waits in its lane (never fails
     # it: an error is logged): see Service.on_arrival.
     peek: Callable[[str, AbstractIncomingMessage], None] | None = None
+    # Whether a delivery was published by an outsider (a bridge, a tool worker): the door's
+    # delivery then starts a trace of the mesh's own, its traceparent only a link.
+    outside: Callable[[AbstractIncomingMessage], bool] | None = None
 
 
 def key_from_header(message: AbstractIncomingMessage) -> str:
@@ -157,13 +160,16 @@ class Dispatcher:
         if not tracing.enabled():
             await self._process_traced(route, key, message, stopping)
             return
-        # The delivery continues the trace of whoever published it (its traceparent header).
-        with tracing.span(
-            f"process {delivery_name(message)}",
-            kind="consumer",
-            parent=message.headers or {},
-            attributes=delivery_attributes(route, key, message),
-        ):
+        name = f"process {delivery_name(message)}"
+        attributes = delivery_attributes(route, key, message)
+        headers = message.headers or {}
+        # The delivery continues the trace of the mesh's process that published it (its
+        # traceparent header); an outsider's is only a link (tracing.door).
+        if route.outside is not None and route.outside(message):
+            traced = tracing.door(name, kind="consumer", caller=headers, attributes=attributes)
+        else:
+            traced = tracing.span(name, kind="consumer", parent=headers, attributes=attributes)
+        with traced:
             await self._process_traced(route, key, message, stopping)
 
     async def _process_traced(

@@ -224,7 +224,8 @@ TRACE_SPANS_EXPORTED = Counter(
 TRACE_SPANS_DROPPED = Counter(
     "yoke_trace_spans_dropped",
     "Spans lost, by reason (queue_full: ended while the export queue was full, the oldest "
-    "dropped; export_failed: the collector refused them or could not be reached).",
+    "dropped; export_failed: the collector refused them or could not be reached; held_full: "
+    "past the most a door request not yet answered holds).",
     ["reason"],
 )
 GUARDIAN_RUNNER_SECONDS = Histogram(
@@ -305,7 +306,7 @@ PROCESSOR_NOTICES = ("budget", "provider", "doom_loop", "approval", "unpriced", 
 APPROVAL_DECISIONS = ("approve", "reject", "expired", "stopped")
 GUARDIAN_NOTICES = ("guardian",)
 CANCEL_REASONS = ("interrupt", "stop")
-TRACE_DROP_REASONS = ("queue_full", "export_failed")
+TRACE_DROP_REASONS = ("queue_full", "export_failed", "held_full")
 MODEL_SERVICES = frozenset({"processor", "guardian"})
 
 

@@ -8,9 +8,12 @@ a slow, broken or absent collector never holds a turn up, and the spans it costs
 (``yoke_trace_spans_dropped``). Off, every function here returns at once: no span, no header,
 no exemplar, nothing allocated past a shared null context.
 
-Spans cross the bus as W3C ``traceparent``/``tracestate`` AMQP headers (:func:`inject`,
-:func:`span` with ``parent=``). An outside caller's ``traceparent`` is only ever a parent:
-nothing in the mesh reads a trace id to decide anything.
+Spans cross the bus as W3C ``traceparent`` AMQP headers (:func:`inject`, :func:`span` with
+``parent=``) between the mesh's own processes. What an outside caller sends (an HTTP request's
+``traceparent``, a bridge's or a tool worker's AMQP headers, an MCP request's ``_meta``) decides
+nothing: a door's span (:func:`door`) is the root of a trace of the mesh's own, sampled by the
+operator's sampler alone, and the caller's span is only its link, flags and ``tracestate``
+dropped. A door's request refused (401, 403) leaves no span at all (:func:`refuse`).
 
 The tracer is OpenTelemetry's process-wide one, as every instrumentation expects: set once by
 :func:`configure`; what else lives here is the exporter's bookkeeping.
@@ -25,11 +28,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -52,6 +56,11 @@ MAX_CONTENT_CHARS = 16_384
 FORUM_ID = "yoke.forum_id"
 CONVERSATION_ID = "yoke.conversation_id"
 MESSAGE_ID = "yoke.message_id"
+# The W3C headers (AMQP header names are case-sensitive: any spelling of them is theirs).
+TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
+# The most spans of one held trace (a door's request not yet answered) kept until it answers:
+# past it, the rest are dropped (counted: held_full).
+MAX_HELD_SPANS = 256
 
 Kind = Literal["internal", "server", "client", "producer", "consumer"]
 _KINDS = {
@@ -82,6 +91,56 @@ class _HeaderGetter(Getter[Mapping[str, Any]]):
 
 
 _GETTER = _HeaderGetter()
+
+
+class _Held:
+    """The spans of door requests not yet answered, by trace: let through once the request
+    is served, dropped with it when it is refused (:func:`refuse`). Spans end on any thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.traces: dict[int, list[Any]] = {}
+        self.refused: set[int] = set()
+        # Where released spans go: the export queue of the provider configure() made (None: a
+        # provider of a program's own, whose spans are never held).
+        self.sink: Any = None
+
+    def hold(self, trace_id: int) -> bool:
+        with self.lock:
+            if self.sink is None or trace_id in self.traces:
+                return False
+            self.traces[trace_id] = []
+            return True
+
+    def take(self, span: Any) -> bool:
+        """Keep ``span`` if its trace is held (``True``: taken, kept or dropped)."""
+        with self.lock:
+            kept = self.traces.get(span.context.trace_id)
+            if kept is None:
+                return False
+            if len(kept) < MAX_HELD_SPANS:
+                kept.append(span)
+                return True
+        TRACE_SPANS_DROPPED.labels("held_full").inc()
+        return True
+
+    def refuse(self, trace_id: int) -> None:
+        with self.lock:
+            if trace_id in self.traces:
+                self.refused.add(trace_id)
+
+    def release(self, trace_id: int) -> None:
+        with self.lock:
+            spans = self.traces.pop(trace_id, [])
+            refused = trace_id in self.refused
+            self.refused.discard(trace_id)
+            sink = self.sink
+        if not refused and sink is not None:
+            for span in spans:
+                sink(span)
+
+
+_HELD = _Held()
 
 
 @dataclass
@@ -224,6 +283,10 @@ def _counted_batches(exporter: Any) -> Any:
             context = span.context
             if context is None or not context.trace_flags.sampled:
                 return
+            if not _HELD.take(span):
+                self.queue(span)
+
+        def queue(self, span: ReadableSpan) -> None:
             if not counted.taken():
                 TRACE_SPANS_DROPPED.labels("queue_full").inc()
             batches.on_end(span)
@@ -234,7 +297,9 @@ def _counted_batches(exporter: Any) -> Any:
         def force_flush(self, timeout_millis: int = 30000) -> bool:
             return bool(batches.force_flush(timeout_millis))
 
-    return Bounded()
+    bounded = Bounded()
+    _HELD.sink = bounded.queue
+    return bounded
 
 
 def shutdown(timeout: float = SHUTDOWN_SECONDS) -> None:
@@ -258,15 +323,19 @@ def span(
     kind: Kind = "internal",
     attributes: Attributes | None = None,
     parent: Mapping[str, Any] | None = None,
+    caller: Mapping[str, Any] | None = None,
     links: Sequence[str | None] = (),
     child_only: bool = False,
 ) -> contextlib.AbstractContextManager[object]:
     """A span around the work inside, made current (``with tracing.span("step"): ...``).
 
-    ``parent``: headers (AMQP or HTTP) whose ``traceparent`` this span continues, a new trace
-    when they carry none; ``links``: ``traceparent`` values of the spans this work follows from
-    (the step that started a wait); ``child_only``: no span at all outside a trace (publishes
-    and store operations of background work would each be a trace of their own).
+    ``parent``: headers of the mesh's own (AMQP) whose ``traceparent`` this span continues, a
+    new trace when they carry none; ``caller``: what an outside caller sent as its trace context
+    (headers, an MCP request's ``_meta``): only ever a link of this span (``yoke.link``:
+    ``caller``), never its parent, its flags and ``tracestate`` dropped; ``links``:
+    ``traceparent`` values of the spans this work follows from (the step that started a wait);
+    ``child_only``: no span at all outside a trace (publishes and store operations of
+    background work would each be a trace of their own).
     """
     tracing = _active
     if tracing is None:
@@ -279,8 +348,59 @@ def span(
         context=context,
         kind=_KINDS[kind],
         attributes=attributes,
-        links=[made for value in links if (made := _link(value)) is not None],
+        links=_links(links, caller),
     )
+
+
+def door(
+    name: str,
+    *,
+    kind: Kind,
+    caller: Mapping[str, Any],
+    attributes: Attributes | None = None,
+    refusable: bool = False,
+) -> contextlib.AbstractContextManager[object]:
+    """A door's span (an HTTP request, a delivery an outsider published): the root of a trace
+    of the mesh's own, which the operator's sampler alone samples (``OTEL_TRACES_SAMPLER``;
+    a caller's sampled flag neither forces nor suppresses it), linked to the span ``caller``'s
+    ``traceparent`` names, if any; the caller's ``tracestate`` is dropped.
+
+    ``refusable``: the span, and every span of its trace that ends before it, are held until
+    it ends, and dropped if :func:`refuse` was called inside (a refused request: no trace).
+    """
+    tracing = _active
+    if tracing is None:
+        return _NO_SPAN
+    made = tracing.tracer.start_as_current_span(
+        name,
+        context=Context(),  # a root, whatever is current
+        kind=_KINDS[kind],
+        attributes=attributes,
+        links=_links((), caller),
+    )
+    return _held(made) if refusable else made
+
+
+@contextlib.contextmanager
+def _held(made: contextlib.AbstractContextManager[trace.Span]) -> Iterator[object]:
+    held: int | None = None
+    try:
+        with made as current:
+            context = current.get_span_context()
+            if context.trace_flags.sampled and _HELD.hold(context.trace_id):
+                held = context.trace_id
+            yield current
+    finally:
+        if held is not None:
+            _HELD.release(held)
+
+
+def refuse() -> None:
+    """The current door request is refused (401, 403): its trace is dropped when its door's
+    span ends (:func:`door` with ``refusable``)."""
+    if _active is None:
+        return
+    _HELD.refuse(trace.get_current_span().get_span_context().trace_id)
 
 
 def recording() -> bool:
@@ -350,15 +470,39 @@ def _link(value: str | None) -> trace.Link | None:
     return trace.Link(span_context, {"yoke.link": "waited_for"})
 
 
+def _caller_link(caller: Mapping[str, Any]) -> trace.Link | None:
+    """A link to the span an outside caller's ``traceparent`` names: its ids only (no flags,
+    no ``tracestate``), so nothing of what the caller says of its trace travels on."""
+    value = _GETTER.get(caller, "traceparent")
+    if not value:
+        return None
+    context = _PROPAGATOR.extract({"traceparent": value[0]}, getter=_GETTER)
+    found = trace.get_current_span(context).get_span_context()
+    if not found.is_valid:
+        return None
+    ids = trace.SpanContext(found.trace_id, found.span_id, is_remote=True)
+    return trace.Link(ids, {"yoke.link": "caller"})
+
+
+def _links(values: Sequence[str | None], caller: Mapping[str, Any] | None) -> list[trace.Link]:
+    made = [link for value in values if (link := _link(value)) is not None]
+    if caller is not None and (link := _caller_link(caller)) is not None:
+        made.append(link)
+    return made
+
+
 # --- propagation -------------------------------------------------------------------------------
 
 
 def inject(headers: Headers) -> Headers:
-    """``headers`` with the current span's ``traceparent`` (and ``tracestate``), replacing any
-    the caller copied from elsewhere; as they were outside a trace."""
+    """``headers`` with the current span's ``traceparent`` (and ``tracestate``, which the
+    mesh's spans never have from a caller), replacing any the caller copied from elsewhere, in
+    any spelling; as they were outside a trace."""
     if _active is None:
         return headers
     if trace.get_current_span().get_span_context().is_valid:
+        for name in [name for name in headers if str(name).lower() in TRACE_HEADERS]:
+            del headers[name]
         _PROPAGATOR.inject(headers)
     return headers
 

@@ -735,7 +735,7 @@ def gateway_turn(run: Run, traceparent: str | None = None) -> str:
     forum = run.values["forum"]
     headers = {"Authorization": f"Bearer {token}"}
     with httpx.Client(base_url=f"http://{BIND}:8080", headers=headers, timeout=10) as api:
-        # A caller's trace, which the turn continues (the services that trace, as all do here).
+        # A caller's trace, which the gateway's own links to (the services trace, as all do here).
         extra = {"traceparent": traceparent} if traceparent else {}
         posted = api.post(
             f"/v1/forums/{forum}/messages",
@@ -803,13 +803,45 @@ def jaeger_takes_a_span(run: Run) -> str:
     )
 
 
+def linked_gateway_trace(since: float, caller_span: str) -> str | None:
+    """The id of the gateway's trace whose POST span links to the caller's span ``caller_span``
+    (Jaeger's search, as its UI's), None while there is none."""
+    window = {
+        "query.service_name": "yoke-gateway",
+        "query.operation_name": "POST /v1/forums/{forumId}/messages",
+        "query.start_time_min": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since - 5)),
+        "query.start_time_max": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 5)),
+        "query.num_traces": "20",
+        "query.raw_traces": "true",
+    }
+    found = httpx.get(f"{JAEGER_QUERY}/api/v3/traces", params=window, timeout=10)
+    if found.status_code == 404:
+        return None
+    found.raise_for_status()
+    for resource in found.json()["result"]["resourceSpans"]:
+        for scope in resource.get("scopeSpans", []):
+            for span in scope.get("spans", []):
+                links = span.get("links", [])
+                if any(str(link.get("spanId", "")).lower() == caller_span for link in links):
+                    return str(span["traceId"]).lower()
+    return None
+
+
 def turn_trace(run: Run) -> str:
-    """A line posted over HTTP with a caller's traceparent: the turn's spans, from every service
-    it crosses, are found in Jaeger under the caller's trace id."""
+    """A line posted over HTTP with a caller's traceparent: the gateway starts a trace of its
+    own, whose request span links to the caller's, and the turn's spans, from every service it
+    crosses, are found in Jaeger under that trace id."""
     if not (run.root / "shared/yoke/tracing.py").exists():
         raise Skipped("the services do not trace yet (no shared/yoke/tracing.py)")
-    trace_id = uuid.uuid4().hex
-    gateway_turn(run, traceparent=f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01")
+    caller_trace, caller_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    since = time.time()
+    gateway_turn(run, traceparent=f"00-{caller_trace}-{caller_span}-01")
+    trace_id = poll(
+        "the gateway's trace linked to the caller's span in Jaeger",
+        lambda: linked_gateway_trace(since, caller_span),
+        60,
+        2,
+    )
     last: dict[str, set[str]] = {}
 
     def complete() -> bool | None:
@@ -821,8 +853,11 @@ def turn_trace(run: Run) -> str:
         poll("the turn's spans from every service in Jaeger", complete, 60, 2)
     except CheckFailed as error:
         raise CheckFailed(f"{error}: Jaeger has {last}") from error
+    if jaeger_trace(caller_trace) is not None:
+        raise CheckFailed(f"spans joined the caller's trace {caller_trace}")
     count = sum(len(names) for names in last.values())
-    return f"trace {trace_id[:8]}…: {count} span names from {', '.join(sorted(last))}"
+    services = ", ".join(sorted(last))
+    return f"trace {trace_id[:8]}… (linked to the caller's): {count} span names from {services}"
 
 
 def container_ips(run: Run, service: str) -> set[str]:

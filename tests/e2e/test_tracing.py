@@ -11,6 +11,7 @@ Jaeger's UI makes, and checks who is whose parent. The last test stops the colle
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -18,22 +19,28 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
+import aio_pika
 import httpx
 import pytest
+from aio_pika.abc import AbstractIncomingMessage
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.approvals import sums
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env
+from tests.support.gateway_process import CLEAN_EXITS, running_gateway
 from tests.support.jaeger import Jaeger, Span, Trace
 from tests.support.mesh import Mesh, agent_lines, lines_until, say
 from tests.support.processes import ROOT, eventually, local_http
+from tests.support.worker_process import as_user
 from tests.support.worker_tools import WorkerTool, ask_direct, registered_worker_tool
 from yoke import topology
+from yoke.cli.publishers import create_publisher, management_of
 from yoke.client import Client
 from yoke.ids import new_id
 from yoke.models import Message, MessagePosted, ToolResultPart
@@ -51,13 +58,6 @@ WAIT = 60.0  # the most a test waits for anything the mesh or Jaeger does, on a 
 MODEL = "gpt-test"  # what the fake OpenAI server answers as
 PRICE = (1.0, 2.0)  # USD per million input and output tokens: the span's yoke.cost_usd
 SCHEMA = {"type": "object", "properties": {"tag": {"type": "string"}}}
-
-
-def traceparent() -> tuple[str, str, str]:
-    """A caller's own span, as a bridge or an HTTP client would send it: (header, trace id,
-    span id)."""
-    trace_id, span_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]
-    return f"00-{trace_id}-{span_id}-01", trace_id, span_id
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +217,7 @@ async def answering_step(
     """The step that answered a round's last results line ``line_id`` once its answer has
     reached egress, with the turn's trace as it stands then and the trace that holds the step:
     the turn's own, or one whose span that wrote the line links to ``calling``, the step that
-    waited (a line written by a sweep, outside any turn)."""
+    waited (a line written by a sweep, outside any turn, or the door's of a worker's answer)."""
     found: tuple[Trace, Trace, Span] | None = None
 
     def answering(candidate: Trace) -> Span | None:
@@ -245,7 +245,11 @@ async def answering_step(
         if step is not None:
             found = (turn, turn, step)
             return True
-        searched = await jaeger.find_traces("yoke-processor", since=since, operation="tool_result")
+        searched = [
+            found
+            for service in ("yoke-processor", "yoke-ingestion")
+            for found in await jaeger.find_traces(service, since=since, operation="tool_result")
+        ]
         for other in searched:
             if not any(
                 (link.trace_id, link.span_id) == (trace.trace_id, calling.span_id)
@@ -265,6 +269,33 @@ async def answering_step(
     except AssertionError as error:
         turn = await jaeger.find_trace(trace.trace_id)
         raise AssertionError(f"{error}; the turn's trace:\n{(turn or trace).tree()}") from None
+    assert found is not None
+    return found
+
+
+async def linked_trace(
+    jaeger: Jaeger, service: str, operation: str, since: datetime, trace_id: str, to: Span
+) -> Trace:
+    """The trace with a span ``operation`` of ``service`` whose root links to span ``to`` of
+    trace ``trace_id`` (an answer that came through the door from an outsider)."""
+    found: Trace | None = None
+
+    async def arrived() -> bool:
+        nonlocal found
+        for candidate in await jaeger.find_traces(service, since=since, operation=operation):
+            whole_trace = await jaeger.find_trace(candidate.trace_id)
+            if whole_trace is None:
+                continue
+            if any(
+                (link.trace_id, link.span_id) == (trace_id, to.span_id)
+                for root in whole_trace.roots()
+                for link in root.links
+            ):
+                found = whole_trace
+                return True
+        return False
+
+    await eventually(arrived, timeout=WAIT, what=f"the trace linked to {to.name}", interval=0.5)
     assert found is not None
     return found
 
@@ -367,11 +398,13 @@ async def test_a_line_through_the_amqp_door_is_one_trace_in_turn_order(
     assert chat.resource["service.name"] == "yoke-processor"
 
 
-async def test_a_bridge_traceparent_is_only_a_parent_and_mesh_headers_are_dropped(
+async def test_the_mesh_own_traceparent_is_continued_and_mesh_headers_are_dropped(
     mesh: Mesh, jaeger: Jaeger, store: Store, poster: Poster, amqp_url: str
 ) -> None:
-    """The AMQP door continues a bridge's trace, and the command router still drops what only
-    the mesh may say (``x-yoke-*``): a forged conversation header routes nothing."""
+    """The AMQP door continues the trace of a publisher of the mesh's own (the services' user,
+    as the CLI publishes), and the command router still drops what only the mesh may say
+    (``x-yoke-*``): a forged conversation header routes nothing. A bridge's is only a link
+    (test_a_bridges_traceparent_is_only_a_link)."""
     forum_id, _ = await echo_forum(store, poster)
     other_id, _ = await echo_forum(store, poster)
     header, trace_id, caller_span = traceparent()
@@ -395,7 +428,7 @@ async def test_a_bridge_traceparent_is_only_a_parent_and_mesh_headers_are_droppe
         until=every(has("yoke-egress", "forward", **{"yoke.forum_id": forum_id}), whole),
     )
     [root] = trace.roots()
-    assert root.parent_span_id == caller_span  # the bridge's span, kept outside the trace
+    assert root.parent_span_id == caller_span  # the publisher's span, kept outside the trace
     accept = one_of(trace, "yoke-ingestion", "accept", **{"yoke.message_id": reply["messageId"]})
     # Keyed by the body's conversation, not by the forged header.
     assert accept.attributes["yoke.forum_id"] == forum_id
@@ -405,34 +438,353 @@ async def test_a_bridge_traceparent_is_only_a_parent_and_mesh_headers_are_droppe
     ).attributes.items()
 
 
-async def test_an_http_post_continues_the_callers_trace(
-    mesh: Mesh, jaeger: Jaeger, store: Store, poster: Poster, gateway_url: str
+async def test_an_http_callers_trace_context_is_a_link_and_its_tracestate_goes_no_further(
+    mesh: Mesh, jaeger: Jaeger, store: Store, poster: Poster, gateway_url: str, amqp_url: str
 ) -> None:
+    """The HTTP door starts a trace of its own under the operator's sampler: the caller's span
+    is a link of its server span, never its parent, and the caller's ``tracestate`` (8 KB of
+    well-formed entries) rides no publish of the turn."""
     forum_id, _ = await echo_forum(store, poster)
-    await ensure_token_indexes(store)
-    _, secret = await create_token(store, f"traced{new_id()[:8]}", [forum_id])
+    secret = await token_for(store, forum_id)
     header, trace_id, caller_span = traceparent()
-    async with httpx.AsyncClient(base_url=gateway_url, timeout=30) as http:
+    since = datetime.now(UTC)
+    async with published(amqp_url) as seen, httpx.AsyncClient(base_url=gateway_url) as http:
         response = await http.post(
             f"/v1/forums/{forum_id}/messages",
             json={"author": {"externalId": "ada", "displayName": "Ada"}, "text": "over HTTP"},
-            headers={"Authorization": f"Bearer {secret}", "traceparent": header},
+            headers={
+                "Authorization": f"Bearer {secret}",
+                "traceparent": header,
+                "tracestate": BIG_TRACESTATE,
+            },
+            timeout=30,
         )
-    assert response.status_code == 202, response.text
-    line_id = response.json()["messageId"]
-    await answered(store, forum_id)
+        assert response.status_code == 202, response.text
+        line_id = response.json()["messageId"]
+        [reply] = agent_lines(await answered(store, forum_id))
+        await eventually(saw(seen, reply.id), timeout=WAIT, what="the answer's publish")
+    post = await door_span(jaeger, "POST /v1/forums/{forumId}/messages", since, forum_id)
     trace = await jaeger.trace(
-        trace_id,
+        post.trace_id,
         timeout=WAIT,
         until=every(has("yoke-egress", "forward", **{"yoke.forum_id": forum_id}), whole),
     )
     print_tree("one turn through the HTTP gateway", trace)
-    post = one_of(trace, "yoke-gateway", "POST /v1/forums/{forumId}/messages")
-    assert post.kind == "server" and post.parent_span_id == caller_span
+    assert post.trace_id != trace_id, "the caller's trace id was continued"
+    assert post.kind == "server" and post.parent_span_id is None, trace.tree()
+    assert [(link.trace_id, link.span_id) for link in post.links] == [(trace_id, caller_span)]
     assert post.attributes["http.response.status_code"] == 202
     accept = one_of(trace, "yoke-ingestion", "accept", **{"yoke.message_id": line_id})
     above(trace, accept, post)
     above(trace, one_of(trace, "yoke-egress", "forward"), accept)
+    carried_no_further(seen, trace_id)
+
+
+async def test_the_operators_sampler_decides_whatever_the_callers_flags_say(
+    mesh: Mesh,
+    store: Store,
+    poster: Poster,
+    gateway_url: str,
+    amqp_url: str,
+    module_mongodb_url: str,
+    jaeger: Jaeger,
+    tmp_path: Path,
+) -> None:
+    """A caller's unsampled flag does not keep the door's always-on sampler from sampling, nor
+    its sampled flag make a ratio-0 sampler sample: what the gateway publishes says so."""
+    forum_id, _ = await echo_forum(store, poster)
+    secret = await token_for(store, forum_id)
+    header, _, _ = traceparent(sampled=False)
+    flags = await published_flags(amqp_url, gateway_url, forum_id, secret, header)
+    assert flags == (True, False), "an unsampled caller suppressed the operator's sampling"
+    header, _, _ = traceparent()
+    ratio = {
+        **jaeger.env(),
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0",
+    }
+    async with running_gateway(
+        amqp_url, module_mongodb_url, tmp_path, exits=CLEAN_EXITS, **ratio
+    ) as ratio_url:
+        flags = await published_flags(amqp_url, ratio_url, forum_id, secret, header)
+    assert flags == (False, False), "a sampled caller overrode the operator's ratio sampler"
+
+
+async def test_refused_requests_are_not_traced(
+    mesh: Mesh, jaeger: Jaeger, store: Store, poster: Poster, gateway_url: str
+) -> None:
+    """A 401 (no token, an unknown one, at /v1 and at /mcp) and a 403 leave no span: what
+    anyone may send costs the operator's trace store nothing."""
+    forum_id, _ = await echo_forum(store, poster)
+    other_id, _ = await echo_forum(store, poster)
+    secret = await token_for(store, forum_id)
+    header, _, _ = traceparent()
+    since = datetime.now(UTC)
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=30) as http:
+        refused = [
+            await http.get(f"/v1/forums/{forum_id}/messages", headers={"traceparent": header}),
+            await http.get(
+                f"/v1/forums/{forum_id}/messages",
+                headers={"traceparent": header, "Authorization": "Bearer yoke_" + "x" * 43},
+            ),
+            await http.post("/mcp", content=b"{}", headers={"traceparent": header, **MCP_HEADERS}),
+            await http.get(
+                f"/v1/forums/{other_id}/messages",
+                headers={"traceparent": header, "Authorization": f"Bearer {secret}"},
+            ),
+        ]
+        assert [response.status_code for response in refused] == [401, 401, 401, 403]
+        # A request the door serves, after them: once its span is in, theirs would be too.
+        served = await http.get(
+            f"/v1/forums/{forum_id}/messages", headers={"Authorization": f"Bearer {secret}"}
+        )
+        assert served.status_code == 200
+    served = await door_span(jaeger, "GET /v1/forums/{forumId}/messages", since, forum_id)
+    spans = [
+        span
+        for found in await jaeger.find_traces("yoke-gateway", since=since, limit=100)
+        for span in found
+        if span.service == "yoke-gateway"
+    ]
+    shown = "\n".join(f"{span.name} {span.attributes}" for span in spans)
+    # One trace, the served request's: no request span of a refusal, nor its token lookup.
+    assert {span.trace_id for span in spans} == {served.trace_id}, shown
+    assert [
+        span.attributes["http.response.status_code"] for span in spans if span.kind == "server"
+    ] == [200], shown
+
+
+async def test_an_mcp_calls_meta_is_only_a_link_and_its_span_name_is_bounded(
+    mesh: Mesh, jaeger: Jaeger, store: Store, poster: Poster, gateway_url: str
+) -> None:
+    """``params._meta.traceparent`` does not re-parent the MCP call: its span is the door's
+    request span's child, linked to the caller's; a tool name of the caller's is an attribute
+    (cut), never the span's name."""
+    forum_id, _ = await echo_forum(store, poster)
+    secret = await token_for(store, forum_id)
+    header, trace_id, caller_span = traceparent()
+    name = "n" * 300
+    since = datetime.now(UTC)
+    call = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "tools/call",
+        "params": {
+            "name": name,
+            "arguments": {"message": "hi"},
+            "_meta": {"traceparent": header, "tracestate": BIG_TRACESTATE},
+        },
+    }
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=30) as http:
+        response = await http.post(
+            "/mcp", json=call, headers={"Authorization": f"Bearer {secret}", **MCP_HEADERS}
+        )
+    assert response.status_code == 200 and "unknown tool" in response.text, response.text
+    post = await door_span(jaeger, "POST /mcp", since)
+    trace = await jaeger.trace(
+        post.trace_id,
+        timeout=WAIT,
+        until=lambda trace: any(span.name.startswith("tools/call") for span in trace),
+    )
+    [called] = [span for span in trace if span.name.startswith("tools/call")]
+    assert len(called.name) <= 64, called.name
+    assert called.parent_span_id == post.span_id, trace.tree()
+    assert [(link.trace_id, link.span_id) for link in called.links] == [(trace_id, caller_span)]
+    assert called.attributes["gen_ai.tool.name"] == name[:64]
+    assert await jaeger.find_trace(trace_id) is None, "a span joined the caller's trace"
+
+
+async def test_a_bridges_traceparent_is_only_a_link(
+    mesh: Mesh,
+    jaeger: Jaeger,
+    store: Store,
+    poster: Poster,
+    amqp_url: str,
+    servers: tuple[str, str, str],
+) -> None:
+    """A bridge (a RabbitMQ user not the mesh's own) is an outside caller at the AMQP door: its
+    span is a link of the door's delivery, which starts a trace of the mesh's own, and its
+    tracestate goes no further."""
+    forum_id, _ = await echo_forum(store, poster)
+    management = management_of(amqp_url, servers[2])
+    bridge = f"traced-bridge-{uuid.uuid4().hex[:8]}"
+    password = await create_publisher(management, bridge)
+    header, trace_id, caller_span = traceparent()
+    since = datetime.now(UTC)
+    try:
+        async with published(amqp_url) as seen:
+            reply = await ask_direct(
+                as_user(amqp_url, bridge, password),
+                topology.SUBMIT_COMMAND,
+                submit_body(forum_id, "from a bridge of its own"),
+                user_id=bridge,
+                headers={"traceparent": header, "tracestate": BIG_TRACESTATE},
+            )
+            assert reply["status"] == "accepted", reply
+            [answer] = agent_lines(await answered(store, forum_id))
+            await eventually(saw(seen, answer.id), timeout=WAIT, what="the answer's publish")
+    finally:
+        async with httpx.AsyncClient(base_url=management.url, auth=management.auth) as api:
+            await api.delete(f"/api/users/{quote(bridge, safe='')}")
+    accept = await ingestion_accept(jaeger, since, reply["messageId"])
+    trace = await jaeger.trace(
+        accept.trace_id,
+        timeout=WAIT,
+        until=every(has("yoke-egress", "forward", **{"yoke.forum_id": forum_id}), whole),
+    )
+    [root] = trace.roots()
+    assert accept.trace_id != trace_id and root.parent_span_id is None, trace.tree()
+    assert root.name == f"process {topology.SUBMIT_COMMAND}" and root.kind == "consumer"
+    assert [(link.trace_id, link.span_id) for link in root.links] == [(trace_id, caller_span)]
+    carried_no_further(seen, trace_id, caller=bridge)
+
+
+# The most a header of the mesh's may say of a caller's tracestate (none at all, today).
+MAX_TRACESTATE_BYTES = 512
+# 32 list members of 255 bytes: as large as a well-formed W3C tracestate gets (8 KB).
+BIG_TRACESTATE = ",".join(f"v{index:02d}=" + "x" * 250 for index in range(32))
+MCP_HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+
+
+def traceparent(*, sampled: bool = True) -> tuple[str, str, str]:
+    """A caller's own span, as a bridge or an HTTP client would send it: (header, trace id,
+    span id)."""
+    trace_id, span_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    return f"00-{trace_id}-{span_id}-{'01' if sampled else '00'}", trace_id, span_id
+
+
+async def token_for(store: Store, forum_id: str) -> str:
+    await ensure_token_indexes(store)
+    _, secret = await create_token(store, f"traced{new_id()[:8]}", [forum_id])
+    return secret
+
+
+@contextlib.asynccontextmanager
+async def published(amqp_url: str) -> AsyncIterator[list[AbstractIncomingMessage]]:
+    """Every message published on the commands, events and forum exchanges while inside, as a
+    queue of the test's own bound to each with ``#`` receives it."""
+    connection = await aio_pika.connect(amqp_url)
+    try:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(exclusive=True, auto_delete=True)
+        for exchange in (
+            topology.COMMANDS_EXCHANGE,
+            topology.EVENTS_EXCHANGE,
+            topology.FORUM_EXCHANGE,
+        ):
+            await queue.bind(exchange, routing_key="#")
+        seen: list[AbstractIncomingMessage] = []
+
+        async def keep(message: AbstractIncomingMessage) -> None:
+            seen.append(message)
+
+        await queue.consume(keep, no_ack=True)
+        yield seen
+    finally:
+        await connection.close()
+
+
+def saw(seen: list[AbstractIncomingMessage], text: str) -> Callable[[], Awaitable[bool]]:
+    """An ``eventually`` condition: a message seen mentions ``text`` (a line's id)."""
+
+    async def mentioned() -> bool:
+        return any(text.encode() in message.body for message in seen)
+
+    return mentioned
+
+
+def carried_no_further(
+    seen: list[AbstractIncomingMessage], caller_trace: str, caller: str | None = None
+) -> None:
+    """No publish seen but the caller's own (RabbitMQ user ``caller``) carries the caller's
+    trace id or more than a bounded tracestate."""
+    ours = [message for message in seen if caller is None or message.user_id != caller]
+    assert ours
+    for message in ours:
+        headers = message.headers or {}
+        state = headers.get("tracestate")
+        assert state is None or len(str(state)) <= MAX_TRACESTATE_BYTES, (
+            f"{message.routing_key} carries a tracestate of {len(str(state))} bytes"
+        )
+        assert caller_trace not in str(headers.get("traceparent", "")), message.routing_key
+
+
+async def published_flags(
+    amqp_url: str, gateway_url: str, forum_id: str, secret: str, header: str
+) -> tuple[bool, bool]:
+    """(sampled, of the caller's trace) of the traceparent on the command a gateway publishes
+    for a line posted with ``header``."""
+    async with published(amqp_url) as seen, httpx.AsyncClient(base_url=gateway_url) as http:
+        response = await http.post(
+            f"/v1/forums/{forum_id}/messages",
+            json={"author": {"externalId": "ada", "displayName": "Ada"}, "text": "sampled?"},
+            headers={"Authorization": f"Bearer {secret}", "traceparent": header},
+            timeout=30,
+        )
+        assert response.status_code == 202, response.text
+        line_id = response.json()["messageId"]
+
+        def command() -> AbstractIncomingMessage | None:
+            return next(
+                (
+                    message
+                    for message in seen
+                    if message.routing_key == topology.SUBMIT_COMMAND
+                    and message.exchange == topology.COMMANDS_EXCHANGE
+                ),
+                None,
+            )
+
+        async def arrived() -> bool:
+            return command() is not None
+
+        await eventually(arrived, timeout=WAIT, what="the command")
+    found = command()
+    assert found is not None and line_id
+    value = str((found.headers or {}).get("traceparent", ""))
+    assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}", value), value
+    _, trace_id, _, flags = value.split("-")
+    return bool(int(flags, 16) & 1), trace_id == header.split("-")[1]
+
+
+async def door_span(
+    jaeger: Jaeger, name: str, since: datetime, forum_id: str | None = None
+) -> Span:
+    """The gateway's server span ``name`` started since ``since`` (of ``forum_id``'s path)."""
+    found: Span | None = None
+
+    async def arrived() -> bool:
+        nonlocal found
+        for trace in await jaeger.find_traces("yoke-gateway", since=since, operation=name):
+            for span in trace:
+                if span.name == name and (
+                    forum_id is None or forum_id in str(span.attributes.get("url.path"))
+                ):
+                    found = span
+                    return True
+        return False
+
+    await eventually(arrived, timeout=WAIT, what=f"the gateway's {name} span", interval=0.5)
+    assert found is not None
+    return found
+
+
+async def ingestion_accept(jaeger: Jaeger, since: datetime, line_id: str) -> Span:
+    """The door's ``accept`` span of the line ``line_id``."""
+    found: Span | None = None
+
+    async def arrived() -> bool:
+        nonlocal found
+        for trace in await jaeger.find_traces("yoke-ingestion", since=since, operation="accept"):
+            for span in trace:
+                if span.name == "accept" and span.attributes.get("yoke.message_id") == line_id:
+                    found = span
+                    return True
+        return False
+
+    await eventually(arrived, timeout=WAIT, what="the line's accept span", interval=0.5)
+    assert found is not None
+    return found
 
 
 # --- tools, workers, approvals ------------------------------------------------------------------
@@ -476,7 +828,6 @@ async def test_a_tool_round_traces_every_call_and_the_workers_own_span(
         timeout=WAIT,
         until=every(
             has(worker_service, f"execute_tool {tool.name}"),
-            has("yoke-ingestion", "tool_result"),
             has("yoke-processor", "step", **{"yoke.trigger": "tool_call"}),
         ),
     )
@@ -489,12 +840,21 @@ async def test_a_tool_round_traces_every_call_and_the_workers_own_span(
     assert asked.attributes["yoke.tool.waits"] is True
     above(trace, calculator, calling)
     above(trace, asked, calling)
-    # The worker's own span, from its own process, below the publish of its call; its answer
-    # goes on in the same trace, through the door.
+    # The worker's own span, from its own process, below the publish of its call.
     ran = one_of(trace, worker_service, f"execute_tool {tool.name}")
     assert ran.kind == "consumer" and ran.attributes["gen_ai.tool.name"] == tool.name
     above(trace, ran, asked)
-    above(trace, one_of(trace, "yoke-ingestion", "tool_result"), ran)
+    # Its answer comes through the AMQP door from an outsider (the worker's RabbitMQ user): a
+    # trace of the mesh's own, whose delivery links to the worker's span and whose result
+    # links to the step that waited.
+    answer = await linked_trace(jaeger, "yoke-ingestion", "tool_result", since, trace_id, ran)
+    answer = await jaeger.trace(answer.trace_id, timeout=WAIT, until=whole)
+    [door] = answer.roots()
+    assert door.kind == "consumer" and door.parent_span_id is None, answer.tree()
+    assert door.links[0].attributes["yoke.link"] == "caller"
+    result = one_of(answer, "yoke-ingestion", "tool_result")
+    above(answer, result, door)
+    assert [(link.trace_id, link.span_id) for link in result.links] == [(trace_id, calling.span_id)]
     # Two results lines (the calculator's in the round, the worker's of its own): the step of
     # the later one calls the model (invariant 10), the other waits for it.
     monologue = str(calling.attributes["yoke.conversation_id"])
@@ -508,9 +868,11 @@ async def test_a_tool_round_traces_every_call_and_the_workers_own_span(
     last = max(results.values(), key=lambda line: line.seq)
     trace, home, answering = await answering_step(jaeger, trace, calling, last.id, since)
     print_tree("a turn with a tool round", trace)
-    both = [trace] if home is trace else [trace, home]
-    if home is not trace:
-        print_tree("its answer, in a trace of its own", home)
+    answer = await jaeger.trace(answer.trace_id, timeout=WAIT)
+    print_tree("the worker's answer, through the door", answer)
+    both = list({found.trace_id: found for found in (trace, answer, home)}.values())
+    if home.trace_id not in (trace.trace_id, answer.trace_id):
+        print_tree("the answering step, in a trace of its own", home)
     waits = [
         (found, span)
         for found in both
@@ -522,10 +884,15 @@ async def test_a_tool_round_traces_every_call_and_the_workers_own_span(
     delivery = home.parent(answering)
     assert delivery is not None and delivery.kind == "consumer", home.tree()
     assert delivery.name == f"process {MessagePosted.TYPE}"
-    if home is trace:
-        # ... below the worker's answer when the worker's line came last, below the round's
-        # step when the round's own line did (the worker answered before the step wrote it).
-        above(trace, answering, ran if last is results[tool.name] else calling)
+    if home.trace_id == trace.trace_id:
+        # ... below the round's step when the round's own line came last (the worker answered
+        # before the step wrote it) ...
+        assert last is not results[tool.name], home.tree()
+        above(trace, answering, calling)
+    elif home.trace_id == answer.trace_id:
+        # ... below the door's delivery of the worker's answer when its line came last ...
+        assert last is results[tool.name], home.tree()
+        above(home, answering, door)
     else:
         # ... or, when the deadline reaper's sweep finished the call between the door's end
         # and its line (it writes the line, the door's copy is a repeat), in a trace of its
@@ -541,7 +908,7 @@ async def test_a_tool_round_traces_every_call_and_the_workers_own_span(
     # Egress saw the call line too (nothing of it to forward), then the answer.
     forwards = [span for found in both for span in spans_of(found, "yoke-egress", "forward")]
     assert len(forwards) == 2, "\n".join(t.tree() for t in both)
-    above(home, forwards[-1], answering)
+    assert any(answering in home.ancestors(span) for span in forwards), home.tree()
     # A step's log line names the trace and the span Jaeger has.
     ended = [
         entry
@@ -612,6 +979,7 @@ async def test_the_step_after_an_approval_links_to_the_step_that_asked(
         until=every(
             has("yoke-processor", "execute_tool calculator", **{"yoke.approved": True}),
             answer_forwarded,
+            whole,
         ),
     )
     print_tree("an approval's later steps", later)

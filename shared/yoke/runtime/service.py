@@ -33,6 +33,7 @@ from yoke.retention import sweep_for
 from yoke.runtime.health import HealthServer
 from yoke.runtime.posting import Poster
 from yoke.settings import Settings
+from yoke.speakers import DoorUsers
 from yoke.store import Store
 from yoke.tls import refused_as_misconfigured
 
@@ -212,6 +213,9 @@ class Service:
                 if isinstance(value, str | int)
                 and name not in _BROKER_HEADERS
                 and not name.lower().startswith(_MESH_HEADER_PREFIXES)
+                # The publish carries the intake delivery's own trace context, if any: never
+                # the outsider's (tracing.door).
+                and name.lower() not in tracing.TRACE_HEADERS
             }
             headers[topology.CONVERSATION_HEADER] = key_of(message)
             headers[topology.COMMAND_HEADER] = command
@@ -280,7 +284,13 @@ class Service:
             async def route(message: AbstractIncomingMessage) -> None:
                 await route_of(message).handle(message)
 
-            on_message = self.dispatcher.on_message(Route(queue, key_of, route))
+            users = DoorUsers.of(self.settings)
+
+            def outside(message: AbstractIncomingMessage) -> bool:
+                # Only the user_id RabbitMQ verified tells the mesh's own publishers.
+                return not (message.user_id and users.is_mesh(message.user_id))
+
+            on_message = self.dispatcher.on_message(Route(queue, key_of, route, outside=outside))
             await self.bus.consume(queue, on_message, prefetch=prefetch)
         if self.ownership is not None:
             await self.ownership.start()
