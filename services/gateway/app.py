@@ -506,7 +506,9 @@ async def list_messages(
     while cursor < end:
         upper = min(end, cursor + PAGE_READ_LINES)
         for line in await store.history(forum.id, after_seq=cursor, up_to_seq=upper):
-            one = json.dumps(line.to_wire(), ensure_ascii=False, separators=(",", ":")).encode()
+            one = json.dumps(
+                line.seen_outside().to_wire(), ensure_ascii=False, separators=(",", ":")
+            ).encode()
             if encoded and size + len(one) + 1 > budget:
                 REFUSALS.labels("page_trimmed").inc()
                 return Response(_page(encoded), media_type="application/json")

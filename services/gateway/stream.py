@@ -327,7 +327,7 @@ def sse(event: str, data: str, event_id: int | None = None) -> bytes:
 def message_event(message: Message) -> bytes:
     # The store keeps milliseconds: a line from an event looks exactly as it does when read.
     created = message.created_at
-    stored = message.model_copy(
+    stored = message.seen_outside().model_copy(
         update={"created_at": created.replace(microsecond=created.microsecond // 1000 * 1000)}
     )
     return sse("message", json.dumps(stored.to_wire(), separators=(",", ":")), message.seq)

@@ -342,7 +342,7 @@ class SubscriptionRunner:
                 delivery_id=delivery,
                 subscription_id=subscription.id,
                 forum_id=subscription.forum_id,
-                message=line,
+                message=line.seen_outside(),
             )
             .model_dump_json(exclude_none=True)
             .encode()

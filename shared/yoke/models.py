@@ -192,6 +192,17 @@ class Message(Document):
         """The text parts joined, for logs, prompts and tests."""
         return "\n".join(part.text for part in self.parts if isinstance(part, TextPart))
 
+    def seen_outside(self) -> Message:
+        """The line as a reader outside the mesh gets it (the gateway's pages, stream and
+        webhooks): an agent's forum line without what it says of the monologue it was
+        forwarded from (that monologue's id, its seq, the monologue line that caused it)."""
+        if self.role != "agent":
+            return self
+        meta = self.meta.model_copy(
+            update={"source_conversation_id": None, "source_seq": None, "causation_id": None}
+        )
+        return self.model_copy(update={"meta": meta})
+
 
 # --- events ------------------------------------------------------------------------------
 

@@ -104,6 +104,10 @@ def assert_error(response: httpx.Response, status: int, code: str) -> None:
 # --- health, metrics, OpenAPI -----------------------------------------------------------
 
 
+# What a forum line says of the monologue it was forwarded from: never shown outside the mesh.
+MONOLOGUE_KEYS = {"sourceConversationId", "sourceSeq", "causationId"}
+
+
 async def test_healthz_metrics_and_openapi_need_no_token(http: httpx.AsyncClient) -> None:
     health = await http.get("/healthz")
     assert health.status_code == 200 and health.text == "ok\n"
@@ -250,6 +254,9 @@ async def test_post_is_answered_and_read_back_in_seq_order(
     assert [m["seq"] for m in page["messages"]] == [1, 2]
     assert page["messages"][0] == lines[0].to_wire()
     assert page["messages"][1]["meta"]["inReplyTo"] == accepted["messageId"]
+    # What an outsider reads of a forum says nothing of the agent's monologue.
+    assert not set(page["messages"][1]["meta"]) & MONOLOGUE_KEYS, page["messages"][1]
+    assert join.monologue_id not in json.dumps(page)
     for _ in range(3):
         response = await http.post(
             f"/v1/forums/{forum_id}/messages", json=post_body("more"), headers=headers
@@ -560,8 +567,9 @@ async def test_stream_shows_the_line_the_answer_and_the_activity_in_between(
     assert mine.data["parts"][0]["text"] == "what time is it?"
     assert answer.id == "2" and answer.data["authorActorId"] == join.agent_actor_id
     assert answer.data["parts"] == [{"type": "text", "text": "it is late", "format": "plain"}]
-    # Nothing of the monologue (the tool call, its result) is on the forum's stream.
+    # Nothing of the monologue (the tool call, its result, its id) is on the forum's stream.
     assert {mine.data["conversationId"], answer.data["conversationId"]} == {forum_id}
+    assert not set(answer.data["meta"]) & MONOLOGUE_KEYS, answer.data
     # Three steps: infer (the call), run the tool, infer (the answer).
     assert [event.data for event in activity] == [
         {"agentActorId": join.agent_actor_id, "state": state}
@@ -592,7 +600,7 @@ async def test_a_client_reconnecting_with_last_event_id_misses_nothing(
     assert seqs == [1, 2, 3, 4, 5, 6, 7, 8]
     stored = await store.history(forum_id)
     assert [event.data for event in [*seen, *caught_up, *live]] == [
-        line.to_wire() for line in stored
+        line.seen_outside().to_wire() for line in stored
     ]
     # A stream opened without Last-Event-ID starts at the head: only what comes next.
     async with open_stream(http, forum_id, tokens.everything) as stream:

@@ -161,6 +161,9 @@ async def test_a_delivery_is_signed_and_names_its_line(
     assert message["role"] == "agent" and message["authorActorId"] == join.agent_actor_id
     assert message["conversationId"] == forum_id
     assert message["meta"]["inReplyTo"] == line_id
+    # Nothing of the agent's monologue leaves with the line.
+    assert not {"sourceConversationId", "sourceSeq", "causationId"} & set(message["meta"])
+    assert join.monologue_id not in request.text
     assert request.text == "is this signed?"
 
     code, out, err = await run_yoke(cli_env, "webhook", "list")
