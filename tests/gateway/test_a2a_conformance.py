@@ -30,6 +30,7 @@ from tests.support.gateway_process import gateway_process, metric
 from tests.support.mesh import Mesh
 from tests.support.processes import ServiceProcess, eventually
 from tests.support.published import Agents, Caller
+from tests.support.webhook_receiver import Receiver
 from yoke.publishing import PublishedAgent, publish_agent
 from yoke.store import Store
 from yoke.tokens import ensure_token_indexes, revoke_token
@@ -58,7 +59,9 @@ async def gateway(
 ) -> AsyncIterator[tuple[ServiceProcess, str]]:
     """The module's gateway, with its process (its log is read)."""
     log_dir = Path(tmp_path_factory.mktemp("gateway"))
-    async with gateway_process(amqp_url, module_mongodb_url, log_dir) as found:
+    # Pushes may reach the test's receiver on this machine.
+    env = {"YOKE_PUSH_ALLOWED_HOSTS": "127.0.0.1"}
+    async with gateway_process(amqp_url, module_mongodb_url, log_dir, **env) as found:
         yield found
 
 
@@ -528,3 +531,31 @@ async def test_list_tasks_pages_by_cursor_newest_first_and_only_the_callers(
     assert token == "" and seen == list(reversed(sent)), (seen, sent)
     theirs = (await call(http, url, stranger, rpc("ListTasks", {"contextId": context})))["result"]
     assert theirs.get("tasks", []) == []
+
+
+async def test_a_tasks_push_configs_are_created_read_listed_and_deleted(
+    agents: Agents, echo: tuple[PublishedAgent, Caller], http: httpx.AsyncClient, receiver: Receiver
+) -> None:
+    """PUSH-CREATE-001/002, PUSH-GET-001/002, PUSH-LIST-001, PUSH-DEL-001/002, as the kit
+    asks them (a config with the caller's own id, on a completed task)."""
+    agent, caller = echo
+    url = agents.url(agent)
+    sent = await call(http, url, caller, rpc("SendMessage", {"message": message(text("push"))}))
+    task_id = sent["result"]["task"]["id"]
+    config_id = f"push-{uuid.uuid4().hex[:8]}"
+    push_url = receiver.url(f"/conformance/{config_id}")
+    config = {"taskId": task_id, "id": config_id, "url": push_url}
+    created = await call(http, url, caller, rpc("CreateTaskPushNotificationConfig", config))
+    assert created["result"]["id"] == config_id and created["result"]["url"] == push_url, created
+    key = {"taskId": task_id, "id": config_id}
+    got = await call(http, url, caller, rpc("GetTaskPushNotificationConfig", key))
+    assert got["result"]["id"] == config_id and got["result"]["url"] == push_url, got
+    listed = await call(
+        http, url, caller, rpc("ListTaskPushNotificationConfigs", {"taskId": task_id})
+    )
+    assert config_id in [found["id"] for found in listed["result"]["configs"]], listed
+    deleted = await call(http, url, caller, rpc("DeleteTaskPushNotificationConfig", key))
+    assert "result" in deleted, deleted
+    for params in (key, {"taskId": task_id, "id": "never-made"}):
+        gone = await call(http, url, caller, rpc("GetTaskPushNotificationConfig", params))
+        error_of(gone)
