@@ -209,7 +209,7 @@ async def test_the_card_describes_the_agent_to_a_token_that_may_call_it(
         await publish_agent(store, agent.id, agent.agent_actor_id, "Now about tides.")
         again = (await http.get(card_url, headers=caller.headers)).json()
         assert again["description"] == "Now about tides."
-        # The SDK's card route: an ETag to revalidate against.
+        # An ETag to revalidate against (tests/gateway/test_a2a_conformance.py: the rest).
         fresh = await http.get(card_url, headers=caller.headers)
         etag = fresh.headers["etag"]
         unchanged = await http.get(card_url, headers={**caller.headers, "If-None-Match": etag})
