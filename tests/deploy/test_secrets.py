@@ -16,7 +16,7 @@ import json
 import os
 import shlex
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from services.gateway.webhooks import WebhookWorker
 from tests.support.cli import run_yoke
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import ServiceProcess, eventually, free_port
-from tests.support.unprivileged import python_for
+from tests.support.unprivileged import python_for, readable_copies
 from yoke import topology
 from yoke.client import Client
 from yoke.ids import new_id
@@ -467,8 +467,17 @@ async def test_provisioning_says_when_the_operator_is_refused(
 # --- secrets out of reach of the programs the mesh starts ------------------------------------
 
 
+SNOOPING_SERVER = ROOT / "tests/support/snooping_mcp_server.py"
+
+
+@pytest.fixture
+def stack() -> Iterator[contextlib.ExitStack]:
+    with contextlib.ExitStack() as stack:
+        yield stack
+
+
 async def test_a_stdio_mcp_server_can_read_none_of_the_mesh_secrets(
-    store: Store, client: Client, new_join: JoinFactory, mesh: Mesh
+    store: Store, client: Client, new_join: JoinFactory, mesh: Mesh, stack: contextlib.ExitStack
 ) -> None:
     """The processor (as root here, with the services' password in its YOKE_AMQP_URL and an
     OpenAI key) starts a hostile server, which reads every ancestor's environ, cmdline and
@@ -476,7 +485,9 @@ async def test_a_stdio_mcp_server_can_read_none_of_the_mesh_secrets(
     still does its work (a HOME of its own it can write)."""
     python = python_for()
     assert python is not None, "no Python the unprivileged stdio user can run"
-    command = shlex.join([python, str(ROOT / "tests/support/snooping_mcp_server.py")])
+    # A copy the stdio user can read: the checkout may be where it cannot (a mode-0700 home).
+    server = stack.enter_context(readable_copies(SNOOPING_SERVER))[SNOOPING_SERVER]
+    command = shlex.join([python, str(server)])
     code, _, err = await run_yoke(
         mesh.env, "tools", "add-mcp", "snooping", "--command", command, "--timeout", "60",
         "--env", f"SNOOP_NEEDLES={TAG}", "--env", f"SNOOP_TOP={os.getpid()}",

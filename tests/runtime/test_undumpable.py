@@ -22,14 +22,16 @@ import pytest
 
 from tests.support.broker import fresh_vhost
 from tests.support.processes import ROOT, eventually, free_port
-from tests.support.unprivileged import hides_its_memory, python_for
+from tests.support.unprivileged import hides_its_memory, python_for, readable_copies
 
 HARDENING = ROOT / "shared/yoke/hardening.py"
 SECRET = f"hunter{uuid.uuid4().hex[:8]}"
 # Run as nobody: marks itself (or not) and has a child read its parent's environ and memory.
+# hardening.py is loaded from the path in argv[2]: a copy nobody can read (readable_copies), as
+# the checkout may be somewhere nobody cannot enter.
 PARENT = f"""
 import importlib.util, json, subprocess, sys
-spec = importlib.util.spec_from_file_location("hardening", {str(HARDENING)!r})
+spec = importlib.util.spec_from_file_location("hardening", sys.argv[2])
 hardening = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(hardening)
 if sys.argv[1] == "marked":
@@ -51,26 +53,27 @@ print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=Tr
 def read_by_own_child(marked: bool) -> dict[str, object]:
     """What a child of a process holding SECRET, of the same user, reads of its parent: run as
     ``nobody`` when the suite is root (root reads any process), else as the suite's user."""
-    argv = ["-c", PARENT, "marked" if marked else "plain"]
     env = {"SECRET": SECRET, "PATH": "/usr/bin:/bin"}
-    if os.geteuid() == 0:
-        python = python_for("nobody")
-        assert python is not None, "no Python 3.11+ that nobody can run (README: Security)"
-        done = subprocess.run(
-            [python, *argv],
-            user="nobody",
-            group=65534,
-            extra_groups=[],
-            cwd="/",
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    else:
-        done = subprocess.run(
-            [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=60
-        )
+    with readable_copies(HARDENING) as copies:
+        argv = ["-c", PARENT, "marked" if marked else "plain", str(copies[HARDENING])]
+        if os.geteuid() == 0:
+            python = python_for("nobody")
+            assert python is not None, "no Python 3.11+ that nobody can run (README: Security)"
+            done = subprocess.run(
+                [python, *argv],
+                user="nobody",
+                group=65534,
+                extra_groups=[],
+                cwd="/",
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        else:
+            done = subprocess.run(
+                [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=60
+            )
     assert done.returncode == 0, done.stderr
     found: dict[str, object] = json.loads(done.stdout)
     return found

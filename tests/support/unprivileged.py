@@ -9,11 +9,14 @@ Tests run as root, and a test machine's interpreter may live where ``nobody`` ca
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from yoke.tools.stdio_user import DEFAULT_USER
@@ -71,3 +74,23 @@ def hides_its_memory(pid: int) -> bool:
             return True
         return False
     return environ.stat().st_gid == 0
+
+
+@contextlib.contextmanager
+def readable_copies(*files: Path) -> Iterator[dict[Path, Path]]:
+    """Copies of ``files`` in a temporary directory every user may enter and read (each
+    file's copy by its original), removed after: what the unprivileged user must run from a
+    checkout it cannot reach (a clone under a mode-0700 directory, as root's home or
+    ``mktemp -d`` makes)."""
+    folder = Path(tempfile.mkdtemp(prefix="yoke-readable-"))
+    try:
+        folder.chmod(0o755)
+        copies = {}
+        for original in files:
+            copy = folder / original.name
+            shutil.copyfile(original, copy)
+            copy.chmod(0o644)
+            copies[original] = copy
+        yield copies
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -27,6 +27,7 @@ from yoke.runtime.catalog_store import LocalTools, ToolCatalog, listed_name, reg
 from yoke.settings import Settings
 from yoke.store import Store
 from yoke.text import printable
+from yoke.tools import stdio_user
 from yoke.tools.catalog import (
     DEFAULT_WORKER_TIMEOUT_SECONDS,
     MCP_SERVER_NAME,
@@ -148,12 +149,18 @@ async def add_mcp(args: argparse.Namespace) -> None:
         raise UsageError("--header goes with --url (a stdio server takes --env)")
     if not 0 < args.timeout <= MAX_MCP_TIMEOUT_SECONDS:
         raise UsageError(f"--timeout must be above 0 and at most {MAX_MCP_TIMEOUT_SECONDS:g}")
+    env = parse_env(args.env)
+    if command is not None:
+        # Run as the stdio user when the mesh is root: said now, not only in the processor's log.
+        problem = stdio_user.unreachable(command, env.get("PATH"))
+        if problem is not None:
+            raise UsageError(problem)
     server = McpServer(
         id=args.name,
         command=command,
         url=args.url,
         headers=parse_headers(args.header),
-        env=parse_env(args.env),
+        env=env,
         timeout_seconds=args.timeout,
     )
 

@@ -11,6 +11,12 @@ supplementary groups, ``no_new_privs`` so no set-user-id program gives root back
 working directory it can enter, then becomes the server's command. As a script it imports only
 the standard library, before and after the drop.
 
+``stdio_user.py USER --check -- COMMAND...`` only says whether ``USER`` can reach what root
+can of ``COMMAND`` (the program, and each argument naming an absolute path that exists): ``yoke
+tools add-mcp`` asks it (:func:`unreachable`), so that a server the stdio user cannot run (say,
+in a checkout under a mode-0700 home) is refused as it is registered, not only logged by the
+processor at each start.
+
 ``YOKE_MCP_STDIO_USER=root`` keeps root (for a server that needs it; it can then read the
 mesh's secrets). A processor that is not root starts its servers as its own user, whatever
 the setting: only root can change user.
@@ -22,7 +28,9 @@ import contextlib
 import ctypes
 import os
 import pwd
+import shutil
 import stat
+import subprocess
 import sys
 import tempfile
 
@@ -50,6 +58,63 @@ def server_command(command: list[str], user: str | None = None) -> list[str]:
     if user is None:
         return command
     return [sys.executable, "-I", "-S", os.path.abspath(__file__), user, "--", *command]
+
+
+def unreachable(command: list[str], path: str | None = None) -> str | None:
+    """Why the configured stdio user cannot run ``command`` as root could (None: it can, or
+    servers run as this process's own user). ``path``: the ``PATH`` the server is given."""
+    user = configured_user()
+    if user is None or not command:
+        return None
+    env = {"PATH": path or os.environ.get("PATH") or os.defpath}
+    argv = [sys.executable, "-I", "-S", os.path.abspath(__file__), user, "--check", "--"]
+    try:
+        done = subprocess.run(
+            [*argv, *command], env=env, capture_output=True, text=True, timeout=60, cwd="/"
+        )
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"the check as {user!r} could not run: {error}"
+    if done.returncode == 0:
+        return None
+    said = done.stderr.strip().splitlines()
+    return said[-1] if said else f"the check as {user!r} failed ({done.returncode})"
+
+
+def _targets(command: list[str]) -> list[tuple[str, int]]:
+    """What of ``command`` root reaches, as (path, access wanted): the program on ``PATH``
+    (or as a path), run; each argument that is an absolute path that exists, read."""
+    found: list[tuple[str, int]] = []
+    program = shutil.which(command[0])
+    if program is not None:
+        found.append((os.path.abspath(program), os.X_OK))
+    for argument in command[1:]:
+        if os.path.isabs(argument) and os.path.exists(argument):
+            wanted = os.R_OK | os.X_OK if os.path.isdir(argument) else os.R_OK
+            found.append((argument, wanted))
+    return found
+
+
+def check(user: str, command: list[str]) -> int:
+    """``--check``: 0 when ``user`` reaches all root reaches of ``command``, else a sentence on
+    stderr naming what it cannot (126)."""
+    targets = _targets(command)
+    try:
+        become(user)
+    except (OSError, LookupError) as error:
+        print(f"cannot become {user!r}: {error}", file=sys.stderr)
+        return CANNOT_RUN
+    for target, wanted in targets:
+        if not os.access(target, wanted):
+            verb = "run" if wanted == os.X_OK else "read"
+            print(
+                f"the stdio MCP server user {user!r} (YOKE_MCP_STDIO_USER) cannot {verb} "
+                f"{target}: the processor, running as root, starts stdio servers as that user; "
+                f"put the server where {user!r} can {verb} it (a directory every user may "
+                "enter), or set YOKE_MCP_STDIO_USER=root to keep root",
+                file=sys.stderr,
+            )
+            return CANNOT_RUN
+    return 0
 
 
 def _account(user: str) -> pwd.struct_passwd:
@@ -93,11 +158,16 @@ def become(user: str) -> None:
 
 def main(argv: list[str]) -> int:
     """``stdio_user.py USER -- COMMAND...``: become ``USER``, then ``COMMAND`` (never returns
-    when it starts)."""
+    when it starts); ``stdio_user.py USER --check -- COMMAND...``: :func:`check`."""
+    checking = len(argv) > 1 and argv[1] == "--check"
+    if checking:
+        argv = [argv[0], *argv[2:]]
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: stdio_user.py USER -- COMMAND...", file=sys.stderr)
+        print("usage: stdio_user.py USER [--check] -- COMMAND...", file=sys.stderr)
         return CANNOT_RUN
     user, command = argv[0], argv[2:]
+    if checking:
+        return check(user, command)
     try:
         become(user)
     except (OSError, LookupError) as error:
