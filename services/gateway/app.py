@@ -53,10 +53,9 @@ from services.gateway.limits import MAX_HEADER_BYTES, REFUSALS, gateway_protocol
 from services.gateway.stream import BindTimeout, ForumStream, Hub
 from services.gateway.webhooks import WebhookWorker
 from yoke import tracing
-from yoke.client import STOP_LINE, Client
+from yoke.client import Client
 from yoke.errors import EXIT_MISCONFIGURED, describe_validation_error, is_transient
 from yoke.hardening import make_undumpable
-from yoke.ids import new_id
 from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
 from yoke.logs import configure_logging
 from yoke.metrics import exposition
@@ -66,7 +65,7 @@ from yoke.models import (
     CommandAuthor,
     Conversation,
     Message,
-    SubmitMessage,
+    SubmitReply,
     WireModel,
     check_storable,
     unstorable,
@@ -273,21 +272,23 @@ async def submit_line(
     idempotency_key: str | None,
 ) -> JSONResponse:
     """One line in the forum as the token's person ``author``: 202 with its id, or the door's
-    refusal as an error. Every line the gateway writes comes here."""
-    command = SubmitMessage(
-        conversation_id=forum.id,
-        author=CommandAuthor(
-            external_id=token.namespaced(author.external_id),
-            display_name=author.display_name,
-        ),
-        text=text,
-        # Namespaced too: one token's key never finds another token's line.
-        idempotency_key=token.namespaced(idempotency_key or new_id()),
+    refusal as an error (the REST door's lines; every door builds its commands with
+    :func:`submitting.line_command`)."""
+    command = submitting.line_command(token, forum.id, person(token, author), text, idempotency_key)
+    return accepted(await submitting.submit_line(state, command))
+
+
+def person(token: Token, author: PostAuthor) -> CommandAuthor:
+    """One of the token's people, as the door knows them (their id in its namespace)."""
+    return CommandAuthor(
+        external_id=token.namespaced(author.external_id), display_name=author.display_name
     )
-    reply = await submitting.submit_line(state, command)
+
+
+def accepted(reply: SubmitReply) -> JSONResponse:
     assert reply.message_id is not None
-    accepted = Accepted(message_id=reply.message_id, duplicate=bool(reply.duplicate))
-    return JSONResponse(accepted.to_wire(), status_code=202)
+    body = Accepted(message_id=reply.message_id, duplicate=bool(reply.duplicate))
+    return JSONResponse(body.to_wire(), status_code=202)
 
 
 class PostStop(WireModel):
@@ -318,8 +319,10 @@ async def stop_agents(
 ) -> JSONResponse:
     stop = parse_body(await read_body(request, 16384), PostStop)
     check_idempotency_key(request, idempotency_key)
-    state = gateway(request)
-    return await submit_line(state, forum, token, stop.author, STOP_LINE, idempotency_key)
+    author = person(token, stop.author)
+    return accepted(
+        await submitting.stop_forum(gateway(request), token, forum.id, author, idempotency_key)
+    )
 
 
 class PostDecision(WireModel):

@@ -25,10 +25,8 @@ from dataclasses import dataclass
 from services.gateway.deps import Gateway, unavailable
 from services.gateway.limits import REFUSALS
 from services.gateway.stream import BindTimeout
-from services.gateway.submitting import submit_line
+from services.gateway.submitting import line_command, stop_forum, submit_line
 from yoke import publishing
-from yoke.client import STOP_LINE
-from yoke.ids import new_id
 from yoke.models import (
     AgentDelta,
     ApprovalRequested,
@@ -37,7 +35,6 @@ from yoke.models import (
     KeptForum,
     Message,
     MessagePosted,
-    SubmitMessage,
 )
 from yoke.publishing import PublishedAgent, find_published, published_agents
 from yoke.store import Store
@@ -121,12 +118,13 @@ async def post_line(
     """The caller's line in its kept forum, as stored (its seq is where the answer is looked
     for after); the door's refusal as an :class:`ApiError` (429 with Retry-After past the
     token's lines per minute, 413, 503 when the mesh does not answer)."""
-    command = SubmitMessage(
-        conversation_id=kept_forum_id(token, door, agent, key),
-        author=CommandAuthor(external_id=caller_id(token, door), display_name=token.id),
-        text=text,
-        idempotency_key=token.namespaced(idempotency_key or new_id()),
-        kept=KeptForum(door=door, agent=agent.id, key=key),
+    command = line_command(
+        token,
+        kept_forum_id(token, door, agent, key),
+        caller_author(token, door),
+        text,
+        idempotency_key,
+        KeptForum(door=door, agent=agent.id, key=key),
     )
     reply = await submit_line(state, command)
     assert reply.message_id is not None
@@ -139,13 +137,12 @@ async def post_line(
 async def stop_turn(state: Gateway, token: Token, door: CallerDoor, forum_id: str) -> None:
     """``/stop`` in the caller's forum, as its caller: every agent there stops (as a person's
     ``/stop`` would)."""
-    command = SubmitMessage(
-        conversation_id=forum_id,
-        author=CommandAuthor(external_id=caller_id(token, door), display_name=token.id),
-        text=STOP_LINE,
-        idempotency_key=token.namespaced(new_id()),
-    )
-    await submit_line(state, command)
+    await stop_forum(state, token, forum_id, caller_author(token, door))
+
+
+def caller_author(token: Token, door: CallerDoor) -> CommandAuthor:
+    """Who a door's caller speaks as: the token, one caller per token and door."""
+    return CommandAuthor(external_id=caller_id(token, door), display_name=token.id)
 
 
 def outcome_of(line: Message, candidate: Message) -> TurnEvent | None:

@@ -9,7 +9,10 @@ from collections.abc import Awaitable, Mapping
 
 from services.gateway.deps import ApiError, Gateway, unavailable
 from services.gateway.limits import REFUSALS
-from yoke.models import SubmitMessage, SubmitReply
+from yoke.client import STOP_LINE
+from yoke.ids import new_id
+from yoke.models import CommandAuthor, KeptForum, SubmitMessage, SubmitReply
+from yoke.tokens import Token
 
 log = logging.getLogger(__name__)
 
@@ -58,3 +61,36 @@ async def submit_line(state: Gateway, command: SubmitMessage) -> SubmitReply:
         raise ApiError(STATUS_OF_CODE.get(code, 400), code, reply.error or "rejected")
     assert reply.message_id is not None
     return reply
+
+
+def line_command(
+    token: Token,
+    forum_id: str,
+    author: CommandAuthor,
+    text: str,
+    idempotency_key: str | None = None,
+    kept: KeptForum | None = None,
+) -> SubmitMessage:
+    """The command of a line the gateway writes for ``token``: its idempotency key in the
+    token's namespace, so one token's key never finds another token's line (invariant 13)."""
+    return SubmitMessage(
+        conversation_id=forum_id,
+        author=author,
+        text=text,
+        idempotency_key=token.namespaced(idempotency_key or new_id()),
+        kept=kept,
+    )
+
+
+async def stop_forum(
+    state: Gateway,
+    token: Token,
+    forum_id: str,
+    author: CommandAuthor,
+    idempotency_key: str | None = None,
+) -> SubmitReply:
+    """``/stop`` in the forum as ``author``, exactly as if they had typed it: every agent there
+    stops (the REST door's stop and an A2A ``tasks/cancel`` alike)."""
+    return await submit_line(
+        state, line_command(token, forum_id, author, STOP_LINE, idempotency_key)
+    )
