@@ -263,6 +263,12 @@ async def user_lines(store: Store, forum_id: str, count: int) -> list[Message]:
     return [line for line in lines if line.role == "user"]
 
 
+async def answered(store: Store, forum_id: str) -> None:
+    """Once the agent has answered in ``forum_id``: a test leaves no slow turn running into the
+    next (whose store operations it would count)."""
+    await lines_until(store, forum_id, lambda found: any(line.role == "agent" for line in found))
+
+
 async def collect(session: ClientSession, agent: PublishedAgent, key: str) -> list[str]:
     """What the first call in conversation ``key`` that is not told "still working" returns
     (the slow model answers within a few calls' deadlines, even on a loaded machine)."""
@@ -364,6 +370,8 @@ async def test_a_waiting_call_holds_one_of_the_tokens_streams_and_its_debts_are_
         # Its streams released, the token calls again.
         answer, _ = await collect(session, slow, keys[1])
     assert answer == keys[1]
+    for key in keys:
+        await answered(store, kept_forum_id(caller.token, "mcp", slow, key))
 
 
 async def test_a_collecting_call_counts_against_the_tokens_lines_per_minute(
@@ -383,6 +391,7 @@ async def test_a_collecting_call_counts_against_the_tokens_lines_per_minute(
     assert refused.is_error, refused
     assert re.search(r"retry after [0-9]+ s", text_of(refused)[0]), refused
     assert len(await owed_in(store, forum_id)) == 1  # still owed, for when the minute is over
+    await answered(store, forum_id)
 
 
 async def test_a_call_waiting_for_an_approver_says_so_and_is_answered_once_approved(
