@@ -154,8 +154,8 @@ async def forums(
     state = gateway(request)
     store = state.store
     cursor: int | None = None
-    if token.forums is not None:
-        forum_ids = token.forums
+    if not token.all_forums:
+        forum_ids = token.forums or []
     else:
         forum_ids, cursor = await ForumList.of(store).page(before, limit)
     found = [await store.get_conversation(forum_id) for forum_id in forum_ids]
@@ -343,14 +343,15 @@ async def dead_letter_list(request: Request, token: TokenDep) -> JSONResponse:
     """Webhook dead letters of the forums in scope; the mesh's (monologue lines among them)
     for all-forums tokens that may read monologues."""
     state = gateway(request)
-    letters = await dead_letters(state.store, token.forums, limit=DEAD_LETTERS_SHOWN)
+    scope = None if token.all_forums else (token.forums or [])
+    letters = await dead_letters(state.store, scope, limit=DEAD_LETTERS_SHOWN)
     body: dict[str, Any] = {"webhooks": [letter.to_wire() for letter in letters]}
     body["mesh"] = await mesh_dead_letters(state.settings.amqp_url) if everything(token) else None
     return JSONResponse(body)
 
 
 def everything(token: Token) -> bool:
-    return token.forums is None and token.can_read_monologues
+    return token.all_forums and token.can_read_monologues
 
 
 async def mesh_dead_letters(amqp_url: str) -> list[dict[str, object]] | str:

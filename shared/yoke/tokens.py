@@ -40,8 +40,9 @@ class TokenError(Exception):
 
 
 class Token(Document):
-    """A stored token: its name (``id``), the secret's hash, its forums (None: all), and whether
-    its callers may decide approvals and read the agents' monologues in those forums."""
+    """A stored token: its name (``id``), the secret's hash, its forums (None: all, unless it
+    may call agents), and whether its callers may decide approvals and read the agents'
+    monologues in those forums."""
 
     hash: str
     forums: list[str] | None = None
@@ -53,8 +54,15 @@ class Token(Document):
     # None on tokens stored before namespaces were random: their name is their namespace.
     namespace: str | None = None
 
+    @property
+    def all_forums(self) -> bool:
+        """Every forum is in scope: a token made without ``--forum`` and not to call agents. A
+        caller's token (``--can-call``) reaches only the forums it was given: its calls go to
+        forums kept for it, never to anyone else's (invariant 13)."""
+        return self.forums is None and not self.can_call
+
     def allows(self, forum_id: str) -> bool:
-        return self.forums is None or forum_id in self.forums
+        return self.all_forums or forum_id in (self.forums or [])
 
     def may_call(self, name: str) -> bool:
         return name in self.can_call

@@ -190,6 +190,33 @@ async def test_scope_is_checked_before_the_forum_exists(
     assert await store.history(other.id) == []
 
 
+async def test_a_token_made_to_call_agents_reaches_no_forum_it_was_not_given(
+    http: httpx.AsyncClient, store: Store, tokens: Tokens, new_join: JoinFactory
+) -> None:
+    forum_id, _ = await new_join()
+    named = await create_forum(store, "given")
+    # As docs/agents-as-tools.md makes a caller's token: --can-call, no --forum.
+    env = cli_env_of(store)
+    name = f"caller-{new_id()[:8]}"
+    code, out, err = await run_yoke(env, "token", "create", "--name", name, "--can-call", "x")
+    assert code == 0, err
+    assert "all forums" not in out, out
+    caller = out.strip().splitlines()[-1]
+    for method, template in ENDPOINTS:
+        response = await call(http, method, template.format(forum=forum_id), bearer(caller))
+        assert_error(response, 403, "forbidden")
+    listed = await http.get("/console/api/forums", headers=bearer(caller))
+    assert listed.status_code == 200 and listed.json()["forums"] == [], listed.text
+    letters = await http.get("/console/api/dead-letters", headers=bearer(caller))
+    assert letters.status_code == 200 and letters.json()["mesh"] is None, letters.text
+    # Forums named with --forum it does reach, as any token's.
+    _, both = await create_token(store, f"both-{new_id()[:8]}", [named.id], can_call=["x"])
+    response = await http.get(f"/v1/forums/{named.id}/messages", headers=bearer(both))
+    assert response.status_code == 200, response.text
+    response = await http.get(f"/v1/forums/{forum_id}/messages", headers=bearer(both))
+    assert_error(response, 403, "forbidden")
+
+
 def cli_env_of(store: Store) -> dict[str, str]:
     """``yoke`` pointed at the store's database."""
     host, port = next(iter(store.client.topology_description.server_descriptions()))

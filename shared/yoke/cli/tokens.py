@@ -38,7 +38,10 @@ async def _create(store: Store, args: argparse.Namespace) -> None:
         can_read_monologues=args.can_read_monologues,
         can_call=args.can_call,
     )
-    scope = ", ".join(token.forums) if token.forums else "all forums"
+    if token.forums:
+        scope = ", ".join(token.forums)
+    else:
+        scope = "all forums" if token.all_forums else "no forum (it only calls agents)"
     rights = "".join(
         f"; it may {right}"
         for right, has in (
