@@ -134,10 +134,14 @@ async def post_line(
     return line
 
 
-async def stop_turn(state: Gateway, token: Token, door: CallerDoor, forum_id: str) -> None:
-    """``/stop`` in the caller's forum, as its caller: every agent there stops (as a person's
-    ``/stop`` would)."""
-    await stop_forum(state, token, forum_id, caller_author(token, door))
+async def stop_turn(
+    state: Gateway, token: Token, door: CallerDoor, agent: PublishedAgent, key: str
+) -> None:
+    """``/stop`` in the caller's forum (kept for its ``key``), as its caller: every agent
+    there stops (as a person's ``/stop`` would)."""
+    kept = KeptForum(door=door, agent=agent.id, key=key)
+    forum_id = kept_forum_id(token, door, agent, key)
+    await stop_forum(state, token, forum_id, caller_author(token, door), kept=kept)
 
 
 def caller_author(token: Token, door: CallerDoor) -> CommandAuthor:

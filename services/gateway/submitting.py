@@ -88,9 +88,10 @@ async def stop_forum(
     forum_id: str,
     author: CommandAuthor,
     idempotency_key: str | None = None,
+    kept: KeptForum | None = None,
 ) -> SubmitReply:
     """``/stop`` in the forum as ``author``, exactly as if they had typed it: every agent there
-    stops (the REST door's stop and an A2A ``tasks/cancel`` alike)."""
+    stops (the REST door's stop and an A2A ``tasks/cancel`` in its caller's kept forum)."""
     return await submit_line(
-        state, line_command(token, forum_id, author, STOP_LINE, idempotency_key)
+        state, line_command(token, forum_id, author, STOP_LINE, idempotency_key, kept)
     )

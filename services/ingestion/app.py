@@ -342,6 +342,13 @@ class Door:
             return SubmitReply.rejected(
                 "not_a_forum", f"conversation {forum.id!r} is a {forum.kind}; submit to a forum"
             )
+        if forum.kept_for is not None and (command.kept is None or not limited):
+            # open_kept checked a door's line is its caller's own (its namespace, its forum).
+            return SubmitReply.rejected(
+                "not_allowed",
+                f"conversation {forum.id!r} is kept for a caller of a published agent: only "
+                "that caller writes there, through the gateway's MCP or A2A door",
+            )
         refused = None if limited else await self.over_limit(user, key, message_id)
         if refused is not None:
             return refused

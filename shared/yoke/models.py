@@ -71,6 +71,9 @@ class Actor(Document):
 class Conversation(Document):
     kind: Literal["forum", "monologue"]
     title: str = ""
+    # A forum kept for a caller of the gateway's MCP or A2A door: its token's namespace. Only
+    # that caller's door writes there (no bridge, no REST line, no other token).
+    kept_for: str | None = None
     # A hint only (updates are not atomic on FerretDB): the seq owner is the unique index.
     last_seq: int = 0
     created_at: datetime = Field(default_factory=utcnow)

@@ -312,6 +312,14 @@ class Store:
         conversation = await self.get_conversation(conversation_id)
         return conversation.kind if conversation is not None else "unknown"
 
+    async def mark_kept(self, conversation_id: str, namespace: str) -> None:
+        """Say whose kept forum a forum made before forums said so is (the one change a
+        conversation sees: the process's copy is read again)."""
+        await self.conversations.update_one(
+            {"_id": conversation_id}, {"$set": {"keptFor": namespace}}
+        )
+        self._conversations.pop(conversation_id, None)
+
     async def get_conversation(self, conversation_id: str) -> Conversation | None:
         """A conversation; never changed once written, so each is read once per process."""
         if (known := self._conversations.get(conversation_id)) is not None:

@@ -234,7 +234,7 @@ class MeshRequestHandler(DefaultRequestHandlerV2):
             )
         if record.forum_id is not None and record.line_id is not None:
             try:
-                await stop_turn(caller.state, caller.token, DOOR, record.forum_id)
+                await stop_turn(caller.state, caller.token, DOOR, caller.agent, record.context_id)
             except ApiError as refused:
                 raise refusal(refused) from refused
             line = await caller.state.store.get_message(record.line_id)

@@ -125,9 +125,11 @@ def agent_while_busy(agent: Actor) -> WhileBusy:
     return modes.get(agent.meta.get("whileBusy"), "queue")
 
 
-async def create_forum(store: Store, title: str, *, forum_id: str | None = None) -> Conversation:
+async def create_forum(
+    store: Store, title: str, *, forum_id: str | None = None, kept_for: str | None = None
+) -> Conversation:
     forum = await store.save_conversation(
-        Conversation(id=forum_id or new_id(), kind="forum", title=title)
+        Conversation(id=forum_id or new_id(), kind="forum", title=title, kept_for=kept_for)
     )
     await ForumList.of(store).add(forum)  # listed newest first, page by page (the console)
     return forum

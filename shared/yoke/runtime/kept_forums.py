@@ -32,6 +32,7 @@ class Opening:
     title: str
     published: PublishedAgent
     seen: str
+    namespace: str
 
 
 class KeptForums:
@@ -56,13 +57,18 @@ class KeptForums:
                 f"conversation {forum_id!r} is not the forum kept for this caller's "
                 f"{kept.door} key with {kept.agent!r}"
             )
-        return Opening(forum_id, f"{kept.door} caller of {published.id}", published, seen)
+        title = f"{kept.door} caller of {published.id}"
+        return Opening(forum_id, title, published, seen, namespace)
 
     async def open(self, opening: Opening) -> None:
         """Make the forum and join its agent where they are not yet (idempotent)."""
         forum = await self.store.get_conversation(opening.forum_id)
         if forum is None:
-            forum = await create_forum(self.store, opening.title, forum_id=opening.forum_id)
+            forum = await create_forum(
+                self.store, opening.title, forum_id=opening.forum_id, kept_for=opening.namespace
+            )
+        elif forum.kept_for is None:  # kept before forums said whose they are
+            await self.store.mark_kept(forum.id, opening.namespace)
         agent = opening.published.agent_actor_id
         # Joined again if a crash came between the forum and its join.
         participant = await self.store.get_participant(participant_id(forum.id, agent))
