@@ -326,23 +326,48 @@ class McpDoor:
         message: str,
         ctx: ServerRequestContext[Any],
     ) -> tuple[Outcome, CallToolResult]:
-        """The conversation's oldest owed answer if there is one (``message`` is not sent),
-        else ``message`` posted and its answer."""
-        progress = Progress(ctx)
+        """The conversation's oldest owed answer whose turn has ended, if there is one and this
+        call is the one to hand it back (``message`` is not sent), else ``message`` posted and
+        its answer: while an owed turn still runs, a new message (a ``/stop``) gets through."""
         owner = _owner(token)
-        debt = await owed_answers.oldest_owed(
-            state.store, calling.kept_forum_id(token, DOOR, agent, key)
-        )
-        if debt is not None:
-            refused = await self._count_collecting(owner)
-            if refused is not None:
-                return "rate_limited", refused
-            return await self._follow(state, agent, key, debt.line, owner, progress, debt=debt)
+        forum_id = calling.kept_forum_id(token, DOOR, agent, key)
+        collected = await self._collect(state, forum_id, owner)
+        if collected is not None:
+            return collected
+        # Once the mesh has the line, its answer is owed if the caller goes: the post is not cut
+        # short by the caller going (the cancellation lands in _follow, which owes it).
         try:
-            line = await calling.post_line(state, token, DOOR, agent, key, message)
+            with anyio.CancelScope(shield=True):
+                line = await calling.post_line(state, token, DOOR, agent, key, message)
         except ApiError as error:
             return _refused_line(error)
-        return await self._follow(state, agent, key, line, owner, progress, debt=None)
+        return await self._follow(state, agent, key, line, owner, Progress(ctx))
+
+    async def _collect(
+        self, state: Gateway, forum_id: str, owner: str
+    ) -> tuple[Outcome, CallToolResult] | None:
+        """The oldest owed answer of the forum handed back, if its turn has ended (in the store)
+        and this call's claim on it wins; None when there is none to hand back."""
+        store = state.store
+        for debt in await owed_answers.owed(store, forum_id):
+            ended = await calling.turn_outcome(store, forum_id, debt.line)
+            if ended is None:
+                return None  # it still runs (its answers come in order): the message goes
+            # Claimed, it is paid or given back whatever the caller does meanwhile.
+            with anyio.CancelScope(shield=True):
+                if not await owed_answers.claim(store, debt):
+                    continue  # another call hands it back
+                try:
+                    refused = await self._count_collecting(owner)
+                    if refused is not None:
+                        await owed_answers.give_back(store, debt)
+                        return "rate_limited", refused
+                    await owed_answers.paid(store, debt)
+                except BaseException:
+                    await owed_answers.give_back(store, debt)
+                    raise
+            return _handed_back(ended)
+        return None
 
     async def _count_collecting(self, owner: str) -> CallToolResult | None:
         """A collecting call counted as one of the token's lines (the door counts those under
@@ -365,12 +390,9 @@ class McpDoor:
         line: Message,
         owner: str,
         progress: Progress,
-        *,
-        debt: owed_answers.Debt | None,
     ) -> tuple[Outcome, CallToolResult]:
         """Follow ``line``'s turn to its end or the deadline; on the deadline (or a caller that
-        went) the answer is owed to the conversation, and a later call collects it. ``debt``:
-        the line's answer was owed, and is paid once handed back."""
+        went) the answer is owed to the conversation, and a later call collects it."""
         forum_id = line.conversation_id
         limit = self.settings.mcp_owed_answers_per_token
 
@@ -404,22 +426,16 @@ class McpDoor:
             seconds = self.settings.mcp_call_timeout_seconds
             text = (
                 f"{agent.id} is still working on your message (past {seconds:g} s). Its answer "
-                f"stays in your conversation {key!r}: call {agent.id} again with conversation="
-                f"{key!r} to collect it."
+                f"stays in your conversation {key!r}: once it is ready, the next call of "
+                f"{agent.id} with conversation={key!r} returns it instead of sending that "
+                "call's message; until then, calls there send their messages as usual."
             )
             return "timeout", CallToolResult(content=[TextContent(type="text", text=text)])
-        if debt is not None:
-            await owed_answers.paid(state.store, debt)
         if isinstance(ended, calling.Failed):
             return "failed", _error(ended.text)
-        content = [TextContent(type="text", text=ended.message.text)]
-        if debt is not None:
-            note = (
-                "That was the answer to your earlier message in this conversation, which ran "
-                "out of time; this call's message was not sent: call again to send it."
-            )
-            content.append(TextContent(type="text", text=note))
-        return "answered", CallToolResult(content=content)
+        return "answered", CallToolResult(
+            content=[TextContent(type="text", text=ended.message.text)]
+        )
 
 
 class Progress:
@@ -459,6 +475,21 @@ def _tool(agent: PublishedAgent) -> Tool:
 
 def _error(text: str) -> CallToolResult:
     return CallToolResult(content=[TextContent(type="text", text=text)], is_error=True)
+
+
+def _handed_back(ended: calling.Outcome) -> tuple[Outcome, CallToolResult]:
+    """An owed turn's end handed back instead of sending the call's message, which it says."""
+    note = (
+        "That was {} your earlier message in this conversation, whose call ended before it; "
+        "this call's message was not sent: call again to send it."
+    )
+    if isinstance(ended, calling.Failed):
+        words = [ended.text, note.format("how it ended for")]
+        return "failed", CallToolResult(
+            content=[TextContent(type="text", text=text) for text in words], is_error=True
+        )
+    words = [ended.message.text, note.format("the answer to")]
+    return "answered", CallToolResult(content=[TextContent(type="text", text=t) for t in words])
 
 
 def _refused_line(error: ApiError) -> tuple[Outcome, CallToolResult]:

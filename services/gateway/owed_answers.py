@@ -4,9 +4,16 @@ leaves its line's answer to be collected by a later call in that conversation.
 One document per line whose answer is owed (``_id`` ``<forum id>/<line id>``, with the forum,
 the line and its seq, and the token namespace it is owed to): two calls of one conversation
 that both ran out of time each told their caller to call again, so both answers are owed, and
-the calls after hand them back one each, the oldest line first. A call deletes exactly the debt
-it handed back, never one another call wrote meanwhile. Written once (owed again, it keeps the
-age it was first owed at, so retention still ages it), deleted when handed back.
+the calls after hand them back one each, the oldest line first. Written once (owed again, it
+keeps the age it was first owed at, so retention still ages it).
+
+Handing a debt back is decided by a unique insert (invariant 8: on FerretDB a read and a
+delete are no claim): the call whose claim (``_id`` ``claim:<debt id>``) is inserted hands the
+debt back, deletes it, then deletes its claim; a call whose insert loses treats the debt as
+absent. The winner reads the debt again after winning, as a claim given back after its debt
+was paid is one another call can win. A claim is held only while its call pays (given back if
+that call is refused or fails); one left by a gateway that died meanwhile keeps its debt from
+being handed back (its answer stays in the forum) until retention takes both.
 
 The gateway's own bookkeeping, like a webhook's cursor (its MongoDB role may write only such
 collections), and in the store, not in a process: any replica collects what another owes.
@@ -27,9 +34,10 @@ from yoke.store import Store
 
 COLLECTION = "mcp_owed_answers"
 KEEP_DAYS = 1.0
-# A forum whose lines were deleted under its debts is looked at this many times in one call at
-# most (each a debt of a deleted line, dropped), so a lookup stays bounded.
+# A forum's debts looked at in one call at most, the oldest first (a debt of a deleted line is
+# dropped on the way), so a lookup stays bounded.
 MAX_STALE_DEBTS = 10
+CLAIM_PREFIX = "claim:"
 
 
 @dataclass(frozen=True)
@@ -57,20 +65,43 @@ def debt_id(forum_id: str, line: Message) -> str:
     return f"{forum_id}/{line.id}"
 
 
-async def oldest_owed(store: Store, forum_id: str) -> Debt | None:
-    """The forum's oldest line whose answer its caller has not had, if any: one indexed read
-    (and one more for the line when there is one)."""
+async def owed(store: Store, forum_id: str) -> list[Debt]:
+    """The forum's lines whose answers their callers have not had, the oldest first (at most
+    :data:`MAX_STALE_DEBTS`): one indexed read, and one for each line."""
     collection = store.db[COLLECTION]
-    for _ in range(MAX_STALE_DEBTS):
-        found = await collection.find_one({"forumId": forum_id}, sort=[("lineSeq", 1)])
-        if found is None:
-            return None
-        line = await store.get_message(str(found["lineId"]))
-        if line is not None:
-            return Debt(str(found["_id"]), line)
-        # The forum's lines were deleted meanwhile: nothing is owed for that one any more.
-        await collection.delete_one({"_id": found["_id"]})
-    return None
+    found = collection.find({"forumId": forum_id}).sort("lineSeq", 1).limit(MAX_STALE_DEBTS)
+    debts = []
+    async for document in found:
+        line = await store.get_message(str(document["lineId"]))
+        if line is None:
+            # The forum's lines were deleted meanwhile: nothing is owed for that one any more.
+            await collection.delete_one({"_id": document["_id"]})
+            continue
+        debts.append(Debt(str(document["_id"]), line))
+    return debts
+
+
+def claim_id(debt: Debt) -> str:
+    return CLAIM_PREFIX + debt.id
+
+
+async def claim(store: Store, debt: Debt) -> bool:
+    """Whether this call is the one to hand ``debt`` back: its claim inserted, and the debt
+    still owed (not paid by the claim's holder before). A call that wins must
+    :func:`paid` or :func:`give_back`."""
+    collection = store.db[COLLECTION]
+    claimed = {"_id": claim_id(debt), "at": utcnow(), BUCKET_FIELD: day_bucket()}
+    if not await store.insert_if_absent(collection, claimed):
+        return False
+    if await collection.find_one({"_id": debt.id}, {"_id": 1}) is None:
+        await give_back(store, debt)  # paid by the claim's holder before: owed no more
+        return False
+    return True
+
+
+async def give_back(store: Store, debt: Debt) -> None:
+    """The claim on ``debt`` given up: it is owed still, for a later call to hand back."""
+    await store.db[COLLECTION].delete_one({"_id": claim_id(debt)})
 
 
 async def owe(store: Store, forum_id: str, line: Message, owner: str, limit: int) -> None:
@@ -104,5 +135,8 @@ async def _bound(store: Store, owner: str, limit: int) -> None:
 
 
 async def paid(store: Store, debt: Debt) -> None:
-    """The debt handed back: exactly it, never a debt of the same forum written meanwhile."""
+    """The claimed debt handed back: exactly it (never a debt of the same forum written
+    meanwhile), then its claim (after the debt: a call that wins the claim next finds no
+    debt)."""
     await store.db[COLLECTION].delete_one({"_id": debt.id})
+    await give_back(store, debt)

@@ -30,14 +30,14 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.types import INVALID_PARAMS, METHOD_NOT_FOUND, CallToolResult, TextContent
 
 from services.gateway import owed_answers
-from services.gateway.calling import caller_id, kept_forum_id
+from services.gateway.calling import caller_id, kept_forum_id, turn_outcome
 from services.gateway.mcp_door import DEFAULT_CONVERSATION
 from tests.support.fake_openai import FakeOpenAI, openai_env
 from tests.support.gateway_process import metric, running_gateway
 from tests.support.mesh import Mesh, lines_until
+from tests.support.processes import eventually
 from tests.support.published import Agents
 from tests.support.store_operations import breakdown, http_turn, settled_operations, total
-from yoke.ages import BUCKET_FIELD
 from yoke.models import Message
 from yoke.publishing import PublishedAgent, publish_agent, unpublish_agent
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
@@ -227,19 +227,14 @@ async def test_past_the_deadline_the_answer_names_the_conversation_and_a_call_th
         assert "still working" in said and "conversation='slow one'" in said
         assert await calls_counted(gateway_url, "timeout") == timed_out + 1
 
-        # A call there collects the answer (the slow model is done before the second call's
-        # deadline on a quiet machine; on a loaded one a call may say "still working" again)
-        # and sends nothing of its own.
-        for _ in range(5):
-            again = await session.call_tool(
-                slow.id, {"message": "well?", "conversation": "slow one"}
-            )
-            assert not again.is_error, again
-            if "still working" not in text_of(again)[0]:
-                break
+        # Once the answer is in, a call there collects it and sends nothing of its own.
+        forum_id = kept_forum_id(caller.token, "mcp", slow, "slow one")
+        [line] = await user_lines(store, forum_id, 1)
+        await turn_ended(store, forum_id, line)
+        again = await session.call_tool(slow.id, {"message": "well?", "conversation": "slow one"})
+        assert not again.is_error, again
         answer, note = text_of(again)
         assert answer == "take your time" and "not sent" in note
-    forum_id = kept_forum_id(caller.token, "mcp", slow, "slow one")
     lines = await store.history(forum_id, after_seq=0, up_to_seq=await store.last_seq(forum_id))
     assert [line.text for line in lines if line.role == "user"] == ["take your time"]
     # Collected, it is owed no more: the conversation's next call sends its message.
@@ -269,17 +264,28 @@ async def answered(store: Store, forum_id: str) -> None:
     await lines_until(store, forum_id, lambda found: any(line.role == "agent" for line in found))
 
 
-async def collect(session: ClientSession, agent: PublishedAgent, key: str) -> list[str]:
-    """What the first call in conversation ``key`` that is not told "still working" returns
-    (the slow model answers within a few calls' deadlines, even on a loaded machine)."""
-    deadline = time.monotonic() + 180
-    while True:
-        result = await session.call_tool(agent.id, {"message": "well?", "conversation": key})
-        assert not result.is_error, result
-        said = text_of(result)
-        if "still working" not in said[0]:
-            return said
-        assert time.monotonic() < deadline, said
+async def turn_ended(store: Store, forum_id: str, line: Message) -> None:
+    """Once ``line``'s turn has ended in the store (the slow model answers within a few
+    calls' deadlines, even on a loaded machine)."""
+
+    async def check() -> bool:
+        return await turn_outcome(store, forum_id, line) is not None
+
+    await eventually(check, timeout=180, what=f"the end of {line.text!r}'s turn")
+
+
+async def collect(
+    session: ClientSession, store: Store, agent: PublishedAgent, forum_id: str, key: str
+) -> list[str]:
+    """What a call in conversation ``key`` returns once the oldest answer owed there is in (a
+    call before would send its own message)."""
+    [oldest, *_] = await owed_in(store, forum_id)
+    line = await store.get_message(oldest["lineId"])
+    assert line is not None
+    await turn_ended(store, forum_id, line)
+    result = await session.call_tool(agent.id, {"message": "well?", "conversation": key})
+    assert not result.is_error, result
+    return text_of(result)
 
 
 async def test_calls_that_ran_out_of_time_together_are_each_collected_oldest_first(
@@ -301,11 +307,11 @@ async def test_calls_that_ran_out_of_time_together_are_each_collected_oldest_fir
         line_first, line_second = await user_lines(store, forum_id, 2)
 
         # Each caller was told to call again: each answer is handed back, the oldest first.
-        answer, note = await collect(session, slow, "pair")
+        answer, note = await collect(session, store, slow, forum_id, "pair")
         assert answer == "first" and "not sent" in note
         # Only what was handed back is paid: the second answer is still owed.
         assert [owed["lineId"] for owed in await owed_in(store, forum_id)] == [line_second.id]
-        answer, note = await collect(session, slow, "pair")
+        answer, note = await collect(session, store, slow, forum_id, "pair")
         assert answer == "second" and "not sent" in note
     assert await owed_in(store, forum_id) == []
     assert [line.id for line in await user_lines(store, forum_id, 2)] == [
@@ -314,24 +320,28 @@ async def test_calls_that_ran_out_of_time_together_are_each_collected_oldest_fir
     ]
 
 
-async def test_an_answer_owed_again_keeps_the_age_it_was_first_owed_at(
+async def test_a_call_while_the_owed_turn_runs_sends_its_message_and_the_debt_keeps_its_age(
     gateway_url: str, agents: Agents, store: Store
 ) -> None:
-    # Slow enough that the collecting call runs out of time too, even started late.
-    slower = await agents.publish(model="fixture-slow-24")
-    caller = await agents.caller(slower.id)
-    forum_id = kept_forum_id(caller.token, "mcp", slower, "aging")
+    slow = await agents.publish(model=SLOW_MODEL)
+    caller = await agents.caller(slow.id)
+    forum_id = kept_forum_id(caller.token, "mcp", slow, "aging")
     async with mcp_session(gateway_url, caller.secret) as session:
-        result = await session.call_tool(slower.id, {"message": "age me", "conversation": "aging"})
+        result = await session.call_tool(slow.id, {"message": "age me", "conversation": "aging"})
         assert "still working" in text_of(result)[0], result
         [owed] = await owed_in(store, forum_id)
-        again = await session.call_tool(slower.id, {"message": "well?", "conversation": "aging"})
-        assert "still working" in text_of(again)[0], again
-        [still] = await owed_in(store, forum_id)
-        # Owed again, not anew: retention ages it from when it was first owed.
-        assert (still["at"], still[BUCKET_FIELD]) == (owed["at"], owed[BUCKET_FIELD])
-        answer, _ = await collect(session, slower, "aging")
-    assert answer == "age me"
+        # The owed turn still runs: this call's message is sent (not held back for it).
+        again = await session.call_tool(slow.id, {"message": "well?", "conversation": "aging"})
+        assert not again.is_error and "not sent" not in " ".join(text_of(again)), again
+        assert [line.text for line in await user_lines(store, forum_id, 2)] == ["age me", "well?"]
+        # The debt is as it was: retention ages it from when it was first owed.
+        assert (await owed_in(store, forum_id))[0] == owed
+        answer, note = await collect(session, store, slow, forum_id, "aging")
+        assert answer == "age me" and "not sent" in note
+        if await owed_in(store, forum_id):  # "well?" ran out of time too
+            answer, _ = await collect(session, store, slow, forum_id, "aging")
+            assert answer == "well?"
+    assert await owed_in(store, forum_id) == []
 
 
 async def test_a_waiting_call_holds_one_of_the_tokens_streams_and_its_debts_are_bounded(
@@ -368,7 +378,8 @@ async def test_a_waiting_call_holds_one_of_the_tokens_streams_and_its_debts_are_
         ]
         assert owing == keys[1:]
         # Its streams released, the token calls again.
-        answer, _ = await collect(session, slow, keys[1])
+        held = kept_forum_id(caller.token, "mcp", slow, keys[1])
+        answer, _ = await collect(session, store, slow, held, keys[1])
     assert answer == keys[1]
     for key in keys:
         await answered(store, kept_forum_id(caller.token, "mcp", slow, key))
@@ -387,11 +398,13 @@ async def test_a_collecting_call_counts_against_the_tokens_lines_per_minute(
         for index in range(LINES_PER_MINUTE - 1):  # the token's minute used up
             said = await session.call_tool(echo.id, {"message": f"line {index}"})
             assert text_of(said) == [f"line {index}"], said
+        [line] = await user_lines(store, forum_id, 1)
+        await turn_ended(store, forum_id, line)  # so that the next call would collect it
         refused = await session.call_tool(slow.id, {"message": "well?", "conversation": "late"})
     assert refused.is_error, refused
     assert re.search(r"retry after [0-9]+ s", text_of(refused)[0]), refused
     assert len(await owed_in(store, forum_id)) == 1  # still owed, for when the minute is over
-    await answered(store, forum_id)
+    assert [line.text for line in await user_lines(store, forum_id, 1)] == ["late"]
 
 
 async def test_a_call_waiting_for_an_approver_says_so_and_is_answered_once_approved(
