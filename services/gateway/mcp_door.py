@@ -349,24 +349,26 @@ class McpDoor:
         """The oldest owed answer of the forum handed back, if its turn has ended (in the store)
         and this call's claim on it wins; None when there is none to hand back."""
         store = state.store
-        for debt in await owed_answers.owed(store, forum_id):
-            ended = await calling.turn_outcome(store, forum_id, debt.line)
-            if ended is None:
-                return None  # it still runs (its answers come in order): the message goes
-            # Claimed, it is paid or given back whatever the caller does meanwhile.
-            with anyio.CancelScope(shield=True):
-                if not await owed_answers.claim(store, debt):
-                    continue  # another call hands it back
-                try:
-                    refused = await self._count_collecting(owner)
-                    if refused is not None:
+        # Closed when left early (a debt handed back, or one that still runs).
+        async with contextlib.aclosing(owed_answers.owed(store, forum_id)) as debts:
+            async for debt in debts:
+                ended = await calling.turn_outcome(store, forum_id, debt.line)
+                if ended is None:
+                    return None  # it still runs (its answers come in order): the message goes
+                # Claimed, it is paid or given back whatever the caller does meanwhile.
+                with anyio.CancelScope(shield=True):
+                    if not await owed_answers.claim(store, debt):
+                        continue  # another call hands it back
+                    try:
+                        refused = await self._count_collecting(owner)
+                        if refused is not None:
+                            await owed_answers.give_back(store, debt)
+                            return "rate_limited", refused
+                        await owed_answers.paid(store, debt)
+                    except BaseException:
                         await owed_answers.give_back(store, debt)
-                        return "rate_limited", refused
-                    await owed_answers.paid(store, debt)
-                except BaseException:
-                    await owed_answers.give_back(store, debt)
-                    raise
-            return _handed_back(ended)
+                        raise
+                return _handed_back(ended)
         return None
 
     async def _count_collecting(self, owner: str) -> CallToolResult | None:

@@ -25,6 +25,7 @@ collected after :data:`KEEP_DAYS`.
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from yoke.ages import BUCKET_FIELD, day_bucket
@@ -65,20 +66,18 @@ def debt_id(forum_id: str, line: Message) -> str:
     return f"{forum_id}/{line.id}"
 
 
-async def owed(store: Store, forum_id: str) -> list[Debt]:
+async def owed(store: Store, forum_id: str) -> AsyncGenerator[Debt]:
     """The forum's lines whose answers their callers have not had, the oldest first (at most
-    :data:`MAX_STALE_DEBTS`): one indexed read, and one for each line."""
+    :data:`MAX_STALE_DEBTS`): one indexed read, then each line as it is asked for."""
     collection = store.db[COLLECTION]
-    found = collection.find({"forumId": forum_id}).sort("lineSeq", 1).limit(MAX_STALE_DEBTS)
-    debts = []
-    async for document in found:
+    found = collection.find({"forumId": forum_id}, {"lineId": 1}).sort("lineSeq", 1)
+    for document in await found.limit(MAX_STALE_DEBTS).to_list():
         line = await store.get_message(str(document["lineId"]))
         if line is None:
             # The forum's lines were deleted meanwhile: nothing is owed for that one any more.
             await collection.delete_one({"_id": document["_id"]})
             continue
-        debts.append(Debt(str(document["_id"]), line))
-    return debts
+        yield Debt(str(document["_id"]), line)
 
 
 def claim_id(debt: Debt) -> str:
