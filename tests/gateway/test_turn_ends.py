@@ -104,6 +104,32 @@ async def ended(client: Client, task_id: str) -> Task:
     return found
 
 
+async def asked_approval(url: str, approver: str, forum_id: str) -> str:
+    """The call id of the forum's approval request, once it is there."""
+    pending: list[dict[str, str]] = []
+    auth = {"Authorization": f"Bearer {approver}"}
+    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:
+
+        async def asked() -> bool:
+            nonlocal pending
+            answer = await http.get(f"/v1/forums/{forum_id}/approvals", headers=auth)
+            pending = answer.json()["approvals"]
+            return bool(pending)
+
+        await eventually(asked, timeout=30, what="the approval request")
+    return pending[0]["callId"]
+
+
+async def approve(url: str, approver: str, forum_id: str, call_id: str) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:
+        decided = await http.post(
+            f"/v1/forums/{forum_id}/approvals/{call_id}",
+            json={"decision": "approve"},
+            headers={"Authorization": f"Bearer {approver}"},
+        )
+    assert decided.status_code == 200, decided.text
+
+
 def reply_of(task: Task) -> str:
     return "\n".join(part.text for part in task.status.message.parts)
 
@@ -158,31 +184,16 @@ async def test_a_line_held_through_a_gated_call_ends_with_the_rounds_reply(
     async with a2a_client(gateway_url, gated, caller) as client:
         first = await started(client, "what is 6 * 7?", "held")
         forum_id = kept_forum_id(caller.token, "a2a", gated, "held")
-        async with httpx.AsyncClient(base_url=gateway_url, timeout=TIMEOUT) as http:
-            auth = {"Authorization": f"Bearer {approver}"}
-            pending: list[dict[str, str]] = []
+        call_id = await asked_approval(gateway_url, approver, forum_id)
+        # While the call waits, a second line (whileBusy queue): the round's reply answers it.
+        second = await started(client, "and then?", "held")
 
-            async def asked() -> bool:
-                nonlocal pending
-                answer = await http.get(f"/v1/forums/{forum_id}/approvals", headers=auth)
-                pending = answer.json()["approvals"]
-                return bool(pending)
+        async def held() -> bool:  # its copy reached the monologue: the round will see it
+            found = await client.get_task(GetTaskRequest(id=second.id))
+            return found.status.state == TaskState.TASK_STATE_WORKING
 
-            await eventually(asked, timeout=30, what="the approval request")
-            # While the call waits, a second line (whileBusy queue): the round's reply answers it.
-            second = await started(client, "and then?", "held")
-
-            async def held() -> bool:  # its copy reached the monologue: the round will see it
-                found = await client.get_task(GetTaskRequest(id=second.id))
-                return found.status.state == TaskState.TASK_STATE_WORKING
-
-            await eventually(held, timeout=30, what="the second task working")
-            decided = await http.post(
-                f"/v1/forums/{forum_id}/approvals/{pending[0]['callId']}",
-                json={"decision": "approve"},
-                headers=auth,
-            )
-            assert decided.status_code == 200, decided.text
+        await eventually(held, timeout=30, what="the second task working")
+        await approve(gateway_url, approver, forum_id, call_id)
         tasks = [await ended(client, task.id) for task in (first, second)]
     assert [task.status.state for task in tasks] == [TaskState.TASK_STATE_COMPLETED] * 2, tasks
     assert reply_of(tasks[0]) == reply_of(tasks[1]) == "it is 42"
@@ -272,23 +283,7 @@ async def test_a_task_is_followed_for_a_bounded_time_and_its_end_still_comes_fro
         assert await metric(url, "yoke_a2a_tasks_followed") == 0
         # The turn goes on in the mesh: once a person approves, the store has its end.
         forum_id = kept_forum_id(caller.token, "a2a", gated, "waits")
-        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as approving:
-            auth = {"Authorization": f"Bearer {approver}"}
-            pending: list[dict[str, str]] = []
-
-            async def asked() -> bool:
-                nonlocal pending
-                answer = await approving.get(f"/v1/forums/{forum_id}/approvals", headers=auth)
-                pending = answer.json()["approvals"]
-                return bool(pending)
-
-            await eventually(asked, timeout=30, what="the approval request")
-            decided = await approving.post(
-                f"/v1/forums/{forum_id}/approvals/{pending[0]['callId']}",
-                json={"decision": "approve"},
-                headers=auth,
-            )
-            assert decided.status_code == 200, decided.text
+        await approve(url, approver, forum_id, await asked_approval(url, approver, forum_id))
         async with a2a_client(url, gated, caller) as client:
             done = await ended(client, task_id)
     assert done.status.state == TaskState.TASK_STATE_COMPLETED, done
