@@ -57,7 +57,7 @@ from yoke.publishing import PublishedAgent, publish_agent
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
 from yoke.store import Store
-from yoke.tokens import create_token, ensure_token_indexes
+from yoke.tokens import create_token
 from yoke.webhooks import signature_matches
 
 pytestmark = pytest.mark.slow
@@ -91,12 +91,6 @@ def gateway_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def gateway_exits() -> tuple[int, ...]:
     return (0,)
-
-
-@pytest.fixture(scope="module")
-async def agents(store: Store, mesh: Mesh, gateway_url: str) -> Agents:
-    await ensure_token_indexes(store)
-    return Agents(store, gateway_url)
 
 
 @asynccontextmanager

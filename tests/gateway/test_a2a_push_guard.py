@@ -38,13 +38,11 @@ from a2a.utils.errors import InvalidParamsError
 
 from services.gateway.a2a.push import CONFIGS, PushConfig, subscription_id
 from services.gateway.a2a.task_store import COLLECTION, TaskRecord
-from tests.support.mesh import Mesh
 from tests.support.processes import eventually
 from tests.support.published import Agents, Caller
 from tests.support.webhook_receiver import Receiver
 from yoke.publishing import PublishedAgent
 from yoke.store import Store
-from yoke.tokens import ensure_token_indexes
 from yoke.webhooks import CURSORS, DEAD_LETTERS, Cursor, signature_matches
 
 pytestmark = pytest.mark.slow
@@ -71,12 +69,6 @@ def mesh_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def gateway_env() -> dict[str, str]:
     return GATEWAY_ENV
-
-
-@pytest.fixture(scope="module")
-async def agents(store: Store, mesh: Mesh, gateway_url: str) -> Agents:
-    await ensure_token_indexes(store)
-    return Agents(store, gateway_url)
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.mesh import Mesh
 from tests.support.processes import ROOT
 from tests.support.published import Agents
-from yoke.store import Store
-from yoke.tokens import ensure_token_indexes
 
 pytestmark = pytest.mark.slow
 
@@ -68,12 +65,6 @@ NOT_OURS: dict[str, tuple[str, str]] = {
     "server-sse-multiple-streams": ("did not provide session ID", "stateless: no session id"),
 }
 FINE = {"SUCCESS", "INFO"}
-
-
-@pytest.fixture(scope="module")
-async def agents(store: Store, mesh: Mesh, gateway_url: str) -> Agents:
-    await ensure_token_indexes(store)
-    return Agents(store, gateway_url)
 
 
 def results_by_scenario(results: Path) -> dict[str, list[dict[str, Any]]]:

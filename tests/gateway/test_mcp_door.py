@@ -16,17 +16,13 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-import httpx2
 import pytest
 from mcp import ClientSession, MCPError
-from mcp.client.streamable_http import streamable_http_client
 from mcp.types import INVALID_PARAMS, METHOD_NOT_FOUND, CallToolResult, TextContent
 
 from services.gateway import owed_answers
@@ -34,6 +30,7 @@ from services.gateway.calling import caller_id, kept_forum_id, turn_outcome
 from services.gateway.mcp_door import DEFAULT_CONVERSATION
 from tests.support.fake_openai import FakeOpenAI, openai_env
 from tests.support.gateway_process import metric, running_gateway
+from tests.support.mcp_client import mcp_client, mcp_session
 from tests.support.mesh import Mesh, lines_until
 from tests.support.processes import eventually
 from tests.support.published import Agents
@@ -43,7 +40,7 @@ from yoke.publishing import PublishedAgent, publish_agent, unpublish_agent
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
 from yoke.store import Store
-from yoke.tokens import create_token, ensure_token_indexes
+from yoke.tokens import create_token
 
 pytestmark = pytest.mark.slow
 
@@ -85,34 +82,6 @@ def gateway_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def gateway_exits() -> tuple[int, ...]:
     return (0,)
-
-
-@pytest.fixture(scope="module")
-async def agents(store: Store, mesh: Mesh, gateway_url: str) -> Agents:
-    await ensure_token_indexes(store)
-    return Agents(store, gateway_url)
-
-
-@asynccontextmanager
-async def mcp_client(gateway_url: str, secret: str | None) -> AsyncIterator[ClientSession]:
-    """A session of the official client (not yet initialised), sending ``secret`` as its
-    bearer."""
-    headers = {"Authorization": f"Bearer {secret}"} if secret is not None else {}
-    timeout = httpx2.Timeout(30.0, read=120.0)
-    async with (
-        httpx2.AsyncClient(headers=headers, timeout=timeout) as http_client,
-        streamable_http_client(f"{gateway_url}/mcp", http_client=http_client) as (read, write),
-        ClientSession(read, write) as session,
-    ):
-        yield session
-
-
-@asynccontextmanager
-async def mcp_session(gateway_url: str, secret: str) -> AsyncIterator[ClientSession]:
-    """An initialised session of the official client."""
-    async with mcp_client(gateway_url, secret) as session:
-        await session.initialize()
-        yield session
 
 
 def text_of(result: CallToolResult) -> list[str]:

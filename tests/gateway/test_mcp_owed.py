@@ -12,15 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any, get_args
 
 import httpx
-import httpx2
 import pytest
-from mcp import ClientSession
-from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult, TextContent
 
 from services.gateway import owed_answers
@@ -28,12 +23,12 @@ from services.gateway.calling import kept_forum_id, turn_outcome
 from services.gateway.mcp_door import DEFAULT_CONVERSATION, Outcome
 from tests.support.fake_openai import FakeOpenAI, openai_env
 from tests.support.gateway_process import metric
-from tests.support.mesh import Mesh, lines_until
+from tests.support.mcp_client import mcp_session
+from tests.support.mesh import lines_until
 from tests.support.processes import eventually
 from tests.support.published import Agents
 from yoke.models import Message
 from yoke.store import Store
-from yoke.tokens import ensure_token_indexes
 
 pytestmark = pytest.mark.slow
 
@@ -57,25 +52,6 @@ def gateway_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def gateway_exits() -> tuple[int, ...]:
     return (0,)
-
-
-@pytest.fixture(scope="module")
-async def agents(store: Store, mesh: Mesh, gateway_url: str) -> Agents:
-    await ensure_token_indexes(store)
-    return Agents(store, gateway_url)
-
-
-@asynccontextmanager
-async def mcp_session(gateway_url: str, secret: str) -> AsyncIterator[ClientSession]:
-    headers = {"Authorization": f"Bearer {secret}"}
-    timeout = httpx2.Timeout(30.0, read=120.0)
-    async with (
-        httpx2.AsyncClient(headers=headers, timeout=timeout) as http_client,
-        streamable_http_client(f"{gateway_url}/mcp", http_client=http_client) as (read, write),
-        ClientSession(read, write) as session,
-    ):
-        await session.initialize()
-        yield session
 
 
 def text_of(result: CallToolResult) -> list[str]:

@@ -32,12 +32,10 @@ from a2a.types.a2a_pb2 import (
 from services.gateway.calling import kept_forum_id
 from tests.support.fake_openai import FakeOpenAI, openai_env
 from tests.support.gateway_process import metric, running_gateway
-from tests.support.mesh import Mesh
 from tests.support.processes import eventually
 from tests.support.published import Agents, Caller
 from yoke.publishing import PublishedAgent
 from yoke.store import Store
-from yoke.tokens import ensure_token_indexes
 
 pytestmark = pytest.mark.slow
 
@@ -49,12 +47,6 @@ ENDS_WITHIN = 60.0
 @pytest.fixture(scope="module")
 def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
     return openai_env(fake_openai.base_url, give_up_seconds=10)
-
-
-@pytest.fixture(scope="module")
-async def agents(store: Store, mesh: Mesh, gateway_url: str) -> Agents:
-    await ensure_token_indexes(store)
-    return Agents(store, gateway_url)
 
 
 @asynccontextmanager
