@@ -32,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BeforeValidator, Field, ValidationError
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 
 from services.gateway import a2a, bodies, console, mcp_door, submitting
 from services.gateway.deps import (
@@ -715,6 +716,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             problems.append(f"{where}: {item['msg']}")
         body = ErrorBody(error="; ".join(problems), code="invalid_request")
         return JSONResponse(body.model_dump(), status_code=400)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, error: ClientDisconnect) -> JSONResponse:
+        # Bodies are read in bodies.read_body, which says so itself; this is for any other
+        # read a departed client cuts short: no one to answer, no error of the gateway's.
+        return await api_error(request, bodies.client_gone(request))
 
     @app.exception_handler(Exception)
     async def failed(request: Request, error: Exception) -> JSONResponse:

@@ -32,6 +32,7 @@ REFUSAL_REASONS = (
     "header_timeout",
     "header_bytes",
     "body_timeout",
+    "client_disconnect",
     "bad_request",
     "invalid_token",
     "streams_per_token",
