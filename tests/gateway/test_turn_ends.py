@@ -25,6 +25,8 @@ from a2a.types.a2a_pb2 import (
     Role,
     SendMessageConfiguration,
     SendMessageRequest,
+    StreamResponse,
+    SubscribeToTaskRequest,
     Task,
     TaskState,
 )
@@ -42,6 +44,9 @@ pytestmark = pytest.mark.slow
 TIMEOUT = httpx.Timeout(30.0, read=120.0)
 # Long enough for any step of this module on a loaded machine, far shorter than "for ever".
 ENDS_WITHIN = 60.0
+# A gateway that follows a task this long: long enough for a turn once approved on a loaded
+# machine (a resubscriber's follow is bounded by it too), short for a test.
+SHORT_FOLLOW = 10
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +259,9 @@ async def test_a_task_is_followed_for_a_bounded_time_and_its_end_still_comes_fro
     gated, caller, approver = await agents.gated(fake_openai)
     log_dir = Path(tmp_path_factory.mktemp("short-gateway"))
     async with (
-        running_gateway(amqp_url, module_mongodb_url, log_dir, YOKE_A2A_FOLLOW_SECONDS="3") as url,
+        running_gateway(
+            amqp_url, module_mongodb_url, log_dir, YOKE_A2A_FOLLOW_SECONDS=str(SHORT_FOLLOW)
+        ) as url,
         httpx.AsyncClient(headers=caller.headers, timeout=TIMEOUT) as http,
     ):
         card = await A2ACardResolver(http, f"{url}/a2a/{gated.id}").get_agent_card()
@@ -273,9 +280,43 @@ async def test_a_task_is_followed_for_a_bounded_time_and_its_end_still_comes_fro
         assert task_id and TaskState.TASK_STATE_WORKING in states, states
         assert not any(state != TaskState.TASK_STATE_WORKING for state in states), states
         assert await metric(url, "yoke_a2a_tasks_followed") == 0
-        # The turn goes on in the mesh: once a person approves, the store has its end.
+        # The turn goes on in the mesh: a resubscriber follows it there, and once a person
+        # approves, it gets the end (the gateway let its own copy of the task go).
+        resubscribing = ClientFactory(ClientConfig(streaming=True, httpx_client=http)).create(card)
+        events: list[StreamResponse] = []
+
+        async def resubscribed() -> None:
+            async for event in resubscribing.subscribe(SubscribeToTaskRequest(id=task_id)):
+                events.append(event)
+
+        following = asyncio.create_task(resubscribed())
+
+        async def snapshot() -> bool:
+            return bool(events)
+
+        await eventually(snapshot, timeout=30, what="the resubscribe's snapshot")
         forum_id = kept_forum_id(caller.token, "a2a", gated, "waits")
+        # A second message to the task, blocking: this gateway runs the task anew.
+        blocking = ClientFactory(ClientConfig(streaming=False, httpx_client=http)).create(card)
+        more = send("and then?", "waits").message
+        more.task_id = task_id
+        second = asyncio.create_task(anext(blocking.send_message(SendMessageRequest(message=more))))
+
+        async def both_said() -> bool:
+            lines = await store.history(forum_id)
+            return len([line for line in lines if line.role == "user"]) == 2
+
+        await eventually(both_said, timeout=30, what="the second message in the forum")
         await approve(url, approver, forum_id, await asked_approval(url, approver, forum_id))
+        async with asyncio.timeout(ENDS_WITHIN):
+            await following
+            answered = await second
+        await resubscribing.close()
+        await blocking.close()
+        assert answered.task.status.state == TaskState.TASK_STATE_COMPLETED, answered
+        last = events[-1]
+        assert last.HasField("status_update"), events
+        assert last.status_update.status.state == TaskState.TASK_STATE_COMPLETED, events
         async with a2a_client(url, gated, caller) as client:
             done = await ended(client, task_id)
     assert done.status.state == TaskState.TASK_STATE_COMPLETED, done

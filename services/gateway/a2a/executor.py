@@ -18,8 +18,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
-from typing import Final
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, Final
 
 from a2a.server.agent_execution import AgentExecutor, RequestContext
 from a2a.server.events import EventQueue
@@ -127,6 +127,10 @@ class MeshExecutor(AgentExecutor):
         # Lines posted by the request handler for tasks that run nowhere now (a restarted
         # gateway): the execute that follows adopts them.
         self._handed: LRUCache[str, Message] = LRUCache(10_000)
+        # Told of a task this process stopped following before its end (the request handler
+        # lets the SDK's copy of it go), and the tasks telling it.
+        self.let_go: Callable[[str], Coroutine[Any, Any, None]] | None = None
+        self._letting_go: set[asyncio.Task[None]] = set()
 
     def hand_over(self, task_id: str, line: Message) -> None:
         self._handed[task_id] = line
@@ -230,6 +234,10 @@ class MeshExecutor(AgentExecutor):
             ended = await self._follow_line(caller, turn, target, translator, deadline)
             await turn.settled.wait()
             if isinstance(ended, _Detached):
+                if self.let_go is not None:  # once this execute has returned
+                    letting: asyncio.Task[None] = asyncio.create_task(self.let_go(turn.task_id))
+                    self._letting_go.add(letting)
+                    letting.add_done_callback(self._letting_go.discard)
                 log.info(
                     "task %s: followed for %.0f s, left working (its end is read from the store)",
                     turn.task_id,

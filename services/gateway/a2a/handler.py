@@ -124,6 +124,16 @@ class MeshRequestHandler(DefaultRequestHandlerV2):
         )
         self.executor = executor
         self.tasks = tasks
+        executor.let_go = self.let_go
+
+    async def let_go(self, task_id: str) -> None:
+        """The SDK's copy of a task this process stopped following (``YOKE_A2A_FOLLOW_SECONDS``)
+        is closed: its subscribers and a blocking send waiting on it end (with the task as the
+        store has it), and what comes later for the task is served from the mesh
+        (:class:`MeshEventStream`) or runs it anew, never a copy that waits for nothing."""
+        active = await self._active_task_registry.get(task_id)
+        if active is not None and self.executor.running(task_id) is None:
+            await active.aclose()
 
     @validate_request_params
     async def on_message_send(
