@@ -3,9 +3,9 @@
 A URL someone outside the deployment gives the mesh to call (an A2A task's push notification
 URL, set by a token) must not reach into the operator's network: the gateway would POST from
 inside it, signed, with a body the caller steers, and retry. So such a URL is refused when its
-host resolves to a loopback, private, link-local, unique-local, multicast, unspecified,
-reserved or otherwise non-public address, or a cloud metadata address (IPv4, IPv6, and IPv4
-inside IPv6: mapped, 6to4, Teredo, NAT64), unless the operator lets that host through
+host resolves to a loopback, private, link-local, unique-local, site-local, multicast,
+unspecified, reserved or otherwise non-public address, or a cloud metadata address (IPv4, IPv6,
+and IPv4 inside IPv6: mapped, 6to4, Teredo, NAT64), unless the operator lets that host through
 (``YOKE_PUSH_ALLOWED_HOSTS``: host names, IPs or CIDRs, comma-separated).
 
 It is checked twice: when the URL is set (every address the host resolves to must pass; a host
@@ -99,6 +99,10 @@ def address_problem(address: Address) -> str | None:
         return "a link-local address"
     if isinstance(address, ipaddress.IPv6Address) and address in UNIQUE_LOCAL:
         return "a unique-local address"
+    if isinstance(address, ipaddress.IPv6Address) and address.is_site_local:
+        # fec0::/10: deprecated (RFC 3879) but still routed inside some networks, and neither
+        # private nor reserved (so "global") to Python 3.11's ipaddress.
+        return "a site-local address"
     if address.is_multicast:
         return "a multicast address"
     if address.is_reserved:

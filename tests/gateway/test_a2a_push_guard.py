@@ -130,6 +130,7 @@ def inside_addresses(port: int) -> list[tuple[str, str]]:
         ("http://192.168.0.10/hook", "private"),
         ("http://[fd00::1]/hook", "unique-local"),
         ("http://[fe80::1]/hook", "link-local"),
+        ("http://[fec0::a9fe:a9fe]:8080/", "site-local"),
         ("http://0.0.0.0:8080/hook", "unspecified"),
         ("http://224.0.0.1/hook", "multicast"),
         ("http://240.0.0.1/hook", "reserved"),

@@ -41,6 +41,12 @@ from yoke.outbound import (
         ("fe80::1", "link-local"),
         ("fd12:3456::1", "unique-local"),
         ("fc00::1", "unique-local"),
+        # Site-local (fec0::/10, deprecated but routed inside some networks): Python 3.11 counts
+        # it neither private nor reserved.
+        ("fec0::1", "site-local"),
+        ("fec0::a9fe:a9fe", "site-local"),
+        ("fed0::1", "site-local"),
+        ("feff:ffff::1", "site-local"),
         ("224.0.0.1", "multicast"),
         ("ff02::1", "multicast"),
         ("0.0.0.0", "unspecified"),
