@@ -135,13 +135,19 @@ async def post_line(
 
 
 async def stop_turn(
-    state: Gateway, token: Token, door: CallerDoor, agent: PublishedAgent, key: str
+    state: Gateway,
+    token: Token,
+    door: CallerDoor,
+    agent: PublishedAgent,
+    key: str,
+    idempotency_key: str | None = None,
 ) -> None:
     """``/stop`` in the caller's forum (kept for its ``key``), as its caller: every agent
-    there stops (as a person's ``/stop`` would)."""
+    there stops (as a person's ``/stop`` would); once per ``idempotency_key``."""
     kept = KeptForum(door=door, agent=agent.id, key=key)
     forum_id = kept_forum_id(token, door, agent, key)
-    await stop_forum(state, token, forum_id, caller_author(token, door), kept=kept)
+    author = caller_author(token, door)
+    await stop_forum(state, token, forum_id, author, idempotency_key, kept)
 
 
 def caller_author(token: Token, door: CallerDoor) -> CommandAuthor:

@@ -30,6 +30,7 @@ from a2a.types.a2a_pb2 import (
     Task,
     TaskState,
 )
+from a2a.utils.errors import TaskNotCancelableError
 
 from services.gateway.calling import kept_forum_id
 from tests.support.fake_openai import FakeOpenAI, openai_env
@@ -211,6 +212,35 @@ async def test_a_cancel_through_another_task_of_the_context_cancels_both(
     assert other.status.state == TaskState.TASK_STATE_CANCELED, other
     forum_id = kept_forum_id(caller.token, "a2a", agent, "stopped")
     assert await agent_lines(store, forum_id) == []
+
+
+async def test_cancels_of_one_task_at_once_stop_its_forum_once(
+    agents: Agents, store: Store, gateway_url: str
+) -> None:
+    agent = await agents.publish(model="fixture-slow-5")  # still thinking at the cancels
+    caller = await agents.caller(agent.id)
+    async with a2a_client(gateway_url, agent, caller) as client:
+        task = await started(client, "first", "thrice")
+        answers = await asyncio.gather(
+            *(client.cancel_task(CancelTaskRequest(id=task.id)) for _ in range(3)),
+            return_exceptions=True,
+        )
+        assert any(isinstance(a, Task) for a in answers), answers
+        assert all(
+            isinstance(a, TaskNotCancelableError)
+            or (isinstance(a, Task) and a.status.state == TaskState.TASK_STATE_CANCELED)
+            for a in answers
+        ), answers
+    forum_id = kept_forum_id(caller.token, "a2a", agent, "thrice")
+
+    async def told() -> bool:
+        lines = await store.history(forum_id)
+        return any(line.role == "agent" and line.type == "notice" for line in lines)
+
+    await eventually(told, timeout=30, what="the stop's notice")
+    lines = await store.history(forum_id)
+    assert [line.text for line in lines if line.role == "user"] == ["first", "/stop"], lines
+    assert len([line for line in lines if line.type == "notice"]) == 1
 
 
 async def test_a_cancel_through_another_gateway_ends_the_stream_of_the_first(

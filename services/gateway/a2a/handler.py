@@ -45,6 +45,7 @@ from services.gateway.a2a.task_store import MeshTaskStore, TaskRecord
 from services.gateway.a2a.turns import is_terminal, state_name
 from services.gateway.calling import Answered, post_line, stop_turn, turn_outcome
 from services.gateway.deps import ApiError
+from yoke.ids import derive_id
 from yoke.models import Message as Line
 from yoke.models import unstorable
 
@@ -244,7 +245,11 @@ class MeshRequestHandler(DefaultRequestHandlerV2):
             )
         if record.forum_id is not None and record.line_id is not None:
             try:
-                await stop_turn(caller.state, caller.token, DOOR, caller.agent, record.context_id)
+                # One stop however many cancels of the task come at once (or are retried).
+                once = derive_id("a2a-cancel", record.id)
+                await stop_turn(
+                    caller.state, caller.token, DOOR, caller.agent, record.context_id, once
+                )
             except ApiError as refused:
                 raise refusal(refused) from refused
             line = await caller.state.store.get_message(record.line_id)
