@@ -559,3 +559,90 @@ async def test_a_tasks_push_configs_are_created_read_listed_and_deleted(
     for params in (key, {"taskId": task_id, "id": "never-made"}):
         gone = await call(http, url, caller, rpc("GetTaskPushNotificationConfig", params))
         error_of(gone)
+
+
+# --- ids the store cannot hold: not found, as any unknown id --------------------------------
+
+
+async def test_a_task_or_push_config_id_the_store_cannot_hold_is_not_found(
+    agents: Agents,
+    echo: tuple[PublishedAgent, Caller],
+    http: httpx.AsyncClient,
+    receiver: Receiver,
+    gateway: tuple[ServiceProcess, str],
+) -> None:
+    """A task id with U+0000 (FerretDB cannot hold it) is TaskNotFoundError (-32001) at every
+    method that takes one, as an id never made is, and a push config id the same at get; one
+    with a lone surrogate is the SDK's parse error (-32602: protobuf takes no such string). None
+    reaches the store: no -32603, no traceback in the gateway's log."""
+    process, _ = gateway
+    agent, caller = echo
+    url = agents.url(agent)
+    sent = await call(http, url, caller, rpc("SendMessage", {"message": message(text("ids"))}))
+    assert "result" in sent, sent
+    task_id = sent["result"]["task"]["id"]
+    push_url = receiver.url("/unstorable")
+    start = process.log_path.stat().st_size
+    cases: list[tuple[str, dict[str, Any], int]] = []
+    for bad, code in (("\u0000", -32001), (f"{task_id}\u0000", -32001), ("task-\ud800", -32602)):
+        cases += [
+            (method, params, code)
+            for method, params in [
+                ("GetTask", {"id": bad}),
+                ("CancelTask", {"id": bad}),
+                ("SubscribeToTask", {"id": bad}),
+                ("SendMessage", {"message": message(text("into nothing"), taskId=bad)}),
+                ("GetTaskPushNotificationConfig", {"taskId": bad, "id": "x"}),
+                ("ListTaskPushNotificationConfigs", {"taskId": bad}),
+                ("DeleteTaskPushNotificationConfig", {"taskId": bad, "id": "x"}),
+                ("CreateTaskPushNotificationConfig", {"taskId": bad, "url": push_url}),
+                ("GetTaskPushNotificationConfig", {"taskId": task_id, "id": bad}),
+            ]
+        ]
+    wrong = []
+    for number, (method, params, code) in enumerate(cases, start=1):
+        # As bytes: JSON's escapes carry the lone surrogate (UTF-8 cannot).
+        response = await http.post(
+            url,
+            content=json.dumps(rpc(method, params, number)).encode(),
+            headers={**caller.headers, **V1, "Content-Type": "application/json"},
+        )
+        answer = response.json()
+        if answer.get("error", {}).get("code") != code:
+            wrong.append(f"{method} {params!r}: {response.status_code} {response.text[:300]}")
+        else:
+            error_of(answer, number)
+    assert not wrong, "\n".join(wrong)
+
+    # Deleted, it is as one never made: nothing to delete.
+    for config_id in ("never-made", "push-\u0000"):
+        key = {"taskId": task_id, "id": config_id}
+        deleted = await call(http, url, caller, rpc("DeleteTaskPushNotificationConfig", key))
+        assert "result" in deleted, (config_id, deleted)
+    # A config id the store cannot hold is refused when it would be made.
+    config = {"taskId": task_id, "id": "push-\u0000", "url": push_url}
+    made = await call(http, url, caller, rpc("CreateTaskPushNotificationConfig", config))
+    assert error_of(made)["code"] == -32602, made
+
+    # What the gateway logged meanwhile, up to a warning this test causes last (so all of it).
+    marker = uuid.uuid4().hex
+    fence = rpc("GetTask", {"id": "x", "historyLength": f"lots-{marker}"})
+    assert error_of(await call(http, url, caller, fence))["code"] == -32602
+
+    def logged() -> list[dict[str, Any]]:
+        with process.log_path.open("rb") as log:
+            log.seek(start)
+            lines = log.read().decode(errors="replace").splitlines()
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+    async def fenced() -> bool:
+        return any(marker in record["message"] for record in logged())
+
+    await eventually(fenced, timeout=20, what="the gateway's log up to the test's last request")
+    failed = [
+        f"{record['logger']} {record['level']}: {record['message'][:200]!r} "
+        f"{record.get('error', '').strip().splitlines()[-1:]}"
+        for record in logged()
+        if record["level"] in ("error", "critical") or "error" in record
+    ]
+    assert not failed, "\n".join(failed)

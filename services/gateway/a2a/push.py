@@ -42,7 +42,7 @@ from a2a.server.tasks.push_notification_config_store import (
     normalize_push_notification_config,
 )
 from a2a.types.a2a_pb2 import AuthenticationInfo, TaskPushNotificationConfig, TaskState
-from a2a.utils.errors import InvalidParamsError
+from a2a.utils.errors import InvalidParamsError, TaskNotFoundError
 from a2a.utils.proto_utils import to_stream_response
 from google.protobuf.json_format import MessageToDict
 from pydantic import Field, SecretStr
@@ -205,6 +205,8 @@ class MeshPushConfigStore(PushNotificationConfigStore):
         notification_config: TaskPushNotificationConfig,
         context: ServerCallContext,
     ) -> TaskPushNotificationConfig:
+        if unstorable(task_id) is not None:
+            raise TaskNotFoundError(message=f"task {task_id!r} not found")
         caller = caller_of(context)
         config = normalize_push_notification_config(task_id, notification_config)
         if (problem := url_problem(config.url)) is not None:
@@ -290,6 +292,8 @@ class MeshPushConfigStore(PushNotificationConfigStore):
         await self.collection.replace_one({"_id": pushed.id}, pushed.to_document(), upsert=True)
 
     async def _configs(self, task_id: str, owner: str | None = None) -> list[PushConfig]:
+        if unstorable(task_id) is not None:
+            return []  # no task has such an id (and the store would refuse the query)
         query: Doc = {"taskId": task_id} if owner is None else {"taskId": task_id, "owner": owner}
         found = await self.collection.find(query).to_list()
         return sorted((PushConfig.from_document(d) for d in found), key=lambda c: c.created_at)

@@ -43,7 +43,7 @@ from services.gateway.calling import turn_outcome
 from yoke.ages import day_bucket
 from yoke.lru import LRUCache
 from yoke.metrics import LATENCY_BUCKETS
-from yoke.models import Document, utcnow
+from yoke.models import Document, unstorable, utcnow
 from yoke.retention import Rule
 from yoke.settings import Settings
 from yoke.store import Doc, Store
@@ -157,8 +157,10 @@ class MeshTaskStore(VersionedTaskStore):
 
     async def record(self, task_id: str, caller: Caller | None = None) -> TaskRecord | None:
         """The task's record: the caller's only when one is named (else None, as for a task
-        that does not exist: another token learns nothing of it)."""
-        if task_id in self._fresh:
+        that does not exist: another token learns nothing of it). An id the store cannot hold
+        (U+0000) names no task: it is not asked for (every method that takes a task id reads
+        it here first, so such an id is TaskNotFoundError, not the store's error)."""
+        if task_id in self._fresh or unstorable(task_id) is not None:
             return None
         found = await self.collection.find_one({"_id": task_id})
         if found is None:
@@ -301,6 +303,8 @@ class MeshTaskStore(VersionedTaskStore):
         )
 
     async def delete(self, task_id: str, context: ServerCallContext) -> None:
+        if unstorable(task_id) is not None:
+            return  # no such task
         caller = caller_of(context)
         result = await self.collection.delete_one(
             {"_id": task_id, "owner": caller.owner, "agent": caller.agent.id}
