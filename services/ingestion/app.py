@@ -25,7 +25,7 @@ from yoke import topology, tracing
 from yoke.consumer import Malformed
 from yoke.dead_letters import count_dropped_letters
 from yoke.errors import describe_validation_error
-from yoke.ids import derive_id
+from yoke.ids import derive_id, submitted_line_id
 from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
 from yoke.metrics import COMMANDS, LINES_RATE_LIMITED
 from yoke.models import (
@@ -325,7 +325,7 @@ class Door:
                 "namespace",
             )
         # The id derives from the idempotency key: a repeat finds the line already written.
-        message_id = derive_id("submit", command.conversation_id, key)
+        message_id = submitted_line_id(command.conversation_id, key)
         limited = False
         if command.kept is not None:
             # Counted before the forum is made: a flood of new keys makes no forums.
@@ -400,7 +400,7 @@ class Door:
             opening = await self.kept_forums.check(forum_id, kept, namespace)
         except KeptForumRefused as error:
             return SubmitReply.rejected("unknown_conversation", str(error))
-        refused = await self.over_limit(user, key, derive_id("submit", forum_id, key))
+        refused = await self.over_limit(user, key, submitted_line_id(forum_id, key))
         if refused is None and opening is not None:
             await self.kept_forums.open(opening)
             self.copies.forget(forum_id)  # its join's event comes after this line, in this lane

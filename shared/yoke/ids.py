@@ -27,5 +27,11 @@ def forwarded_line_id(monologue_line_id: str) -> str:
     return derive_id("egress", monologue_line_id)
 
 
+def submitted_line_id(conversation_id: str, idempotency_key: str) -> str:
+    """The id of the line a submit command writes (its key as the door stores it): a repeat
+    finds the line already written, and a door can name the line before it asks."""
+    return derive_id("submit", conversation_id, idempotency_key)
+
+
 # The author of lines the mesh itself writes: tool results, notices.
 SYSTEM_ACTOR_ID = "system"

@@ -32,6 +32,7 @@ from a2a.types.a2a_pb2 import (
 )
 from a2a.utils.errors import TaskNotCancelableError
 
+from services.gateway.a2a.task_store import COLLECTION
 from services.gateway.calling import kept_forum_id
 from tests.support.fake_openai import FakeOpenAI, openai_env
 from tests.support.gateway_process import metric, running_gateway
@@ -80,7 +81,11 @@ def send(text: str, context_id: str) -> SendMessageRequest:
 
 
 async def started(client: Client, text: str, context_id: str) -> Task:
-    responses = [response async for response in client.send_message(send(text, context_id))]
+    return await started_by(client, send(text, context_id))
+
+
+async def started_by(client: Client, request: SendMessageRequest) -> Task:
+    responses = [response async for response in client.send_message(request)]
     assert len(responses) == 1 and responses[0].HasField("task"), responses
     return responses[0].task
 
@@ -212,6 +217,32 @@ async def test_a_cancel_through_another_task_of_the_context_cancels_both(
     assert other.status.state == TaskState.TASK_STATE_CANCELED, other
     forum_id = kept_forum_id(caller.token, "a2a", agent, "stopped")
     assert await agent_lines(store, forum_id) == []
+
+
+async def test_a_message_sent_again_is_the_same_task_not_another(
+    agents: Agents, store: Store, gateway_url: str
+) -> None:
+    agent = await agents.publish(model="fixture-slow-2")
+    caller = await agents.caller(agent.id)
+    async with a2a_client(gateway_url, agent, caller) as client:
+        request = send("only once", "again")
+        first = await started_by(client, request)
+        # A client retrying its send (the same messageId): the task it made, however often.
+        again = [await started_by(client, request) for _ in range(3)]
+        assert {task.id for task in again} == {first.id}, again
+        done = await ended(client, first.id)
+    # Streamed, once its task has ended: that task, as it ended.
+    async with httpx.AsyncClient(headers=caller.headers, timeout=TIMEOUT) as http:
+        card = await A2ACardResolver(http, f"{gateway_url}/a2a/{agent.id}").get_agent_card()
+        streaming = ClientFactory(ClientConfig(streaming=True, httpx_client=http)).create(card)
+        events = [event async for event in streaming.send_message(request)]
+        await streaming.close()
+    assert [event.task.id for event in events if event.HasField("task")] == [first.id], events
+    assert done.status.state == TaskState.TASK_STATE_COMPLETED, done
+    records = await store.db[COLLECTION].count_documents({"agent": agent.id})
+    assert records == 1
+    forum_id = kept_forum_id(caller.token, "a2a", agent, "again")
+    assert await agent_lines(store, forum_id) == ["only once"]
 
 
 async def test_cancels_of_one_task_at_once_stop_its_forum_once(

@@ -22,6 +22,7 @@ from a2a.types.a2a_pb2 import (
     Message,
     Part,
     SendMessageRequest,
+    SubscribeToTaskRequest,
     Task,
 )
 from a2a.utils.errors import (
@@ -43,9 +44,15 @@ from services.gateway.a2a.executor import DOOR, MeshExecutor, Turn, line_key, me
 from services.gateway.a2a.push import MeshPushConfigStore
 from services.gateway.a2a.task_store import MeshTaskStore, TaskRecord
 from services.gateway.a2a.turns import is_terminal, state_name
-from services.gateway.calling import Answered, post_line, stop_turn, turn_outcome
+from services.gateway.calling import (
+    Answered,
+    kept_forum_id,
+    post_line,
+    stop_turn,
+    turn_outcome,
+)
 from services.gateway.deps import ApiError
-from yoke.ids import derive_id
+from yoke.ids import derive_id, submitted_line_id
 from yoke.models import Message as Line
 from yoke.models import unstorable
 
@@ -136,11 +143,32 @@ class MeshRequestHandler(DefaultRequestHandlerV2):
         if active is not None and self.executor.running(task_id) is None:
             await active.aclose()
 
+    async def _sent_before(
+        self, params: SendMessageRequest, context: ServerCallContext
+    ) -> TaskRecord | None:
+        """The task a send of this message (its messageId, in its context) made already: a
+        client retrying its send gets that task, not another one following the same line
+        (which the token's line limit, answering a repeat "duplicate", would not stop)."""
+        message = params.message
+        if message.task_id or not message.context_id or not message.message_id:
+            return None
+        caller = caller_of(context)
+        forum_id = kept_forum_id(caller.token, DOOR, caller.agent, message.context_id)
+        key = caller.token.namespaced(line_key(caller, message, ""))
+        return await self.tasks.following(caller, submitted_line_id(forum_id, key))
+
     @validate_request_params
     async def on_message_send(
         self, params: SendMessageRequest, context: ServerCallContext
     ) -> Message | Task:
         check_message(params.message)
+        earlier = await self._sent_before(params, context)
+        if earlier is not None:
+            turn = self.executor.running(earlier.id)
+            if turn is not None:
+                return await self._until_end(turn, params, context)
+            task = await self.tasks.current(earlier)
+            return apply_history_length(task, params.configuration)
         if params.message.task_id:
             turn = await self._continue(params, context)
             if turn is not None:
@@ -153,6 +181,16 @@ class MeshRequestHandler(DefaultRequestHandlerV2):
         self, params: SendMessageRequest, context: ServerCallContext
     ) -> AsyncGenerator[Event, None]:
         check_message(params.message)
+        earlier = await self._sent_before(params, context)
+        if earlier is not None:
+            task = await self.tasks.current(earlier)
+            if is_terminal(task.status.state):
+                yield task
+            else:
+                following = SubscribeToTaskRequest(id=earlier.id)
+                async for event in self.on_subscribe_to_task(following, context):
+                    yield event
+            return
         if params.message.task_id:
             turn = await self._continue(params, context)
             if turn is not None:

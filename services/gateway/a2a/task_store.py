@@ -170,6 +170,14 @@ class MeshTaskStore(VersionedTaskStore):
             return None
         return record
 
+    async def following(self, caller: Caller, line_id: str) -> TaskRecord | None:
+        """The caller's task that follows ``line_id`` (one of its owner's records, by an
+        equality the store answers from the owner's index)."""
+        found = await self.collection.find_one(
+            {"owner": caller.owner, "agent": caller.agent.id, "lineId": line_id}
+        )
+        return None if found is None else TaskRecord.from_document(found)
+
     async def current(self, record: TaskRecord) -> Task:
         """The task as it stands: as written when final, else with its turn's end if the forum
         has it (whoever ran the task may not have lived to write it)."""
