@@ -21,6 +21,7 @@ STATUS_OF_CODE: Mapping[str, int] = {
     "too_large": 413,
     "unknown_conversation": 404,
     "not_a_forum": 404,
+    "too_many_conversations": 403,
 }
 
 

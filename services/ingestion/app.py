@@ -242,7 +242,7 @@ class Door:
         }
         # People's lines reach the follow-up service only in forums where a join has it.
         self.followed = FollowedForums(self.store)
-        self.kept_forums = KeptForums(self.store, service.poster)
+        self.kept_forums = KeptForums(self.store, service.poster, settings.kept_forums_per_token)
 
     def key(self, message: AbstractIncomingMessage) -> str:
         return command_key(message, self.max_body_bytes)
@@ -399,7 +399,7 @@ class Door:
         try:
             opening = await self.kept_forums.check(forum_id, kept, namespace)
         except KeptForumRefused as error:
-            return SubmitReply.rejected("unknown_conversation", str(error))
+            return SubmitReply.rejected(error.code, str(error))
         refused = await self.over_limit(user, key, submitted_line_id(forum_id, key))
         if refused is None and opening is not None:
             await self.kept_forums.open(opening)

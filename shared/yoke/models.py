@@ -570,6 +570,8 @@ RejectCode = Literal[
     "foreign_namespace",
     # Past the publisher's lines per minute (a bridge's or a token's); see retryAfter.
     "rate_limited",
+    # A new conversation key past the caller's token's bound (YOKE_KEPT_FORUMS_PER_TOKEN).
+    "too_many_conversations",
     # tool.result.submit only (see SubmitToolResult)
     "unknown_call",
     "call_closed",
@@ -593,7 +595,8 @@ class SubmitReply(WireModel):
     # ``not_a_forum``; for tool results ``unknown_call``, ``call_closed``, ``wrong_tool``,
     # ``missing_user_id``, ``awaiting_approval``; for approvals ``not_allowed``,
     # ``already_decided``, ``unknown_call``, ``not_awaiting_approval``; for any command
-    # ``foreign_namespace``, ``missing_user_id`` and (lines) ``rate_limited``.
+    # ``foreign_namespace``, ``missing_user_id`` and (lines) ``rate_limited``; (lines into a
+    # caller's kept forum) ``not_allowed``, ``too_many_conversations``.
     code: RejectCode | None = None
     # With ``rate_limited``: whole seconds until a line is taken again.
     retry_after: int | None = None

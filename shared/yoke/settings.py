@@ -125,6 +125,9 @@ class Settings(BaseSettings):
     a2a_tasks_per_token: int = Field(default=1000, ge=1)
     a2a_push_configs_per_task: int = Field(default=4, ge=1)
     a2a_push_configs_per_token: int = Field(default=1000, ge=1)
+    # The conversations one caller's token keeps (an MCP conversation, an A2A contextId: a
+    # forum and a join each); past it a new key is refused and the ones it has go on.
+    kept_forums_per_token: int = Field(default=10_000, ge=1)
     # Hosts a URL set on an outsider's word (an A2A push) may reach although they are inside
     # the operator's network (yoke.outbound): host names, IPs or CIDRs, comma-separated.
     push_allowed_hosts: str = ""

@@ -253,6 +253,7 @@ class Store:
         )
         await self.participants.create_index([("actorId", ASCENDING)], name="actor")
         await self.actors.create_index([("externalId", ASCENDING)], name="external_id")
+        await self.conversations.create_index([("keptFor", ASCENDING)], name="kept_for")
         await self.states.create_index([("actor", ASCENDING), ("watch", ASCENDING)], name="watch")
         await self.failures.create_index([("stateId", ASCENDING)], name="state")
         # A forum's pending approvals (GET /v1/forums/{id}/approvals, yoke approvals, a stop).

@@ -40,9 +40,11 @@ from yoke.store import Store
 from yoke.tokens import Token, create_token, ensure_token_indexes, revoke_token
 
 LIMIT = 4
+KEPT = 2  # conversations a caller's token may keep here
 DOOR_ENV = {
     "YOKE_BRIDGE_LINES_PER_MINUTE": str(LIMIT),
     "YOKE_TOKEN_LINES_PER_MINUTE": str(LIMIT),
+    "YOKE_KEPT_FORUMS_PER_TOKEN": str(KEPT),
 }
 
 
@@ -539,3 +541,37 @@ async def test_only_the_gateway_opens_a_callers_kept_forum_and_only_the_one_deri
     assert (await ask(rest)).code == "not_allowed"
     said = await store.history(forum_id, after_seq=0, up_to_seq=await store.last_seq(forum_id))
     assert {m.text for m in said if m.role == "user"} == {"what is new?"}
+
+
+async def test_a_callers_token_keeps_a_bounded_number_of_conversations(
+    gateway_speaker: Speaker, store: Store
+) -> None:
+    """Every new conversation key of a caller's is a forum and a join: past the bound, a new
+    key is refused (saying so); the conversations it has go on."""
+    agent = await create_agent(store, "published")
+    name = f"bounded-{uuid.uuid4().hex[:6]}"
+    published = await publish_agent(store, name, agent.id, "Helps.")
+    namespace = f"caller~{uuid.uuid4().hex[:8]}"
+
+    async def say(key: str) -> SubmitReply:
+        body = line(
+            kept_forum_id("a2a", namespace, published, key),
+            f"a2a:{namespace}",
+            f"http:{namespace}:{uuid.uuid4().hex}",
+        )
+        body["kept"] = {"door": "a2a", "agent": name, "key": key}
+        reply = await gateway_speaker.ask(
+            body, queue_name=f"yoke.gateway.replies.{uuid.uuid4().hex}"
+        )
+        assert reply is not None
+        return reply
+
+    for number in range(KEPT):
+        assert (await say(f"c{number}")).status == "accepted"
+    refused = await say("one too many")
+    assert refused.code == "too_many_conversations" and str(KEPT) in (refused.error or "")
+    assert (
+        await store.get_conversation(kept_forum_id("a2a", namespace, published, "one too many"))
+        is None
+    )
+    assert (await say("c0")).status == "accepted"  # the ones it keeps go on

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from yoke.lru import LRUCache
-from yoke.models import KeptForum
+from yoke.models import KeptForum, RejectCode
 from yoke.publishing import PublishedAgent, find_published, kept_forum_id
 from yoke.runtime.joins import create_forum, join_conversation, participant_id
 from yoke.runtime.posting import Poster
@@ -22,6 +22,10 @@ from yoke.store import Store
 
 class KeptForumRefused(Exception):
     """The line cannot open its forum (the message says why, in the caller's words)."""
+
+    def __init__(self, message: str, code: RejectCode = "unknown_conversation") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -36,9 +40,11 @@ class Opening:
 
 
 class KeptForums:
-    def __init__(self, store: Store, poster: Poster) -> None:
+    def __init__(self, store: Store, poster: Poster, per_token: int = 10_000) -> None:
         self.store = store
         self.poster = poster
+        # Bounded (invariant 14): each key is a forum and a join, kept as long as the forum.
+        self.per_token = per_token
         self._joined: LRUCache[str, bool] = LRUCache()
 
     async def check(self, forum_id: str, kept: KeptForum, namespace: str) -> Opening | None:
@@ -57,6 +63,15 @@ class KeptForums:
                 f"conversation {forum_id!r} is not the forum kept for this caller's "
                 f"{kept.door} key with {kept.agent!r}"
             )
+        if await self.store.get_conversation(forum_id) is None:
+            kept_now = await self.store.conversations.count_documents({"keptFor": namespace})
+            if kept_now >= self.per_token:
+                raise KeptForumRefused(
+                    f"this caller keeps {kept_now} conversations, the most "
+                    f"YOKE_KEPT_FORUMS_PER_TOKEN ({self.per_token}) allows: go on in one of "
+                    "them, or ask the operator for more",
+                    "too_many_conversations",
+                )
         title = f"{kept.door} caller of {published.id}"
         return Opening(forum_id, title, published, seen, namespace)
 
