@@ -24,12 +24,15 @@ import httpx
 import jsonschema
 import pytest
 from a2a.client import A2ACardResolver
+from a2a.types.a2a_pb2 import Task, TaskState, TaskStatus
 
+from services.gateway.a2a.task_store import COLLECTION, TaskRecord
 from tests.support.fake_openai import FakeOpenAI, openai_env
 from tests.support.gateway_process import gateway_process, metric
 from tests.support.mesh import Mesh
 from tests.support.processes import ServiceProcess, eventually
 from tests.support.published import Agents, Caller
+from tests.support.store_operations import breakdown, store_operations, total
 from tests.support.webhook_receiver import Receiver
 from yoke.publishing import PublishedAgent, publish_agent
 from yoke.store import Store
@@ -531,6 +534,37 @@ async def test_list_tasks_pages_by_cursor_newest_first_and_only_the_callers(
     assert token == "" and seen == list(reversed(sent)), (seen, sent)
     theirs = (await call(http, url, stranger, rpc("ListTasks", {"contextId": context})))["result"]
     assert theirs.get("tasks", []) == []
+
+
+async def test_a_page_of_tasks_costs_that_page_not_every_task_of_the_token(
+    agents: Agents, store: Store, mesh: Mesh, http: httpx.AsyncClient
+) -> None:
+    """ListTasks reads the owner's records once and the turns of the tasks it returns only."""
+    agent = await agents.publish()
+    caller = await agents.caller(agent.id)
+    owner = caller.token.namespace or caller.token.id
+    # Many working tasks of the caller's, as the door writes their records.
+    for number in range(30):
+        task_id = f"t-{uuid.uuid4().hex}"
+        status = TaskStatus(state=TaskState.TASK_STATE_WORKING)
+        record = TaskRecord(
+            id=task_id,
+            owner=owner,
+            agent=agent.id,
+            context_id="many",
+            state="working",
+            task=Task(id=task_id, context_id="many", status=status).SerializeToString(),
+            forum_id=f"forum-{number}",
+            line_id=f"line-{number}",
+        )
+        await store.db[COLLECTION].insert_one(record.to_document())
+    url = agents.url(agent)
+    before = await store_operations(mesh, agents.gateway_url)
+    page = await call(http, url, caller, rpc("ListTasks", {"pageSize": 2}))
+    after = await store_operations(mesh, agents.gateway_url)
+    assert len(page["result"]["tasks"]) == 2 and page["result"]["totalSize"] == 30, page
+    spent = total(after - before, gateway=True)
+    assert spent <= 8, breakdown(after - before)
 
 
 async def test_a_tasks_push_configs_are_created_read_listed_and_deleted(

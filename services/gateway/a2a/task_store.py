@@ -295,19 +295,27 @@ class MeshTaskStore(VersionedTaskStore):
         if start < 0:
             raise InvalidParamsError(message="invalid page token")
         size = params.page_size or DEFAULT_LIST_TASKS_PAGE_SIZE
+        filtered = bool(params.status) or params.HasField("status_timestamp_after")
+        if not filtered:
+            # Each task's turn is read for the page only: a page costs its own tasks.
+            page = [await self.current(record) for record in records[start : start + size]]
+            return self._page(page, start, size, len(records))
         tasks = [await self.current(record) for record in records]
         if params.status:
             tasks = [task for task in tasks if task.status.state == params.status]
         if params.HasField("status_timestamp_after"):
             after = params.status_timestamp_after.ToNanoseconds()
             tasks = [t for t in tasks if t.status.timestamp.ToNanoseconds() >= after]
-        page = tasks[start : start + size]
-        more = start + size < len(tasks)
+        return self._page(tasks[start : start + size], start, size, len(tasks))
+
+    @staticmethod
+    def _page(page: Sequence[Task], start: int, size: int, total: int) -> ListTasksResponse:
+        more = start + size < total
         return ListTasksResponse(
             tasks=page,
             next_page_token=str(start + size) if more else "",
             page_size=size,
-            total_size=len(tasks),
+            total_size=total,
         )
 
     async def delete(self, task_id: str, context: ServerCallContext) -> None:
