@@ -638,7 +638,9 @@ async def test_an_a2a_task_costs_an_http_turns_store_operations_and_a_few_more(
     )
     # The mesh does the same for a line from either door; the door's own operations are few.
     assert total(a2a_cost, gateway=False) <= total(http_cost, gateway=False) + 2
-    assert total(a2a_cost, gateway=True) <= 12, breakdown(a2a_cost)
+    # The door's own: its task record, the forum's turn, and the claim that makes one message
+    # one task however often it is sent (a lookup and a unique insert).
+    assert total(a2a_cost, gateway=True) <= 13, breakdown(a2a_cost)
 
 
 async def test_the_guides_a2a_client_runs_as_written(agents: Agents, store: Store) -> None:

@@ -245,6 +245,28 @@ async def test_a_message_sent_again_is_the_same_task_not_another(
     assert await agent_lines(store, forum_id) == ["only once"]
 
 
+async def test_a_message_sent_many_times_at_once_makes_one_task_to_follow(
+    agents: Agents, store: Store, gateway_url: str
+) -> None:
+    agent = await agents.publish(model="fixture-slow-5")  # working at the second message
+    caller = await agents.caller(agent.id)
+    async with a2a_client(gateway_url, agent, caller) as client:
+        request = send("at once", "burst of one")
+        tasks = await asyncio.gather(*(started_by(client, request) for _ in range(8)))
+        following = {t.id for t in tasks if t.status.state != TaskState.TASK_STATE_REJECTED}
+        assert len(following) == 1, tasks
+        (winner,) = following
+        # The others say which task the message is.
+        assert all(winner in reply_of(t) for t in tasks if t.id != winner), tasks
+        # The task moves on to a newer message (blocking: it ends with its answer) ...
+        more = send("and more", "burst of one").message
+        more.task_id = winner
+        [moved] = [r async for r in client.send_message(SendMessageRequest(message=more))]
+        assert moved.task.status.state == TaskState.TASK_STATE_COMPLETED, moved
+        # ... and the first message sent again is still that task.
+        assert (await started_by(client, request)).id == winner
+
+
 async def test_cancels_of_one_task_at_once_stop_its_forum_once(
     agents: Agents, store: Store, gateway_url: str
 ) -> None:

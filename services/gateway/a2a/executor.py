@@ -181,11 +181,12 @@ class MeshExecutor(AgentExecutor):
         except ApiError as refused:
             if refused.status >= 500:
                 raise InternalError(message=refused.error) from refused
-            why = agent_message(task_id, context_id, refused.error, f"{task_id}:refused")
-            status = TaskStatus(state=TaskState.TASK_STATE_REJECTED, message=why)
-            await queue.enqueue_event(
-                Task(id=task_id, context_id=context_id, status=status, history=[message])
-            )
+            await self._refuse(task_id, context_id, message, refused.error, queue)
+            return None
+        winner = await self.tasks.claim_line(line.id, task_id)
+        if winner != task_id:  # the same message sent at once again: one task follows it
+            said = f"this message was sent already: it is task {winner}"
+            await self._refuse(task_id, context_id, message, said, queue)
             return None
         self.tasks.attach(task_id, Attachment(line.conversation_id, line.id))
         await self.pushes.start(task_id, line)  # push configs given with the send
@@ -194,6 +195,17 @@ class MeshExecutor(AgentExecutor):
             Task(id=task_id, context_id=context_id, status=status, history=[message])
         )
         return line
+
+    @staticmethod
+    async def _refuse(
+        task_id: str, context_id: str, message: A2AMessage, said: str, queue: EventQueue
+    ) -> None:
+        """The task ``rejected``, saying why (it follows nothing)."""
+        why = agent_message(task_id, context_id, said, f"{task_id}:refused")
+        status = TaskStatus(state=TaskState.TASK_STATE_REJECTED, message=why)
+        await queue.enqueue_event(
+            Task(id=task_id, context_id=context_id, status=status, history=[message])
+        )
 
     async def _next_line(
         self, task_id: str, context_id: str, message: A2AMessage, queue: EventQueue

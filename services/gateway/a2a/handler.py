@@ -155,7 +155,7 @@ class MeshRequestHandler(DefaultRequestHandlerV2):
         caller = caller_of(context)
         forum_id = kept_forum_id(caller.token, DOOR, caller.agent, message.context_id)
         key = caller.token.namespaced(line_key(caller, message, ""))
-        return await self.tasks.following(caller, submitted_line_id(forum_id, key))
+        return await self.tasks.sent_as(caller, submitted_line_id(forum_id, key))
 
     @validate_request_params
     async def on_message_send(

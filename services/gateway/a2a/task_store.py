@@ -97,6 +97,12 @@ class Attachment:
         self.line_id = line_id
 
 
+def line_claim_id(line_id: str) -> str:
+    """The claim of a caller's line by the task its send made (beside the task records; it
+    has no owner, so no owner's query finds it)."""
+    return f"line:{line_id}"
+
+
 def retention_rule(settings: Settings) -> Rule:
     return Rule("a2a tasks", COLLECTION, "day", settings.retention_a2a_task_days)
 
@@ -170,13 +176,21 @@ class MeshTaskStore(VersionedTaskStore):
             return None
         return record
 
-    async def following(self, caller: Caller, line_id: str) -> TaskRecord | None:
-        """The caller's task that follows ``line_id`` (one of its owner's records, by an
-        equality the store answers from the owner's index)."""
-        found = await self.collection.find_one(
-            {"owner": caller.owner, "agent": caller.agent.id, "lineId": line_id}
-        )
-        return None if found is None else TaskRecord.from_document(found)
+    async def claim_line(self, line_id: str, task_id: str) -> str:
+        """The task a line's send made: ``task_id``, if its claim is the first (a unique
+        insert: sends of one message at once, through any gateway, make one task to follow),
+        else the one that won. Claims go with the records' retention."""
+        claim = {"_id": line_claim_id(line_id), "taskId": task_id, "ageBucket": day_bucket()}
+        if await self.store.insert_if_absent(self.collection, claim):
+            return task_id
+        found = await self.collection.find_one({"_id": line_claim_id(line_id)})
+        return str(found["taskId"]) if found is not None else task_id
+
+    async def sent_as(self, caller: Caller, line_id: str) -> TaskRecord | None:
+        """The caller's task that a send of ``line_id`` made (a task follows newer lines as
+        messages come, its claim stays on the first)."""
+        claim = await self.collection.find_one({"_id": line_claim_id(line_id)})
+        return None if claim is None else await self.record(str(claim["taskId"]), caller)
 
     async def current(self, record: TaskRecord) -> Task:
         """The task as it stands: as written when final, else with its turn's end if the forum
