@@ -43,6 +43,8 @@ from yoke.tokens import Token
 # How far past the caller's line a turn's outcome is looked for (a kept forum is one caller's:
 # its lines are the caller's and the agent's replies).
 OUTCOME_LINES = 200
+# ... a window at a time, this many at most before it looks at the newest lines only.
+OUTCOME_WINDOWS = 10
 # A caller waiting for its answer reads the store this often when no event comes.
 POLL_SECONDS = 2.0
 
@@ -178,11 +180,31 @@ def outcome_of(line: Message, candidate: Message) -> TurnEvent | None:
 
 async def turn_outcome(store: Store, forum_id: str, line: Message) -> Outcome | None:
     """How ``line``'s turn ended (None while it runs), from the store alone: the same from any
-    gateway, after any restart. One head lookup and one bounded range read."""
+    gateway, after any restart. A head lookup and bounded range reads: the lines after
+    ``line`` a window at a time (its end is the first that ends it), at most
+    :data:`OUTCOME_WINDOWS` of them, then the newest window (a caller that flooded its own
+    conversation still learns that its turn ended)."""
     head = await store.last_seq(forum_id)
-    lines = await store.history(
-        forum_id, after_seq=line.seq, up_to_seq=min(head, line.seq + OUTCOME_LINES)
-    )
+    after = line.seq
+    for _ in range(OUTCOME_WINDOWS):
+        if after >= head:
+            return None
+        found = _ended(
+            line,
+            await store.history(
+                forum_id, after_seq=after, up_to_seq=min(head, after + OUTCOME_LINES)
+            ),
+        )
+        if found is not None:
+            return found
+        after += OUTCOME_LINES
+    if after >= head:
+        return None
+    newest = max(after, head - OUTCOME_LINES)
+    return _ended(line, await store.history(forum_id, after_seq=newest, up_to_seq=head))
+
+
+def _ended(line: Message, lines: list[Message]) -> Outcome | None:
     for candidate in lines:
         found = outcome_of(line, candidate)
         if isinstance(found, Answered | Failed):

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from services.gateway.calling import (
+    OUTCOME_LINES,
     Answered,
     Delta,
     Failed,
@@ -25,8 +26,10 @@ from services.gateway.deps import Gateway
 from services.gateway.stream import Hub
 from tests.support.mesh import Mesh
 from yoke.client import Client
+from yoke.ids import new_id
+from yoke.models import Message, MessageMeta, TextPart
 from yoke.publishing import publish_agent
-from yoke.runtime.joins import create_agent
+from yoke.runtime.joins import create_agent, create_forum
 from yoke.settings import Settings
 from yoke.store import Store
 from yoke.tokens import create_token, ensure_token_indexes
@@ -115,3 +118,29 @@ async def test_deltas_come_in_order_and_a_failed_step_ends_with_the_notices_word
     assert isinstance(ended, Failed) and ended.text.startswith("I could not answer"), events
     assert "Traceback" not in ended.text and forum_id not in ended.text
     assert await turn_outcome(store, forum_id, line) == ended
+
+
+async def test_a_turns_end_is_found_however_many_lines_came_before_it(store: Store) -> None:
+    """A caller who flooded its own conversation while a turn waited still learns its end: the
+    outcome is looked for past the first window of lines after the caller's."""
+    forum = await create_forum(store, "flooded")
+    line, _ = await store.insert_message(
+        Message(id=new_id(), conversation_id=forum.id, author_actor_id="caller", parts=[])
+    )
+    for _ in range(OUTCOME_LINES + 20):
+        await store.insert_message(
+            Message(id=new_id(), conversation_id=forum.id, author_actor_id="caller")
+        )
+    head = await store.last_seq(forum.id)
+    answer, _ = await store.insert_message(
+        Message(
+            id=new_id(),
+            conversation_id=forum.id,
+            author_actor_id="agent",
+            role="agent",
+            parts=[TextPart(text="it is 42")],
+            meta=MessageMeta(in_reply_to="another line", covers_seq=head),
+        )
+    )
+    found = await turn_outcome(store, forum.id, line)
+    assert isinstance(found, Answered) and found.message.id == answer.id, found
