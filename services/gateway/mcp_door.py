@@ -79,6 +79,7 @@ from yoke.models import Message, check_storable
 from yoke.publishing import PublishedAgent
 from yoke.rate_limit import LineLimit
 from yoke.settings import Settings
+from yoke.store import Store
 from yoke.tokens import Token
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ DEFAULT_CONVERSATION = "default"
 # Visible ASCII, spaces only inside: a key a caller can write back exactly as it was told.
 CONVERSATION_PATTERN = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]{0,126}[\x21-\x7e])?")
 TOKEN_SCOPE_KEY = "yoke.token"
+HANDOVER_SCOPE_KEY = "yoke.handover"
 INPUT_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -224,7 +226,16 @@ class McpDoor:
         if body is None:
             return
         scope[TOKEN_SCOPE_KEY] = token
-        await self.sessions.handle_request(scope, _replay(body, receive), send)
+        handover = Handover()
+        scope[HANDOVER_SCOPE_KEY] = handover
+        try:
+            await self.sessions.handle_request(
+                scope, handover.watch_receive(_replay(body, receive)), handover.watch_send(send)
+            )
+        finally:
+            # The debts its call collected whose answer was not sent: owed still.
+            with anyio.CancelScope(shield=True):
+                await handover.settle()
 
     def _from_public_origin(self, request: Request) -> bool:
         """Host names the gateway as its callers reach it, and Origin (sent by browsers) is one
@@ -331,7 +342,7 @@ class McpDoor:
         its answer: while an owed turn still runs, a new message (a ``/stop``) gets through."""
         owner = _owner(token)
         forum_id = calling.kept_forum_id(token, DOOR, agent, key)
-        collected = await self._collect(state, forum_id, owner)
+        collected = await self._collect(state, forum_id, owner, _handover(ctx))
         if collected is not None:
             return collected
         # Once the mesh has the line, its answer is owed if the caller goes: the post is not cut
@@ -344,10 +355,12 @@ class McpDoor:
         return await self._follow(state, agent, key, line, owner, Progress(ctx))
 
     async def _collect(
-        self, state: Gateway, forum_id: str, owner: str
+        self, state: Gateway, forum_id: str, owner: str, handover: Handover
     ) -> tuple[Outcome, CallToolResult] | None:
         """The oldest owed answer of the forum handed back, if its turn has ended (in the store)
-        and this call's claim on it wins; None when there is none to hand back."""
+        and this call's claim on it wins; None when there is none to hand back. The debt is
+        paid only once its answer went out to the caller (``handover``): a caller that went
+        before leaves it owed, at its first age."""
         store = state.store
         # Closed when left early (a debt handed back, or one that still runs).
         async with contextlib.aclosing(owed_answers.owed(store, forum_id)) as debts:
@@ -355,19 +368,21 @@ class McpDoor:
                 ended = await calling.turn_outcome(store, forum_id, debt.line)
                 if ended is None:
                     return None  # it still runs (its answers come in order): the message goes
-                # Claimed, it is paid or given back whatever the caller does meanwhile.
+                # Claimed, it is left to the handover or given back whatever the caller does.
                 with anyio.CancelScope(shield=True):
                     if not await owed_answers.claim(store, debt):
                         continue  # another call hands it back
                     try:
                         refused = await self._count_collecting(owner)
-                        if refused is not None:
-                            await owed_answers.give_back(store, debt)
-                            return "rate_limited", refused
-                        await owed_answers.paid(store, debt)
                     except BaseException:
                         await owed_answers.give_back(store, debt)
                         raise
+                    if refused is not None:
+                        await owed_answers.give_back(store, debt)
+                        return "rate_limited", refused
+                    if not handover.hold(store, debt):
+                        # The request is over (its caller went): nobody to hand it to.
+                        await owed_answers.give_back(store, debt)
                 return _handed_back(ended)
         return None
 
@@ -440,6 +455,75 @@ class McpDoor:
         )
 
 
+class Handover:
+    """What one ``/mcp`` request hands its caller: the debts its call collected are paid (their
+    documents deleted) only as a JSON-RPC result goes out on the response while the caller is
+    there (just before it is sent, so a caller that has it finds the debt paid); a caller that
+    went before (its request cancelled, the connection closed) leaves them owed, at their first
+    age, and their claims given back, for a later call to collect.
+
+    Held from the claim to the result's sending or the request's end: a gateway that dies
+    meanwhile leaves the claim, which keeps the debt from being handed back until retention
+    takes both (owed_answers)."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[Store, owed_answers.Debt]] = []
+        self.gone = False  # the caller disconnected
+        self.over = False
+
+    def hold(self, store: Store, debt: owed_answers.Debt) -> bool:
+        """Keep ``debt`` (claimed) until its answer is sent or the request ends; False once it
+        has ended (nobody to hand it to: the call gives it back)."""
+        if self.over:
+            return False
+        self.held.append((store, debt))
+        return True
+
+    def watch_receive(self, receive: Receive) -> Receive:
+        async def watched() -> AsgiMessage:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.gone = True
+            return message
+
+        return watched
+
+    def watch_send(self, send: Send) -> Send:
+        async def watched(message: AsgiMessage) -> None:
+            body = message.get("body", b"") if message["type"] == "http.response.body" else b""
+            if RESULT_MARK in body and not self.gone and self.held:
+                with anyio.CancelScope(shield=True):
+                    await self._pay()
+            await send(message)
+
+        return watched
+
+    async def _pay(self) -> None:
+        """What it holds paid; one the store could not pay stays held, given back at the end
+        (owed again rather than lost: a later call may hand it back a second time)."""
+        while self.held:
+            store, debt = self.held[0]
+            try:
+                await owed_answers.paid(store, debt)
+            except Exception:
+                log.warning("an owed answer handed back could not be paid", exc_info=True)
+                return
+            self.held.pop(0)
+
+    async def settle(self) -> None:
+        """At the request's end: what it still holds (its answer never sent) given back."""
+        self.over = True
+        held, self.held = self.held, []
+        for store, debt in held:
+            with contextlib.suppress(Exception):  # else its claim stays until retention
+                await owed_answers.give_back(store, debt)
+
+
+# A JSON-RPC result on the response's event stream (progress notifications and errors carry
+# none; a text inside one is escaped, so its quotes are not these).
+RESULT_MARK = b'"result":'
+
+
 class Progress:
     """Progress notifications for one call, when its caller asked for them (a progressToken):
     each piece's text as the message, the count so far as the progress (it must grow)."""
@@ -464,6 +548,15 @@ def _caller(ctx: ServerRequestContext[Any]) -> tuple[Gateway, Token]:
     token = request.scope[TOKEN_SCOPE_KEY]
     assert isinstance(token, Token)
     return gateway(request), token
+
+
+def _handover(ctx: ServerRequestContext[Any]) -> Handover:
+    """The request's :class:`Handover`, which :meth:`McpDoor.__call__` put in its scope."""
+    request = ctx.request
+    assert isinstance(request, Request), "the MCP door is served over HTTP only"
+    handover = request.scope[HANDOVER_SCOPE_KEY]
+    assert isinstance(handover, Handover)
+    return handover
 
 
 def _owner(token: Token) -> str:

@@ -9,11 +9,13 @@ keeps the age it was first owed at, so retention still ages it).
 
 Handing a debt back is decided by a unique insert (invariant 8: on FerretDB a read and a
 delete are no claim): the call whose claim (``_id`` ``claim:<debt id>``) is inserted hands the
-debt back, deletes it, then deletes its claim; a call whose insert loses treats the debt as
-absent. The winner reads the debt again after winning, as a claim given back after its debt
-was paid is one another call can win. A claim is held only while its call pays (given back if
-that call is refused or fails); one left by a gateway that died meanwhile keeps its debt from
-being handed back (its answer stays in the forum) until retention takes both.
+debt back and, as its answer goes out to the caller, deletes it, then deletes its claim; a
+caller that went before its answer was sent gives the claim back, and the debt stays owed at
+its first age. A call whose insert loses treats the debt as absent. The winner reads the debt
+again after winning, as a claim given back after its debt was paid is one another call can
+win. A claim is held only while its call hands the answer over (given back if that call is
+refused, fails or loses its caller); one left by a gateway that died meanwhile keeps its debt
+from being handed back (its answer stays in the forum) until retention takes both.
 
 The gateway's own bookkeeping, like a webhook's cursor (its MongoDB role may write only such
 collections), and in the store, not in a process: any replica collects what another owes.

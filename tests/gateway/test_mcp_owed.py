@@ -196,3 +196,84 @@ async def test_a_caller_that_goes_while_its_line_is_posted_is_owed_its_answer(
     answer, note = text_of(result)
     assert answer == "m0" and "not sent" in note, result
     assert time.monotonic() - started < CALL_TIMEOUT_SECONDS * 10
+
+
+def tool_call(name: str, message: str, conversation: str) -> str:
+    arguments = {"message": message, "conversation": conversation}
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call"}
+    return json.dumps({**body, "params": {"name": name, "arguments": arguments}})
+
+
+async def test_a_debt_claimed_by_a_caller_that_goes_before_its_answer_is_sent_stays_owed(
+    gateway_url: str, agents: Agents, store: Store
+) -> None:
+    # Shorter than the deadline: its debts are left by callers that go while their turns run.
+    slow = await agents.publish(model="fixture-slow-2")
+    caller = await agents.caller(slow.id)
+    forum_id = kept_forum_id(caller.token, "mcp", slow, "c")
+    debts = store.db[owed_answers.COLLECTION]
+    sent = [f"m{index}" for index in range(4)]
+    async with httpx.AsyncClient(timeout=30, headers={**ACCEPT, **caller.headers}) as http:
+        url = f"{gateway_url}/mcp"
+        lines = []
+        for text in sent:
+            posting = asyncio.create_task(http.post(url, content=tool_call(slow.id, text, "c")))
+            lines.append(await the_line(store, forum_id, text))
+            assert not posting.done(), posting
+            posting.cancel()  # while its turn runs: its answer is owed
+
+            async def owed_now(line: Message = lines[-1]) -> bool:
+                return line.id in [owed["lineId"] for owed in await owed_in(store, forum_id)]
+
+            await eventually(owed_now, timeout=WITHIN, what=f"the debt of {text!r}")
+        for line in lines:
+            await ended(store, forum_id, line)
+        first_ages = {owed["_id"]: owed["at"] for owed in await owed_in(store, forum_id)}
+        assert len(first_ages) == len(sent), first_ages
+        claims = [owed_answers.CLAIM_PREFIX + debt for debt in first_ages]
+
+        # Collecting calls, each cancelled as soon as its claim is in the store (a call that
+        # is answered before its claim is seen collected its debt: the next one tries again).
+        went: str | None = None
+        for attempt in range(len(sent)):
+            collecting = tool_call(slow.id, f"x{attempt}", "c")
+            posting = asyncio.create_task(http.post(url, content=collecting))
+            deadline = time.monotonic() + WITHIN
+            while not posting.done() and time.monotonic() < deadline:
+                claim = await debts.find_one({"_id": {"$in": claims}})
+                if claim is not None:
+                    went = str(claim["_id"]).removeprefix(owed_answers.CLAIM_PREFIX)
+                    break
+            if went is not None:
+                posting.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await posting
+                break
+            assert posting.done(), "the collecting call neither claimed nor ended in time"
+            posting.result().raise_for_status()
+        assert went is not None, "no collecting call's claim was seen before it was answered"
+
+    # Once the gateway is done with the call that went, its claim is gone, and its debt is owed
+    # still, at its first age: not paid to a caller that had gone.
+    async def claims_gone() -> bool:
+        return await debts.find_one({"_id": {"$in": claims}}) is None
+
+    await eventually(claims_gone, timeout=WITHIN, what="the claim of the call that went")
+    owed_now = {owed["_id"]: owed["at"] for owed in await owed_in(store, forum_id)}
+    assert went in owed_now, f"{went} was paid to a caller that had gone: {owed_now}"
+    assert owed_now[went] == first_ages[went]
+
+    # And the next call collects it (the oldest debt left).
+    line_id = went.rsplit("/", 1)[1]
+    text = next(line.text for line in lines if line.id == line_id)
+    async with mcp_session(gateway_url, caller.secret) as session:
+        result = await session.call_tool(slow.id, {"message": "again", "conversation": "c"})
+    answer, note = text_of(result)
+    assert answer == text and "not sent" in note, result
+
+    # Handed over this time, it is paid (once the gateway is done with the request).
+    async def paid() -> bool:
+        left = [owed["_id"] for owed in await owed_in(store, forum_id)]
+        return went not in left and await claims_gone()
+
+    await eventually(paid, timeout=WITHIN, what="the debt paid once its answer went out")
