@@ -426,7 +426,7 @@ class SubscriptionRunner:
         retry_at = min(now + timedelta(seconds=backoff), failing_since + window)
         cursor.failing_since, cursor.attempts, cursor.retry_at = failing_since, attempts, retry_at
         cursor.last_error = error
-        await self._save(cursor)
+        # Said before it is kept: an attempt the store counts has always been logged.
         log.warning(
             "webhook %s: %s for line %s (attempt %d); again in %.1f s",
             subscription.id,
@@ -435,6 +435,7 @@ class SubscriptionRunner:
             attempts,
             (retry_at - now).total_seconds(),
         )
+        await self._save(cursor)
         return False
 
     def _move_past(self, cursor: Cursor, line: Message, *, failing: bool) -> None:
