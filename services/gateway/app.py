@@ -40,6 +40,7 @@ from services.gateway.deps import (
     REQUESTS,
     RETRY_AFTER_SECONDS,
     STREAMS,
+    TOKEN_CHECK_SECONDS,
     ApiError,
     ErrorBody,
     ForumDep,
@@ -48,7 +49,6 @@ from services.gateway.deps import (
     gateway,
     hold_stream,
     unavailable,
-    while_token_in_force,
 )
 from services.gateway.limits import MAX_HEADER_BYTES, REFUSALS, gateway_protocol
 from services.gateway.stream import BindTimeout, ForumStream, Hub
@@ -77,7 +77,7 @@ from yoke.runtime.calls.records import TOOL_CALL_DECISIONS_COLLECTION, TOOL_CALL
 from yoke.settings import Settings
 from yoke.speakers import amqp_user
 from yoke.store import Store
-from yoke.tokens import Token, ensure_token_indexes
+from yoke.tokens import Token, ensure_token_indexes, token_in_force
 
 log = logging.getLogger(__name__)
 
@@ -590,10 +590,18 @@ async def stream(
     async def events() -> AsyncIterator[bytes]:
         STREAMS.inc()
         try:
+            checked = time.monotonic()
             async with contextlib.aclosing(forum_stream.events()) as chunks:
-                # A revoked token reads nothing more (``yoke token revoke`` takes effect at
-                # once): its stream ends within the token re-check interval, idle or not.
-                async for chunk in while_token_in_force(chunks, state, token):
+                async for chunk in chunks:
+                    # A revoked token reads nothing more (``yoke token revoke`` takes effect at
+                    # once): its stream ends before the next chunk once a check finds it gone.
+                    # Not through deps.while_token_in_force, as the A2A door's streams are: with
+                    # it, a closed stream's forum was twice found bound to four of its five
+                    # events in fresh-clone runs (test_gateway_stream), a cause not yet found.
+                    if time.monotonic() - checked >= TOKEN_CHECK_SECONDS:
+                        if not await token_in_force(state.store, token):
+                            return
+                        checked = time.monotonic()
                     yield chunk
         except Exception:
             # Starlette skips the background task when the body raises (the store away), which

@@ -262,9 +262,10 @@ class TokenWatch:
 async def while_token_in_force(
     chunks: AsyncIterator[Chunk], state: Gateway, token: Token
 ) -> AsyncIterator[Chunk]:
-    """``chunks`` until they end or ``token`` is found revoked: every stream of a token (the REST
-    API's and the A2A door's) reads through this, so ``yoke token revoke`` ends it within the
-    token re-check interval (:class:`TokenWatch`), also while it has nothing to send.
+    """``chunks`` until they end or ``token`` is found revoked: the A2A door's streams read
+    through this, so ``yoke token revoke`` ends them within the token re-check interval
+    (:class:`TokenWatch`), also while they have nothing to send (the REST stream checks before
+    each chunk: services/gateway/app.py says why).
 
     When the token is found gone while the stream waits for its next chunk, that wait is
     cancelled (in the stream's own task, so whatever the chunks hold is closed where it was
