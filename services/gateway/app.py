@@ -54,6 +54,7 @@ from services.gateway.limits import MAX_HEADER_BYTES, REFUSALS, gateway_protocol
 from services.gateway.stream import BindTimeout, ForumStream, Hub
 from services.gateway.webhooks import WebhookWorker
 from yoke import tracing
+from yoke.amqp_nodes import amqp_user
 from yoke.client import Client
 from yoke.errors import EXIT_MISCONFIGURED, describe_validation_error, is_transient
 from yoke.hardening import make_undumpable
@@ -75,7 +76,6 @@ from yoke.redact import redact
 from yoke.runtime.calls.approvals import PendingApproval, pending_approvals
 from yoke.runtime.calls.records import TOOL_CALL_DECISIONS_COLLECTION, TOOL_CALLS_COLLECTION
 from yoke.settings import Settings
-from yoke.speakers import amqp_user
 from yoke.store import Store
 from yoke.tokens import Token, ensure_token_indexes, token_in_force
 

@@ -15,6 +15,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import aio_pika
 from aio_pika.abc import AbstractConnection, AbstractRobustConnection
@@ -111,3 +112,15 @@ async def connect(url: str, *, connect_timeout: float = 10) -> AbstractConnectio
             error = failure
     count = len(node_urls(url))
     raise ConnectionError(f"no AMQP node of the {count} given answers (last: {error!r})") from error
+
+
+def amqp_user(amqp_url: str) -> str:
+    """The RabbitMQ user an AMQP URL connects as (its first node's; guest when none)."""
+    parts = urlsplit(amqp_url.split(",")[0].strip())
+    return unquote(parts.username) if parts.username else "guest"
+
+
+def amqp_vhost(amqp_url: str) -> str:
+    """The vhost an AMQP URL connects to (its first node's; ``/`` when it names none)."""
+    path = urlsplit(amqp_url.split(",")[0].strip()).path
+    return unquote(path[1:]) if len(path) > 1 else "/"

@@ -14,6 +14,7 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractQueue, AbstractRobustConnection
 
 from yoke import amqp_nodes, topology, tracing
+from yoke.amqp_nodes import amqp_user
 from yoke.ids import new_id
 from yoke.models import (
     CommandAuthor,
@@ -25,7 +26,6 @@ from yoke.models import (
     SubmitReply,
 )
 from yoke.slash import STOP
-from yoke.speakers import amqp_user
 
 # The line a person types in a forum to stop every agent there (see the README);
 # ``yoke stop`` and the gateway's stop route submit exactly this for the person named.

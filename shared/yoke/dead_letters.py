@@ -13,9 +13,9 @@ from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMe
 from aiormq.exceptions import ChannelPreconditionFailed
 
 from yoke import amqp_nodes, topology
+from yoke.amqp_nodes import amqp_user
 from yoke.metrics import DEAD_LETTERS_DROPPED
 from yoke.settings import SERVICES, Settings
-from yoke.speakers import amqp_user
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import unquote, urlsplit
 
 from yoke import topology
+from yoke.amqp_nodes import amqp_user, amqp_vhost
 from yoke.settings import Settings
 
 # What no bridge may start a value with: other doors' namespaces. ``cli:`` is not among them:
@@ -36,18 +36,6 @@ LimitedAs = Literal["bridge", "token"]
 
 class ForeignNamespace(Exception):
     """A value in a namespace its speaker may not use (the message says which and why)."""
-
-
-def amqp_user(amqp_url: str) -> str:
-    """The RabbitMQ user an AMQP URL connects as (its first node's; guest when none)."""
-    parts = urlsplit(amqp_url.split(",")[0].strip())
-    return unquote(parts.username) if parts.username else "guest"
-
-
-def amqp_vhost(amqp_url: str) -> str:
-    """The vhost an AMQP URL connects to (its first node's; ``/`` when it names none)."""
-    path = urlsplit(amqp_url.split(",")[0].strip()).path
-    return unquote(path[1:]) if len(path) > 1 else "/"
 
 
 def token_namespace(value: str) -> str | None:

@@ -14,7 +14,8 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import CollectionInvalid, DuplicateKeyError, OperationFailure
 
-from yoke import tls, tracing, upgrades
+from yoke import store_upgrades as upgrades
+from yoke import tls, tracing
 from yoke.lru import LRUCache
 from yoke.metrics import IN_DELIVERY, STORE_DOCUMENTS_READ, STORE_OPERATIONS, STORE_ORIGIN
 from yoke.models import Actor, Conversation, Message, Participant

@@ -1,4 +1,4 @@
-"""Upgrades of a broker or store that an earlier build set up: run at every start, idempotent.
+"""Upgrades of a broker that an earlier build set up: run at every start, idempotent.
 
 Each undoes or reads past what a 0.1.0 build made before the change named beside it; where
 there is nothing to undo it costs a few calls that change nothing. All of it may be removed in
@@ -10,18 +10,11 @@ without a random namespace) is part of those documents' shape, not an upgrade: i
 
 from __future__ import annotations
 
-from typing import Any
-
 from aio_pika.abc import AbstractExchange
-from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import OperationFailure
 
 from yoke.topology import EVENT_HEADER, KIND_HEADER, TYPE_HEADER, Interest
 
 REMOVABLE_IN = "0.2.0"
-
-Doc = dict[str, Any]
-INDEX_NOT_FOUND = 27
 
 # Bindings of shard exchanges to yoke.events made before route exchanges existed: each
 # delivered every event twice.
@@ -58,23 +51,3 @@ async def unbind_legacy_routes(
     for stale in LEGACY_INTERESTS.get(service, ()):
         if stale not in interests:
             await shards.unbind(route, routing_key="", arguments={"x-match": "all", **stale})
-
-
-async def drop_conversation_bucket_index(messages: AsyncCollection[Doc]) -> None:
-    """Drop ``conv_bucket``, the ``(conversationId, bucket)`` index that ``conv_bucket_key``
-    replaced: its presence misleads FerretDB's planner (see ``yoke.store.bucket_key``)."""
-    try:
-        await messages.drop_index("conv_bucket")
-    except OperationFailure as error:
-        if error.code != INDEX_NOT_FOUND:  # gone already, or another service dropped it
-            raise
-
-
-async def lines_before_buckets(
-    messages: AsyncCollection[Doc], conversation_id: str, after_seq: int, up_to_seq: int
-) -> list[Doc]:
-    """A range read the slow way (FerretDB reads the whole conversation for it), for when its
-    buckets held fewer lines than the range: lines written before ``convBucket`` have none."""
-    return await messages.find(
-        {"conversationId": conversation_id, "seq": {"$gt": after_seq, "$lte": up_to_seq}}
-    ).to_list()

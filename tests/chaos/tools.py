@@ -33,6 +33,7 @@ from tests.support.processes import ROOT, eventually, free_port
 from tests.support.unprivileged import stdio_servers_need_root
 from tests.support.worker_process import as_user
 from yoke import topology
+from yoke.amqp_nodes import amqp_vhost
 from yoke.cli.tool_users import create_tool_user, delete_tool_user
 from yoke.cli.tools import declare_tool_queue
 from yoke.client import Client
@@ -48,7 +49,6 @@ from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.instances import PROCESSOR
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
 from yoke.settings import Settings
-from yoke.speakers import amqp_vhost
 from yoke.store import Store
 from yoke.tools.catalog import MCP_SERVERS, CatalogEntry, McpServer, mcp_tool_name
 

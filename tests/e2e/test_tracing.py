@@ -40,6 +40,7 @@ from tests.support.processes import ROOT, eventually, local_http
 from tests.support.worker_process import as_user
 from tests.support.worker_tools import WorkerTool, ask_direct, registered_worker_tool
 from yoke import topology
+from yoke.amqp_nodes import amqp_user
 from yoke.cli.publishers import create_publisher, management_of
 from yoke.client import Client
 from yoke.ids import new_id
@@ -48,7 +49,6 @@ from yoke.runtime.calls.approvals import pending_approvals
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.speakers import amqp_user
 from yoke.store import Store
 from yoke.tokens import create_token, ensure_token_indexes
 

@@ -26,12 +26,12 @@ from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until
 from tests.support.processes import eventually, free_port
 from tests.support.worker_process import as_user
 from yoke import topology
+from yoke.amqp_nodes import amqp_vhost
 from yoke.cli.asyncapi import asyncapi_document
 from yoke.cli.publishers import Management, management_of
 from yoke.client import Client
 from yoke.models import Envelope, MessagePosted, ToolCallPart, ToolResultPart
 from yoke.runtime.joins import create_forum
-from yoke.speakers import amqp_vhost
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow

@@ -7,6 +7,7 @@ from typing import Literal
 
 from tests.support.mesh import agent_lines
 from tests.support.processes import eventually
+from yoke.amqp_nodes import amqp_user
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, SubmitReply, ToolResultPart
@@ -18,7 +19,6 @@ from yoke.runtime.calls.records import (
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.speakers import amqp_user
 from yoke.store import Store
 
 WAIT = 30.0  # the most any step of a test may take on a loaded machine

@@ -25,8 +25,8 @@ from tests.support.cli import run_yoke
 from tests.support.mesh import service_env
 from tests.support.worker_process import WorkerProcess, as_user
 from yoke import topology
+from yoke.amqp_nodes import amqp_vhost
 from yoke.cli.publishers import delete_user, management_of
-from yoke.speakers import amqp_vhost
 
 CLI_SECONDS = 240  # the most a ``yoke`` command may take (its imports, on a loaded machine)
 

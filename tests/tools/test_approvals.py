@@ -41,6 +41,7 @@ from tests.support.mesh import Mesh, lines_until, say
 from tests.support.processes import eventually
 from tests.support.worker_process import WorkerProcess, as_user
 from yoke import topology
+from yoke.amqp_nodes import amqp_vhost
 from yoke.cli.base import UsageError
 from yoke.cli.main import join_config_of, parser
 from yoke.cli.publishers import create_publisher, management_of
@@ -56,7 +57,6 @@ from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.speakers import amqp_vhost
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow

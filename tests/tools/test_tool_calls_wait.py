@@ -35,6 +35,7 @@ from tests.support.processes import eventually
 from tests.support.worker_process import WorkerProcess, as_user
 from tests.support.worker_tools import WorkerTool, serving
 from yoke import topology
+from yoke.amqp_nodes import amqp_vhost
 from yoke.client import Client
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.models import Message, ToolResultPart
@@ -45,7 +46,6 @@ from yoke.runtime.calls.records import (
 )
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.speakers import amqp_vhost
 from yoke.store import Store
 
 pytestmark = pytest.mark.slow

@@ -19,10 +19,10 @@ from tests.support.broker import Management
 from tests.support.cli import run_yoke
 from tests.support.worker_process import WorkerProcess, as_user
 from yoke import topology
+from yoke.amqp_nodes import amqp_vhost
 from yoke.cli.publishers import create_user, management_of
 from yoke.cli.tool_users import ToolUserRefused, create_tool_user, delete_tool_user
 from yoke.settings import Settings
-from yoke.speakers import amqp_vhost
 
 
 @pytest.fixture(scope="module")

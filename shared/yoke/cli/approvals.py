@@ -16,13 +16,13 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from yoke.amqp_nodes import amqp_user
 from yoke.cli.base import CommandError, UsageError, refusals_as_errors, with_store
 from yoke.client import Client
 from yoke.errors import describe_validation_error
 from yoke.runtime.calls.approvals import pending_approvals
 from yoke.runtime.join_config import ApprovalConfig
 from yoke.settings import Settings
-from yoke.speakers import amqp_user
 from yoke.store import Store
 from yoke.text import printable
 

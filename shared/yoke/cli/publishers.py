@@ -19,10 +19,10 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 import httpx
 
 from yoke import topology
+from yoke.amqp_nodes import amqp_vhost
 from yoke.cli.base import with_store
 from yoke.runtime.calls.approvers import grant_approver, revoke_approver
 from yoke.settings import Settings
-from yoke.speakers import amqp_vhost
 from yoke.store import Store
 
 MANAGEMENT_PORT = 15672

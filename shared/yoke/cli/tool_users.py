@@ -13,6 +13,7 @@ from __future__ import annotations
 from urllib.parse import quote
 
 from yoke import topology
+from yoke.amqp_nodes import amqp_vhost
 from yoke.cli.publishers import (
     Management,
     PublisherRefused,
@@ -22,7 +23,6 @@ from yoke.cli.publishers import (
     management_of,
 )
 from yoke.settings import Settings
-from yoke.speakers import amqp_vhost
 from yoke.tools.catalog import name_problem
 
 
