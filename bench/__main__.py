@@ -36,9 +36,9 @@ from bench.stats import Run, Samples, percentile, summary, table
 from bench.streaming import StreamingBench
 from bench.tool_rounds import ToolRoundsBench
 from bench.tracing_cost import TracingBench
-from yoke.logs import configure_logging
-from yoke.redact import redact_url
-from yoke.settings import Settings
+from yoke.core.logs import configure_logging
+from yoke.core.redact import redact_url
+from yoke.core.settings import Settings
 
 EVENTS_ENV = "YOKE_BENCH_EVENTS"
 # Connecting, declaring quorum queues and starting a relay process: generous, but not forever

@@ -18,15 +18,15 @@ from bench.child import Child, announce_ready, report, run_relay, stop_on_signal
 from bench.loop import Arrivals
 from bench.sandbox import Sandbox
 from bench.stats import Samples
-from yoke import topology
-from yoke.bus import Bus
-from yoke.ids import derive_id, new_id
-from yoke.logs import configure_logging
-from yoke.models import Envelope, Message, MessageMeta, MessagePosted, TextPart
+from yoke.bus import topology
+from yoke.bus.broker import Bus
+from yoke.core.ids import derive_id, new_id
+from yoke.core.logs import configure_logging
+from yoke.core.models import Envelope, Message, MessageMeta, MessagePosted, TextPart
+from yoke.core.settings import Settings
 from yoke.runtime.posting import Poster
 from yoke.runtime.service import Service
-from yoke.settings import Settings
-from yoke.store import Store
+from yoke.store.database import Store
 
 SERVICE = "bench-relay"
 OUT_PREFIX = "out-"

@@ -27,9 +27,9 @@ from bench.services import ServiceProcess
 from bench.stats import percentile
 from bench.turns import ACCEPTED, START
 from yoke.cli.supervisor import GATEWAY
-from yoke.publishing import publish_agent
-from yoke.tokens import create_token, ensure_token_indexes
-from yoke.webhooks import add_webhook, ensure_webhook_indexes
+from yoke.store.publishing import publish_agent
+from yoke.store.tokens import create_token, ensure_token_indexes
+from yoke.store.webhooks import add_webhook, ensure_webhook_indexes
 
 START_WITHIN = 120.0
 TOKEN_NAME = "bench-gateway"

@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from yoke.bus import Bus
-from yoke.ids import derive_id
-from yoke.models import Actor, Message, MessageMeta, TextPart
+from yoke.bus.broker import Bus
+from yoke.core.ids import derive_id
+from yoke.core.models import Actor, Message, MessageMeta, TextPart
 from yoke.runtime.joins import ensure_participant, join_id, participant_id
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
 
 PERSON_EXTERNAL_ID = "bench:person"
 

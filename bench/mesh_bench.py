@@ -24,11 +24,11 @@ from bench.history import prefill
 from bench.sandbox import Sandbox, queued_messages
 from bench.services import ServiceProcess, Services
 from bench.turns import Tracker, TurnRun, Turns
-from yoke.bus import Bus
+from yoke.bus.broker import Bus
 from yoke.client import Client
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
 
 Progress = Callable[[str], None]
 Figures = dict[str, Any]

@@ -23,10 +23,10 @@ from bench.child import Child, announce_ready, report, run_relay, stop_on_signal
 from bench.loop import Arrivals
 from bench.sandbox import Sandbox
 from bench.stats import Samples
-from yoke import topology
-from yoke.ids import new_id
-from yoke.logs import configure_logging
-from yoke.settings import Settings
+from yoke.bus import topology
+from yoke.core.ids import new_id
+from yoke.core.logs import configure_logging
+from yoke.core.settings import Settings
 
 INPUTS_ENV = "BENCH_RAW_INPUTS"
 OUTPUT_ENV = "BENCH_RAW_OUTPUT"

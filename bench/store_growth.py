@@ -21,12 +21,12 @@ from typing import Any
 from bench.sandbox import management_url_for, sandbox
 from bench.services import Services
 from bench.turns import Tracker, Turns
-from yoke.bus import Bus
+from yoke.bus.broker import Bus
 from yoke.client import Client
+from yoke.core.settings import Settings
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.settings import Settings
-from yoke.store import Store
+from yoke.store.database import Store
 
 
 async def sizes(store: Store) -> dict[str, tuple[int, int]]:

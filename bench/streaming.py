@@ -22,7 +22,7 @@ from bench.services import ServiceProcess
 from bench.stats import percentile
 from yoke.cli.supervisor import GATEWAY
 from yoke.runtime.joins import create_agent
-from yoke.tokens import create_token, ensure_token_indexes
+from yoke.store.tokens import create_token, ensure_token_indexes
 
 PIECES = 50
 SECONDS = 2

@@ -33,14 +33,14 @@ from bench.gateway import latency_figures
 from bench.mesh_bench import Figures, MeshBench
 from bench.services import ROOT
 from bench.stats import percentile
-from yoke import topology
+from yoke.bus import topology
 from yoke.cli.tool_users import create_tool_user, delete_tool_user, tool_user_name
 from yoke.cli.tools import declare_tool_queue
+from yoke.core.models import Message, ToolCallPart, ToolResultPart
+from yoke.core.settings import Settings
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import Message, ToolCallPart, ToolResultPart
 from yoke.runtime.catalog_store import CACHE_SECONDS, ToolCatalog
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
-from yoke.settings import Settings
 from yoke.tools.catalog import CATALOG, MCP_SERVERS, CatalogEntry, McpServer, mcp_tool_name
 
 START_WITHIN = 120.0

@@ -14,8 +14,8 @@ import os
 import signal
 import sys
 
-from yoke.logs import configure_logging
-from yoke.models import ToolCallRequest
+from yoke.core.logs import configure_logging
+from yoke.core.models import ToolCallRequest
 from yoke.tools.worker import serve
 
 URL_ENV = "YOKE_TOOL_AMQP_URL"

@@ -20,9 +20,9 @@ import aio_pika
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 
 from bench.stats import percentile
-from yoke import topology
+from yoke.bus import topology
 from yoke.client import Client
-from yoke.models import MessagePosted
+from yoke.core.models import MessagePosted
 
 # Stamps of one turn, keyed by the forum line's id.
 START = "start"

@@ -29,11 +29,11 @@ from tests.support.jaeger import Jaeger, running_jaeger
 from tests.support.mesh import JoinFactory, Launch, Mesh, running_mesh
 from tests.support.unprivileged import stdio_servers_need_root
 from tests.support.webhook_receiver import Receiver
-from yoke.bus import Bus
+from yoke.bus.broker import Bus
 from yoke.client import Client
 from yoke.runtime.joins import Join, create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 DEFAULT_MONGODB_URL = "mongodb://127.0.0.1:27017/yoke"

@@ -13,7 +13,8 @@ import time
 
 from pymongo import AsyncMongoClient
 
-from yoke import amqp_nodes, tls
+from yoke.bus import amqp_nodes
+from yoke.core import tls
 
 
 async def amqp_answers(url: str) -> None:

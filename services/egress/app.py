@@ -11,11 +11,12 @@ import logging
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from yoke import topology, tracing
-from yoke.consumer import key_from_header
-from yoke.ids import forwarded_line_id
-from yoke.lru import LRUCache
-from yoke.models import (
+from yoke.bus import topology
+from yoke.bus.consumer import key_from_header
+from yoke.core import tracing
+from yoke.core.ids import forwarded_line_id
+from yoke.core.lru import LRUCache
+from yoke.core.models import (
     AgentForumJoined,
     Message,
     MessageMeta,
@@ -26,7 +27,7 @@ from yoke.models import (
 from yoke.runtime.chain import chain_of
 from yoke.runtime.joins import Join, join_id, participant_id
 from yoke.runtime.service import Service, delivery_headers
-from yoke.store import Store
+from yoke.store.database import Store
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ broker).
 from __future__ import annotations
 
 from services.followup.scheduler import FollowUps, decision_rule
-from yoke.models import MessagePosted
+from yoke.core.models import MessagePosted
 from yoke.runtime.service import Service
 
 # The scheduler's name in the log and in /healthz ("follow-up scheduler stopped: ...").

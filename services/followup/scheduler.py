@@ -36,17 +36,17 @@ from pydantic import Field
 from pymongo import ASCENDING
 from pymongo.asynchronous.collection import AsyncCollection
 
-from yoke import tracing
-from yoke.ages import BUCKET_FIELD, day_bucket
-from yoke.ids import derive_id
-from yoke.lru import LRUCache
-from yoke.metrics import (
+from yoke.core import tracing
+from yoke.core.ages import BUCKET_FIELD, day_bucket
+from yoke.core.ids import derive_id
+from yoke.core.lru import LRUCache
+from yoke.core.metrics import (
     FOLLOWUPS_CANCELLED,
     FOLLOWUPS_FIRED,
     FOLLOWUPS_PENDING,
     FOLLOWUPS_SCHEDULED,
 )
-from yoke.models import (
+from yoke.core.models import (
     Actor,
     Document,
     Message,
@@ -56,7 +56,6 @@ from yoke.models import (
     as_utc,
     utcnow,
 )
-from yoke.retention import Rule
 from yoke.runtime.chain import carry_tail
 from yoke.runtime.join_config import (
     FollowUpConfig,
@@ -66,7 +65,8 @@ from yoke.runtime.join_config import (
 )
 from yoke.runtime.joins import ensure_participant, join_id, participant_id
 from yoke.runtime.posting import Poster
-from yoke.store import PROCEDURES, Store
+from yoke.store.database import PROCEDURES, Store
+from yoke.store.retention import Rule
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class FollowUpDecision(Document):
     streak: int = 1
     done: bool = False
     created_at: datetime = Field(default_factory=utcnow)
-    # yoke.retention: the day it was decided, then the day it was done (kept from then).
+    # yoke.store.retention: the day it was decided, then the day it was done (kept from then).
     age_bucket: str = Field(default_factory=day_bucket)
 
 
@@ -183,7 +183,7 @@ class FollowUps:
     def __init__(self, store: Store, poster: Poster, *, decision_days: float = 7.0) -> None:
         self.store = store
         self.poster = poster
-        # Decisions are kept this long (yoke.retention): an older line's is gone, so it is
+        # Decisions are kept this long (yoke.store.retention): an older line's is gone, so it is
         # never scheduled (a redelivery of it would nudge again).
         self.decided_for = timedelta(days=decision_days)
         self.schedules = store.db[FOLLOWUPS]

@@ -53,15 +53,15 @@ from services.gateway.deps import (
 from services.gateway.limits import MAX_HEADER_BYTES, REFUSALS, gateway_protocol
 from services.gateway.stream import BindTimeout, ForumStream, Hub
 from services.gateway.webhooks import WebhookWorker
-from yoke import tracing
-from yoke.amqp_nodes import amqp_user
+from yoke.bus.amqp_nodes import amqp_user
 from yoke.client import Client
-from yoke.errors import EXIT_MISCONFIGURED, describe_validation_error, is_transient
-from yoke.hardening import make_undumpable
-from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
-from yoke.logs import configure_logging
-from yoke.metrics import exposition
-from yoke.models import (
+from yoke.core import tracing
+from yoke.core.errors import EXIT_MISCONFIGURED, describe_validation_error, is_transient
+from yoke.core.hardening import make_undumpable
+from yoke.core.json_limits import MAX_BODY_DEPTH, nesting_depth
+from yoke.core.logs import configure_logging
+from yoke.core.metrics import exposition
+from yoke.core.models import (
     MAX_NAME_CHARS,
     MAX_REASON_CHARS,
     CommandAuthor,
@@ -72,12 +72,12 @@ from yoke.models import (
     check_storable,
     unstorable,
 )
-from yoke.redact import redact
+from yoke.core.redact import redact
+from yoke.core.settings import Settings
 from yoke.runtime.calls.approvals import PendingApproval, pending_approvals
 from yoke.runtime.calls.records import TOOL_CALL_DECISIONS_COLLECTION, TOOL_CALLS_COLLECTION
-from yoke.settings import Settings
-from yoke.store import Store
-from yoke.tokens import Token, ensure_token_indexes, token_in_force
+from yoke.store.database import Store
+from yoke.store.tokens import Token, ensure_token_indexes, token_in_force
 
 log = logging.getLogger(__name__)
 
@@ -703,7 +703,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         '`{"error": "...", "code": "..."}`.',
         lifespan=lifespan,
         # FastAPI's own OpenTelemetry would trace each request a second time (on the provider
-        # yoke.tracing installs): the gateway's request spans are its own (traced).
+        # yoke.core.tracing installs): the gateway's request spans are its own (traced).
         telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
         # Swagger UI comes from a CDN, unpinned, into the console's origin: only when asked for
         # (YOKE_GATEWAY_DOCS); /openapi.json is always there for local tools.
@@ -795,10 +795,10 @@ class _Server(uvicorn.Server):
 
 def main() -> None:
     """``python -m services.gateway``: serve on ``YOKE_GATEWAY_PORT`` until SIGTERM."""
-    make_undumpable()  # as every service (yoke.hardening)
+    make_undumpable()  # as every service (yoke.core.hardening)
     settings = Settings()
     configure_logging("gateway", settings.log_format, settings.log_level)
-    # Off unless OTEL_EXPORTER_OTLP_ENDPOINT is set (yoke.tracing); flushed, bounded, at exit.
+    # Off unless OTEL_EXPORTER_OTLP_ENDPOINT is set (yoke.core.tracing); flushed, bounded, at exit.
     if tracing.configure("gateway", content=settings.trace_content):
         log.info("gateway sends traces to %s", tracing.endpoint())
     # Bound here, not by uvicorn: a port that is taken is a configuration problem, and exit 78

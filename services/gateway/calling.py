@@ -26,8 +26,7 @@ from services.gateway.deps import Gateway, unavailable
 from services.gateway.limits import REFUSALS
 from services.gateway.stream import BindTimeout
 from services.gateway.submitting import line_command, stop_forum, submit_line
-from yoke import publishing
-from yoke.models import (
+from yoke.core.models import (
     AgentDelta,
     ApprovalRequested,
     CallerDoor,
@@ -36,9 +35,10 @@ from yoke.models import (
     Message,
     MessagePosted,
 )
-from yoke.publishing import PublishedAgent, find_published, published_agents
-from yoke.store import Store
-from yoke.tokens import Token
+from yoke.store import publishing
+from yoke.store.database import Store
+from yoke.store.publishing import PublishedAgent, find_published, published_agents
+from yoke.store.tokens import Token
 
 # How far past the caller's line a turn's outcome is looked for (a kept forum is one caller's:
 # its lines are the caller's and the agent's replies).

@@ -46,16 +46,16 @@ from services.gateway.deps import (
     require_monologue_reader,
 )
 from services.gateway.tool_calls import ToolCallStates
-from yoke.dead_letters import list_dead_letters
-from yoke.forum_list import ForumList
-from yoke.models import CallerDoor, Participant
+from yoke.bus.dead_letters import list_dead_letters
+from yoke.core.models import CallerDoor, Participant
 from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.chain import chain_of
 from yoke.runtime.instances import INGESTION, PROCESSOR
 from yoke.runtime.joins import participant_id
-from yoke.store import Store
-from yoke.tokens import Token
-from yoke.webhooks import dead_letters
+from yoke.store.database import Store
+from yoke.store.forum_list import ForumList
+from yoke.store.tokens import Token
+from yoke.store.webhooks import dead_letters
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.gateway.limits import REFUSALS, TOKEN_PATTERN, UnknownSecrets
 from services.gateway.stream import Hub
 from yoke.client import Client
-from yoke.models import Conversation, WireModel
-from yoke.settings import Settings
-from yoke.store import Store
-from yoke.tokens import Token, find_token, hash_secret
-from yoke.tokens import collection as token_collection
+from yoke.core.models import Conversation, WireModel
+from yoke.core.settings import Settings
+from yoke.store.database import Store
+from yoke.store.tokens import Token, find_token, hash_secret
+from yoke.store.tokens import collection as token_collection
 
 log = logging.getLogger(__name__)
 

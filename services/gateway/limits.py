@@ -20,7 +20,7 @@ import h11
 from prometheus_client import Counter
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from yoke.tokens import SECRET_PREFIX
+from yoke.store.tokens import SECRET_PREFIX
 
 REFUSALS = Counter(
     "yoke_gateway_refusals",
@@ -50,7 +50,7 @@ MAX_HEADER_BYTES = 16384
 # How long a refused connection is read (and the bytes dropped) before it is closed: closed with
 # its request unread, it would be reset, and the client would not read the 503.
 REFUSED_LINGER_SECONDS = 1.0
-# A token's secret as ``yoke token create`` makes it (yoke.tokens: the prefix, then 32 random
+# A token's secret as ``yoke token create`` makes it (yoke.store.tokens: the prefix, then 32 random
 # bytes in URL-safe base64): anything else is unknown without a store read.
 TOKEN_PATTERN = re.compile(re.escape(SECRET_PREFIX) + r"[A-Za-z0-9_-]{43}")
 

@@ -73,14 +73,14 @@ from starlette.types import Receive, Scope, Send
 from services.gateway import calling, mcp_tracing, owed_answers
 from services.gateway.bodies import read_body
 from services.gateway.deps import ApiError, Gateway, gateway, hold_stream, require_token
-from yoke.errors import describe_validation_error, is_transient
-from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
-from yoke.models import Message, check_storable
-from yoke.publishing import PublishedAgent
-from yoke.rate_limit import LineLimit
-from yoke.settings import Settings
-from yoke.store import Store
-from yoke.tokens import Token
+from yoke.core.errors import describe_validation_error, is_transient
+from yoke.core.json_limits import MAX_BODY_DEPTH, nesting_depth
+from yoke.core.models import Message, check_storable
+from yoke.core.settings import Settings
+from yoke.store.database import Store
+from yoke.store.publishing import PublishedAgent
+from yoke.store.rate_limit import LineLimit
+from yoke.store.tokens import Token
 
 log = logging.getLogger(__name__)
 

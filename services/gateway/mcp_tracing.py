@@ -16,7 +16,7 @@ from mcp.server._otel import OpenTelemetryMiddleware
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.lowlevel import Server
 
-from yoke import tracing
+from yoke.core import tracing
 
 # The methods a span is named after; any other is "other method" (a caller names the method).
 METHODS = frozenset(

@@ -30,10 +30,10 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from yoke.ages import BUCKET_FIELD, day_bucket
-from yoke.models import Message, utcnow
-from yoke.retention import Rule
-from yoke.store import Store
+from yoke.core.ages import BUCKET_FIELD, day_bucket
+from yoke.core.models import Message, utcnow
+from yoke.store.database import Store
+from yoke.store.retention import Rule
 
 COLLECTION = "mcp_owed_answers"
 KEEP_DAYS = 1.0

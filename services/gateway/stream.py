@@ -44,10 +44,10 @@ from prometheus_client import Counter
 from pydantic import ValidationError
 
 from services.gateway.limits import REFUSALS
-from yoke import amqp_nodes, topology
-from yoke.bus import ensure_forum_exchange
-from yoke.ids import new_id
-from yoke.models import (
+from yoke.bus import amqp_nodes, topology
+from yoke.bus.broker import ensure_forum_exchange
+from yoke.core.ids import new_id
+from yoke.core.models import (
     AgentActivity,
     AgentDelta,
     ApprovalDecided,
@@ -56,7 +56,7 @@ from yoke.models import (
     Message,
     MessagePosted,
 )
-from yoke.store import Store
+from yoke.store.database import Store
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class Hub:
         self._closing = False
 
     async def start(self) -> None:
-        # A node list and amqps:// as every connection of the mesh takes them (yoke.amqp_nodes).
+        # A node list and amqps:// as every connection of the mesh takes them (yoke.bus.amqp_nodes).
         self._connection = await amqp_nodes.connect_robust(self.amqp_url, name="gateway-stream")
         channel = await self._connection.channel()
         assert isinstance(channel, aio_pika.RobustChannel)

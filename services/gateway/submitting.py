@@ -10,9 +10,9 @@ from collections.abc import Awaitable, Mapping
 from services.gateway.deps import ApiError, Gateway, unavailable
 from services.gateway.limits import REFUSALS
 from yoke.client import STOP_LINE
-from yoke.ids import new_id
-from yoke.models import CommandAuthor, KeptForum, SubmitMessage, SubmitReply
-from yoke.tokens import Token
+from yoke.core.ids import new_id
+from yoke.core.models import CommandAuthor, KeptForum, SubmitMessage, SubmitReply
+from yoke.store.tokens import Token
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from yoke.models import (
+from yoke.core.models import (
     ApprovalDecision,
     CommandAuthor,
     Message,
@@ -44,7 +44,7 @@ from yoke.runtime.calls.records import (
 )
 from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.joins import join_id
-from yoke.store import Store
+from yoke.store.database import Store
 from yoke.tools.catalog import ToolSource
 
 # running: no result yet and not waiting in the store (its step is under way); awaiting_approval:

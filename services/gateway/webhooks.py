@@ -1,10 +1,10 @@
 """The webhook delivery worker: each subscription's agent lines POSTed in forum order.
 
-Progress is the subscription's cursor in MongoDB (:class:`yoke.webhooks.Cursor`), not a held AMQP
-delivery: a receiver may fail for an hour, and RabbitMQ would close a channel that held a delivery
-that long. Events are wake-ups only (acked on arrival); the worker reads the forum's lines after the
-cursor from the store by seq (bounded ranges: docs/architecture.md, invariant 11), so a lost wake-up
-costs at most one poll interval and a restart resumes where the cursor stands.
+Progress is the subscription's cursor in MongoDB (:class:`yoke.store.webhooks.Cursor`), not a held
+AMQP delivery: a receiver may fail for an hour, and RabbitMQ would close a channel that held a
+delivery that long. Events are wake-ups only (acked on arrival); the worker reads the forum's lines
+after the cursor from the store by seq (bounded ranges: docs/architecture.md, invariant 11), so a
+lost wake-up costs at most one poll interval and a restart resumes where the cursor stands.
 
 - **At least once, in order.** One subscription delivers one line at a time, and the cursor
   moves past a line only once it is delivered, refused (a 4xx) or dead-lettered. A crash
@@ -16,7 +16,7 @@ costs at most one poll interval and a restart resumes where the cursor stands.
   fails is dead-lettered after one try, until it answers again. Other 4xx (and 3xx: redirects
   are not followed) are dead-lettered at once and not retried.
 - **Outsiders' URLs.** A subscription whose URL an outsider set (an A2A task's push) is POSTed
-  through :func:`yoke.outbound.guarded_client`: its host is resolved and checked when it
+  through :func:`yoke.core.outbound.guarded_client`: its host is resolved and checked when it
   connects, and it connects to the address it checked; an address inside the operator's network
   (unless ``YOKE_PUSH_ALLOWED_HOSTS`` lets it through) is dead-lettered at once, not retried.
   The operator's own webhooks (``yoke webhook add``) are the operator's word and go out as set.
@@ -45,18 +45,18 @@ from aio_pika.abc import AbstractIncomingMessage
 from prometheus_client import Counter, Gauge, Histogram
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
-from yoke import topology
-from yoke.ages import BUCKET_FIELD, hour_bucket
-from yoke.bus import Bus, ensure_forum_exchange
-from yoke.ids import derive_id, new_id
-from yoke.metrics import LATENCY_BUCKETS
-from yoke.models import Envelope, Message, MessagePosted, utcnow
-from yoke.outbound import RefusedRequest, guard_for, guarded_client
-from yoke.redact import redact
-from yoke.retention import Rule, Sweep
-from yoke.settings import Settings
-from yoke.store import Store
-from yoke.webhooks import (
+from yoke.bus import topology
+from yoke.bus.broker import Bus, ensure_forum_exchange
+from yoke.core.ages import BUCKET_FIELD, hour_bucket
+from yoke.core.ids import derive_id, new_id
+from yoke.core.metrics import LATENCY_BUCKETS
+from yoke.core.models import Envelope, Message, MessagePosted, utcnow
+from yoke.core.outbound import RefusedRequest, guard_for, guarded_client
+from yoke.core.redact import redact
+from yoke.core.settings import Settings
+from yoke.store.database import Store
+from yoke.store.retention import Rule, Sweep
+from yoke.store.webhooks import (
     CURSORS,
     DEAD_LETTERS,
     DELIVERY_HEADER,
@@ -514,7 +514,7 @@ class WebhookWorker:
             follow_redirects=False,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
         )
-        # For URLs an outsider set (A2A pushes): checked at connect time (yoke.outbound).
+        # For URLs an outsider set (A2A pushes): checked at connect time (yoke.core.outbound).
         self.outsider_http = guarded_client(guard_for(settings.push_allowed_hosts))
         self.bus = Bus(settings.amqp_url, name="gateway-webhooks")
         self.runners: dict[str, tuple[SubscriptionRunner, asyncio.Task[None]]] = {}

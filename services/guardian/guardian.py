@@ -34,21 +34,18 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
-from yoke import tracing
-from yoke.ages import BUCKET_FIELD, day_bucket, hour_bucket
-from yoke.errors import Stopping
-from yoke.ids import derive_id, new_id
-from yoke.llm.base import InferenceRequest
-from yoke.llm.loop import MAX_ROUNDS, run_inference_loop
-from yoke.llm.providers import provider_for
-from yoke.lru import LRUCache
-from yoke.metrics import (
+from yoke.core import tracing
+from yoke.core.ages import BUCKET_FIELD, day_bucket, hour_bucket
+from yoke.core.errors import Stopping
+from yoke.core.ids import derive_id, new_id
+from yoke.core.lru import LRUCache
+from yoke.core.metrics import (
     GUARDIAN_CHECKS,
     GUARDIAN_INTERVENTIONS,
     GUARDIAN_RUNNER_SECONDS,
     NOTICES,
 )
-from yoke.models import (
+from yoke.core.models import (
     Actor,
     Message,
     MessageMeta,
@@ -59,7 +56,11 @@ from yoke.models import (
     as_utc,
     call_signature,
 )
-from yoke.retention import Rule
+from yoke.core.safe_regex import compile_safe, search
+from yoke.core.settings import Settings
+from yoke.llm.base import InferenceRequest
+from yoke.llm.loop import MAX_ROUNDS, run_inference_loop
+from yoke.llm.providers import provider_for
 from yoke.runtime.actor import instance_state_id
 from yoke.runtime.instances import PROCESSOR
 from yoke.runtime.join_config import (
@@ -73,9 +74,8 @@ from yoke.runtime.join_config import (
 )
 from yoke.runtime.joins import join_id
 from yoke.runtime.service import Service
-from yoke.safe_regex import compile_safe, search
-from yoke.settings import Settings
-from yoke.store import Store
+from yoke.store.database import Store
+from yoke.store.retention import Rule
 from yoke.tools.base import Tool, ToolContext
 
 log = logging.getLogger(__name__)

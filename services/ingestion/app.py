@@ -21,14 +21,16 @@ from typing import Annotated, TypeVar
 from aio_pika.abc import AbstractIncomingMessage
 from pydantic import BeforeValidator, ValidationError
 
-from yoke import topology, tracing
-from yoke.consumer import Malformed
-from yoke.dead_letters import count_dropped_letters
-from yoke.errors import describe_validation_error
-from yoke.ids import derive_id, submitted_line_id
-from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
-from yoke.metrics import COMMANDS, LINES_RATE_LIMITED
-from yoke.models import (
+from yoke.bus import topology
+from yoke.bus.consumer import Malformed
+from yoke.bus.dead_letters import count_dropped_letters
+from yoke.coordination.speakers import DoorUsers, ForeignNamespace, token_namespace
+from yoke.core import tracing
+from yoke.core.errors import describe_validation_error
+from yoke.core.ids import derive_id, submitted_line_id
+from yoke.core.json_limits import MAX_BODY_DEPTH, nesting_depth
+from yoke.core.metrics import COMMANDS, LINES_RATE_LIMITED
+from yoke.core.models import (
     MAX_ID_CHARS,
     Actor,
     AgentForumJoined,
@@ -41,7 +43,7 @@ from yoke.models import (
     SubmitToolResult,
     TextPart,
 )
-from yoke.rate_limit import LineLimit, slot_rule
+from yoke.core.text import storable_input
 from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.runtime.calls.answers import WorkerAnswers
 from yoke.runtime.calls.approvals import Approvals
@@ -53,8 +55,7 @@ from yoke.runtime.join_config import FollowedForums
 from yoke.runtime.joins import ensure_participant_id
 from yoke.runtime.kept_forums import KeptForumRefused, KeptForums
 from yoke.runtime.service import Service
-from yoke.speakers import DoorUsers, ForeignNamespace, token_namespace
-from yoke.text import storable_input
+from yoke.store.rate_limit import LineLimit, slot_rule
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import asyncio
 
 from services.processor.processor import Processor
 from services.processor.step import TAIL_MARGIN
-from yoke.models import ToolCallApproved
+from yoke.core.models import ToolCallApproved
 from yoke.runtime.actor import ActorRuntime
 from yoke.runtime.calls.reaper import Reaper, ReapShare
 from yoke.runtime.calls.repository import OpenCalls

@@ -21,10 +21,10 @@ from services.processor.step import (
     is_slash_command,
     post_agent_line,
 )
-from yoke import topology
-from yoke.ids import SYSTEM_ACTOR_ID
-from yoke.metrics import NOTICES, STOPS
-from yoke.models import (
+from yoke.bus import topology
+from yoke.core.ids import SYSTEM_ACTOR_ID
+from yoke.core.metrics import NOTICES, STOPS
+from yoke.core.models import (
     CommandAuthor,
     Envelope,
     ForumNotice,
@@ -32,12 +32,12 @@ from yoke.models import (
     MessagePosted,
     TextPart,
 )
+from yoke.core.slash import STOP, is_stop, slash_command
 from yoke.runtime.calls.repository import OpenCalls
 from yoke.runtime.calls.stops import stop_forum_calls
 from yoke.runtime.in_flight import Arrival, InFlight
 from yoke.runtime.instances import ProcessorState, Progress, StopMark
 from yoke.runtime.rounds import call_ids
-from yoke.slash import STOP, is_stop, slash_command
 
 log = logging.getLogger(__name__)
 

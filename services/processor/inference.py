@@ -24,13 +24,13 @@ from services.processor.step import (
     forum_covered,
     post_agent_line,
 )
-from yoke import topology
-from yoke.ids import SYSTEM_ACTOR_ID, forwarded_line_id
+from yoke.bus import topology
+from yoke.core.ids import SYSTEM_ACTOR_ID, forwarded_line_id
+from yoke.core.metrics import LLM_COST_ESTIMATED, MODEL_CALLS_CANCELLED
+from yoke.core.models import AgentActivity, Envelope, Message, Part, TextPart, Usage
 from yoke.llm.base import InferenceRequest, InferenceResult, ProviderFailed, estimate_tokens
 from yoke.llm.prompting import unanswered_last
 from yoke.llm.providers import provider_for
-from yoke.metrics import LLM_COST_ESTIMATED, MODEL_CALLS_CANCELLED
-from yoke.models import AgentActivity, Envelope, Message, Part, TextPart, Usage
 from yoke.runtime.budgets import budget_spent, charge, count_usage, unpriced_under_budget
 from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.drafts import Draft

@@ -10,9 +10,9 @@ import logging
 from collections.abc import Mapping
 
 from services.processor.step import Context, carried_meta
-from yoke.ids import SYSTEM_ACTOR_ID
-from yoke.metrics import NOTICES
-from yoke.models import ForumNotice, Message, MessageMeta, TextPart
+from yoke.core.ids import SYSTEM_ACTOR_ID
+from yoke.core.metrics import NOTICES
+from yoke.core.models import ForumNotice, Message, MessageMeta, TextPart
 from yoke.runtime.instances import ProcessorConfig
 
 log = logging.getLogger(__name__)

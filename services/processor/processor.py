@@ -38,8 +38,9 @@ from services.processor.step import (
     with_recorded_round,
 )
 from services.processor.tool_rounds import ToolRounds, end_round_stopped
-from yoke import topology, tracing
-from yoke.models import Message, ToolCallApproved, ToolCallPart, ToolResultPart
+from yoke.bus import topology
+from yoke.core import tracing
+from yoke.core.models import Message, ToolCallApproved, ToolCallPart, ToolResultPart
 from yoke.runtime.actor import ActorDefinition
 from yoke.runtime.calls.repository import OpenCalls
 from yoke.runtime.compaction import compact

@@ -9,15 +9,15 @@ and only what is new from the store; it ends at the trigger under ``whileBusy: q
 
 from __future__ import annotations
 
-from yoke import tracing
-from yoke.ids import SYSTEM_ACTOR_ID
-from yoke.models import Message, MessageMeta, Part, TextPart, ToolCallPart, Usage
+from yoke.core import tracing
+from yoke.core.ids import SYSTEM_ACTOR_ID
+from yoke.core.models import Message, MessageMeta, Part, TextPart, ToolCallPart, Usage
+from yoke.core.slash import slash_command
 from yoke.runtime.actor import ActorContext
 from yoke.runtime.calls.records import open_call_id, own_result_line_id, round_results_line_id
 from yoke.runtime.instances import ProcessorConfig, ProcessorState, Progress, RoundMark
 from yoke.runtime.rounds import call_ids, unanswered
 from yoke.runtime.tails import Tails
-from yoke.slash import slash_command
 
 Context = ActorContext[ProcessorConfig, ProcessorState]
 
@@ -73,7 +73,7 @@ def forum_covered(context: Context, lines: list[Message]) -> int | None:
 
 
 def is_slash_command(line: Message) -> bool:
-    """A person's ``/command`` (:func:`yoke.slash.slash_command` decides what one is):
+    """A person's ``/command`` (:func:`yoke.core.slash.slash_command` decides what one is):
     answered by the processor itself, never by the model."""
     return line.meta.agent_hops == 0 and slash_command(line.text) is not None
 

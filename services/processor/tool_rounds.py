@@ -18,10 +18,10 @@ from services.processor.commands import name_of
 from services.processor.inference import activity
 from services.processor.notices import FORUM_NOTICES, post_notice
 from services.processor.step import Context, carried_meta
-from yoke import tracing
-from yoke.ids import SYSTEM_ACTOR_ID
-from yoke.metrics import DOOM_LOOPS, tool_label
-from yoke.models import (
+from yoke.core import tracing
+from yoke.core.ids import SYSTEM_ACTOR_ID
+from yoke.core.metrics import DOOM_LOOPS, tool_label
+from yoke.core.models import (
     Message,
     ToolCallApproved,
     ToolCallPart,

@@ -5,7 +5,7 @@ type, the wire models a bridge reads, the publisher's permissions and the webhoo
 check. Everything else is the mesh's own and may change.
 
 They are resolved on first use (PEP 562): ``import yoke`` loads no broker, database, model
-or HTTP library, and neither does importing any of its modules (``yoke.models`` in a tool
+or HTTP library, and neither does importing any of its modules (``yoke.core.models`` in a tool
 plugin, say), which would otherwise drag all of them in through this package.
 """
 
@@ -23,23 +23,23 @@ _EXPORTS = {
     "leave_conversation": "yoke.runtime.joins",
     "Tool": "yoke.tools",
     "ToolContext": "yoke.tools",
-    "Message": "yoke.models",
-    "Envelope": "yoke.models",
-    "MessagePosted": "yoke.models",
-    "AgentActivity": "yoke.models",
-    "SubmitMessage": "yoke.models",
-    "SubmitReply": "yoke.models",
-    "ToolCallRequest": "yoke.models",
-    "SubmitToolResult": "yoke.models",
-    "ApprovalRequested": "yoke.models",
-    "ApprovalDecided": "yoke.models",
-    "SubmitApproval": "yoke.models",
-    "Part": "yoke.models",
-    "TextPart": "yoke.models",
-    "ToolCallPart": "yoke.models",
-    "ToolResultPart": "yoke.models",
-    "publisher_permissions": "yoke.topology",
-    "signature_matches": "yoke.webhooks",
+    "Message": "yoke.core.models",
+    "Envelope": "yoke.core.models",
+    "MessagePosted": "yoke.core.models",
+    "AgentActivity": "yoke.core.models",
+    "SubmitMessage": "yoke.core.models",
+    "SubmitReply": "yoke.core.models",
+    "ToolCallRequest": "yoke.core.models",
+    "SubmitToolResult": "yoke.core.models",
+    "ApprovalRequested": "yoke.core.models",
+    "ApprovalDecided": "yoke.core.models",
+    "SubmitApproval": "yoke.core.models",
+    "Part": "yoke.core.models",
+    "TextPart": "yoke.core.models",
+    "ToolCallPart": "yoke.core.models",
+    "ToolResultPart": "yoke.core.models",
+    "publisher_permissions": "yoke.bus.topology",
+    "signature_matches": "yoke.store.webhooks",
 }
 
 __all__ = [
@@ -71,30 +71,30 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from yoke.bus.topology import publisher_permissions as publisher_permissions
     from yoke.client import Client as Client
-    from yoke.models import AgentActivity as AgentActivity
-    from yoke.models import ApprovalDecided as ApprovalDecided
-    from yoke.models import ApprovalRequested as ApprovalRequested
-    from yoke.models import Envelope as Envelope
-    from yoke.models import Message as Message
-    from yoke.models import MessagePosted as MessagePosted
-    from yoke.models import Part as Part
-    from yoke.models import SubmitApproval as SubmitApproval
-    from yoke.models import SubmitMessage as SubmitMessage
-    from yoke.models import SubmitReply as SubmitReply
-    from yoke.models import SubmitToolResult as SubmitToolResult
-    from yoke.models import TextPart as TextPart
-    from yoke.models import ToolCallPart as ToolCallPart
-    from yoke.models import ToolCallRequest as ToolCallRequest
-    from yoke.models import ToolResultPart as ToolResultPart
+    from yoke.core.models import AgentActivity as AgentActivity
+    from yoke.core.models import ApprovalDecided as ApprovalDecided
+    from yoke.core.models import ApprovalRequested as ApprovalRequested
+    from yoke.core.models import Envelope as Envelope
+    from yoke.core.models import Message as Message
+    from yoke.core.models import MessagePosted as MessagePosted
+    from yoke.core.models import Part as Part
+    from yoke.core.models import SubmitApproval as SubmitApproval
+    from yoke.core.models import SubmitMessage as SubmitMessage
+    from yoke.core.models import SubmitReply as SubmitReply
+    from yoke.core.models import SubmitToolResult as SubmitToolResult
+    from yoke.core.models import TextPart as TextPart
+    from yoke.core.models import ToolCallPart as ToolCallPart
+    from yoke.core.models import ToolCallRequest as ToolCallRequest
+    from yoke.core.models import ToolResultPart as ToolResultPart
     from yoke.runtime.joins import create_agent as create_agent
     from yoke.runtime.joins import create_forum as create_forum
     from yoke.runtime.joins import join_conversation as join_conversation
     from yoke.runtime.joins import leave_conversation as leave_conversation
+    from yoke.store.webhooks import signature_matches as signature_matches
     from yoke.tools import Tool as Tool
     from yoke.tools import ToolContext as ToolContext
-    from yoke.topology import publisher_permissions as publisher_permissions
-    from yoke.webhooks import signature_matches as signature_matches
 
     __version__: str
 else:

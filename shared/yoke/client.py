@@ -13,10 +13,11 @@ from typing import Literal
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractQueue, AbstractRobustConnection
 
-from yoke import amqp_nodes, topology, tracing
-from yoke.amqp_nodes import amqp_user
-from yoke.ids import new_id
-from yoke.models import (
+from yoke.bus import amqp_nodes, topology
+from yoke.bus.amqp_nodes import amqp_user
+from yoke.core import tracing
+from yoke.core.ids import new_id
+from yoke.core.models import (
     CommandAuthor,
     Envelope,
     Message,
@@ -25,7 +26,7 @@ from yoke.models import (
     SubmitMessage,
     SubmitReply,
 )
-from yoke.slash import STOP
+from yoke.core.slash import STOP
 
 # The line a person types in a forum to stop every agent there (see the README);
 # ``yoke stop`` and the gateway's stop route submit exactly this for the person named.
@@ -53,7 +54,8 @@ class Client:
         self.user = amqp_user(amqp_url)
         # Its reply (and watch) queues are named by this: a bridge NAME may declare only
         # ``bridge.NAME.*`` (the default), the HTTP gateway ``yoke.gateway.replies.*``, and the
-        # door answers only on a queue its publisher owns (yoke.speakers.DoorUsers.may_answer).
+        # door answers only on a queue its publisher owns
+        # (yoke.coordination.speakers.DoorUsers.may_answer).
         self.queue_prefix = queue_prefix or topology.bridge_queue_prefix(self.user)
         self._connection: AbstractRobustConnection | None = None
         self._channel: AbstractChannel | None = None

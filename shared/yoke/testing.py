@@ -17,11 +17,11 @@ from importlib.metadata import EntryPoint
 
 from pydantic import JsonValue
 
-from yoke.ids import derive_id
+from yoke.core.ids import derive_id
+from yoke.core.models import Message, TextPart, ToolCallPart, ToolResultPart
 from yoke.llm.base import InferenceRequest, InferenceResult, Provider, ScriptedCall, ScriptedOutput
 from yoke.llm.fixtures import ScriptedProvider
 from yoke.llm.loop import MAX_ROUNDS, LoopResult, run_inference_loop
-from yoke.models import Message, TextPart, ToolCallPart, ToolResultPart
 from yoke.tools.base import Tool, ToolContext
 from yoke.tools.catalog import CatalogEntry
 from yoke.tools.plugins import ENTRY_POINT_GROUP, LoadedPlugins, load_plugins

@@ -17,8 +17,8 @@ import pytest
 
 from tests.support.processes import eventually, free_port
 from tests.support.tcp_proxy import ProxyProcess
-from yoke import amqp_nodes, dead_letters, topology
-from yoke.bus import Bus
+from yoke.bus import amqp_nodes, dead_letters, topology
+from yoke.bus.broker import Bus
 from yoke.client import Client
 
 

@@ -17,10 +17,10 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from tests.support.deliveries import Delivery
 from tests.support.processes import eventually
-from yoke.bus import Bus
-from yoke.consumer import Dispatcher, Malformed, Route, key_from_header
-from yoke.errors import RetryPolicy, Transient
-from yoke.lanes import Lanes
+from yoke.bus._lanes import Lanes
+from yoke.bus.broker import Bus
+from yoke.bus.consumer import Dispatcher, Malformed, Route, key_from_header
+from yoke.core.errors import RetryPolicy, Transient
 
 
 class BrokerBackSoon:
@@ -84,7 +84,7 @@ async def test_a_job_that_raises_is_logged_and_its_lane_goes_on(
 
         return run
 
-    with caplog.at_level(logging.ERROR, logger="yoke.lanes"):
+    with caplog.at_level(logging.ERROR, logger="yoke.bus._lanes"):
         lanes.submit("A", broken)
         lanes.submit("A", job("after"))
         await asyncio.wait_for(lanes.drain(), 5)

@@ -11,9 +11,9 @@ from aio_pika.abc import AbstractIncomingMessage
 from tests.support.broker import dead_letter_count
 from tests.support.cli import run_yoke
 from tests.support.processes import eventually
-from yoke import topology
-from yoke.bus import Bus
-from yoke.dead_letters import describe, replay_target
+from yoke.bus import topology
+from yoke.bus.broker import Bus
+from yoke.bus.dead_letters import describe, replay_target
 
 WORK_QUEUE = "yoke.dlqtest.shard.000"
 
@@ -100,7 +100,7 @@ async def test_broker_dead_letters_are_listed_and_replayed_to_their_queue(amqp_u
 def test_a_listing_believes_the_broker_over_headers_an_outside_publisher_set() -> None:
     # An outside command RabbitMQ dead-lettered keeps the headers its publisher set, which may
     # name a service and an error: the broker's x-death says where it really died, as replay
-    # decides (yoke.dead_letters.replay_target).
+    # decides (yoke.bus.dead_letters.replay_target).
     forged = {
         topology.DEAD_SERVICE_HEADER: "processor",
         topology.DEAD_ERROR_HEADER: "nothing to see",

@@ -26,10 +26,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.support.broker import dead_letter_count, fresh_vhost
 from tests.support.mesh import Mesh
 from tests.support.processes import ROOT, ServiceProcess, eventually
-from yoke import topology
-from yoke.bus import Bus
-from yoke.dead_letters import count_dropped_letters, list_dead_letters
-from yoke.metrics import DEAD_LETTERS_DROPPED
+from yoke.bus import topology
+from yoke.bus.broker import Bus
+from yoke.bus.dead_letters import count_dropped_letters, list_dead_letters
+from yoke.core.metrics import DEAD_LETTERS_DROPPED
 
 BOUND = 5
 FLOOD = 12

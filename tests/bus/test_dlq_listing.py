@@ -12,8 +12,8 @@ from aio_pika.abc import AbstractIncomingMessage
 from tests.support.broker import dead_letter_count
 from tests.support.cli import run_yoke_commands
 from tests.support.processes import eventually
-from yoke import topology
-from yoke.bus import Bus
+from yoke.bus import topology
+from yoke.bus.broker import Bus
 
 WORK_QUEUE = "yoke.dlqlist.shard.000"
 LOOKS = 5

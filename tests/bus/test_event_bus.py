@@ -21,12 +21,12 @@ import pytest
 
 from tests.support import faults
 from tests.support.processes import ROOT, ServiceProcess, eventually
-from yoke import topology
-from yoke.bus import Bus
-from yoke.ids import new_id
-from yoke.models import Message, TextPart
+from yoke.bus import topology
+from yoke.bus.broker import Bus
+from yoke.core.ids import new_id
+from yoke.core.models import Message, TextPart
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
 
 RECORDER = ["tests/support/recorder.py"]
 
@@ -228,7 +228,7 @@ async def test_outbox_sweep_publishes_what_a_crashed_writer_left(
     crashed = subprocess.run(
         [sys.executable, *writer],
         cwd=ROOT,
-        env={**_environ(), **env, "YOKE_FAULT": "after:yoke.store:Store.insert_message"},
+        env={**_environ(), **env, "YOKE_FAULT": "after:yoke.store.database:Store.insert_message"},
         timeout=60,
     )
     assert crashed.returncode == faults.EXIT_CODE

@@ -17,9 +17,9 @@ import aio_pika
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
 
-from yoke import topology
-from yoke.bus import Bus
-from yoke.models import AgentActivity, Envelope, Message, MessageMeta, MessagePosted, TextPart
+from yoke.bus import topology
+from yoke.bus.broker import Bus
+from yoke.core.models import AgentActivity, Envelope, Message, MessageMeta, MessagePosted, TextPart
 
 FORUM = "forum-hints"
 

@@ -15,9 +15,9 @@ from aio_pika.abc import AbstractIncomingMessage
 from pymongo.errors import AutoReconnect
 
 from tests.support.deliveries import Delivery
-from yoke.bus import Bus
-from yoke.consumer import Dispatcher, Gate, Malformed, Route, key_from_header
-from yoke.errors import RetryPolicy, Transient
+from yoke.bus.broker import Bus
+from yoke.bus.consumer import Dispatcher, Gate, Malformed, Route, key_from_header
+from yoke.core.errors import RetryPolicy, Transient
 
 
 def _dispatcher() -> Dispatcher:

@@ -8,7 +8,7 @@ import random
 
 from prometheus_client import REGISTRY
 
-from yoke.ownership import Ownership, assign
+from yoke.coordination.ownership import Ownership, assign
 
 
 def _owners(assignment: dict[str, list[int]]) -> dict[int, str]:

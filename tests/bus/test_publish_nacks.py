@@ -15,9 +15,9 @@ import aio_pika
 import pytest
 
 from tests.support.processes import eventually
-from yoke import topology
-from yoke.bus import NACKS_BEFORE_NEW_CHANNEL, Bus
-from yoke.ids import new_id
+from yoke.bus import topology
+from yoke.bus.broker import NACKS_BEFORE_NEW_CHANNEL, Bus
+from yoke.core.ids import new_id
 
 
 @pytest.fixture

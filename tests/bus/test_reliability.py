@@ -16,15 +16,15 @@ import pytest
 from tests.support.broker import Management
 from tests.support.mesh import Launch, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
-from yoke import topology
-from yoke.bus import Bus
+from yoke.bus import topology
+from yoke.bus.broker import Bus
+from yoke.bus.dead_letters import list_dead_letters, replay_dead_letters
 from yoke.cli.supervisor import SERVICES
 from yoke.client import Client
-from yoke.dead_letters import list_dead_letters, replay_dead_letters
-from yoke.models import Message
+from yoke.core.models import Message
 from yoke.runtime.joins import create_agent, create_forum, join_conversation, leave_conversation
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 
@@ -289,8 +289,8 @@ async def test_transient_failures_are_waited_out_and_never_dead_lettered(
     """A handler failing with "store unreachable" for longer than the retry budget still wins."""
     from pymongo.errors import AutoReconnect
 
-    from yoke.consumer import Dispatcher, Route, key_from_header
-    from yoke.errors import RetryPolicy
+    from yoke.bus.consumer import Dispatcher, Route, key_from_header
+    from yoke.core.errors import RetryPolicy
 
     bus = Bus(amqp_url, name="transient-test")
     await bus.connect()

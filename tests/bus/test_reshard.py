@@ -11,14 +11,14 @@ import pytest
 
 from tests.support.cli import cli_env, run_yoke
 from tests.support.processes import eventually, free_port
-from yoke import topology
-from yoke.bus import Bus
-from yoke.ids import derive_id
-from yoke.models import Envelope, Message, MessagePosted, TextPart
-from yoke.reshard import TOPOLOGY, ShardCountChanged, check_shard_count, shard_queues
+from yoke.bus import topology
+from yoke.bus.broker import Bus
+from yoke.coordination.reshard import TOPOLOGY, ShardCountChanged, check_shard_count, shard_queues
+from yoke.core.ids import derive_id
+from yoke.core.models import Envelope, Message, MessagePosted, TextPart
+from yoke.core.settings import Settings
 from yoke.runtime.service import Service
-from yoke.settings import Settings
-from yoke.store import Store
+from yoke.store.database import Store
 
 CONVERSATIONS = 24
 LINES = 4

@@ -12,7 +12,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from yoke.store import Store
+from yoke.store.database import Store
 
 
 @dataclass

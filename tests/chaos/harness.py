@@ -38,17 +38,17 @@ from tests.chaos.mesh import SupervisedMesh
 from tests.chaos.runs import read_runs
 from tests.chaos.verdict import Accounting, FaultKind, FaultRecord, Report, account
 from tests.support.processes import eventually
-from yoke import amqp_nodes, topology
-from yoke.bus import Bus
+from yoke.bus import amqp_nodes, topology
+from yoke.bus.broker import Bus
+from yoke.bus.dead_letters import list_dead_letters
 from yoke.cli.supervisor import SERVICES
-from yoke.dead_letters import list_dead_letters
-from yoke.ids import new_id
-from yoke.models import Message
-from yoke.outbox import dead_after
+from yoke.core.ids import new_id
+from yoke.core.models import Message
+from yoke.core.settings import Settings
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.settings import Settings
-from yoke.store import Store
+from yoke.store.database import Store
+from yoke.store.outbox import dead_after
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
 from yoke.client import Client
-from yoke.ids import new_id
+from yoke.core.ids import new_id
 
 TEXT_PATTERN = re.compile(r"^chaos forum (\d+) line (\d+)$")
 

@@ -15,7 +15,7 @@ import asyncio
 import os
 
 from tests.chaos.runs import ToolRun, record_run
-from yoke.models import ToolCallRequest
+from yoke.core.models import ToolCallRequest
 from yoke.tools.worker import serve
 
 

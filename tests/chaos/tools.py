@@ -32,13 +32,14 @@ from tests.chaos.tool_server import HELD, TALLY
 from tests.support.processes import ROOT, eventually, free_port
 from tests.support.unprivileged import stdio_servers_need_root
 from tests.support.worker_process import as_user
-from yoke import topology
-from yoke.amqp_nodes import amqp_vhost
+from yoke.bus import topology
+from yoke.bus.amqp_nodes import amqp_vhost
 from yoke.cli.tool_users import create_tool_user, delete_tool_user
 from yoke.cli.tools import declare_tool_queue
 from yoke.client import Client
+from yoke.core.models import Message, ToolCallPart, ToolResultPart
+from yoke.core.settings import Settings
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import Message, ToolCallPart, ToolResultPart
 from yoke.runtime.calls.approvals import pending_approvals
 from yoke.runtime.calls.records import (
     TOOL_CALL_ENDS_COLLECTION,
@@ -48,8 +49,7 @@ from yoke.runtime.calls.records import (
 from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.instances import PROCESSOR
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
-from yoke.settings import Settings
-from yoke.store import Store
+from yoke.store.database import Store
 from yoke.tools.catalog import MCP_SERVERS, CatalogEntry, McpServer, mcp_tool_name
 
 STDIO = "cstdio"  # the MCP servers' names in the catalog

@@ -12,7 +12,7 @@ from typing import Literal
 
 from tests.chaos.load import Line, parse_text
 from tests.chaos.tools import ToolAccounting
-from yoke.models import Message
+from yoke.core.models import Message
 
 FaultKind = Literal["kill", "broker", "store"]
 

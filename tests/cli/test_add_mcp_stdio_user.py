@@ -19,7 +19,7 @@ import pytest
 
 from tests.support.cli import run_yoke
 from tests.support.unprivileged import python_for, readable_copies
-from yoke.store import Store
+from yoke.store.database import Store
 from yoke.tools.catalog import MCP_SERVERS
 
 pytestmark = pytest.mark.skipif(

@@ -6,9 +6,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from yoke import topology
+from yoke.bus import topology
 from yoke.cli.asyncapi import asyncapi_document, render
-from yoke.models import ToolCallRequest
+from yoke.core.models import ToolCallRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -25,7 +25,7 @@ from yoke.client import Client
 from yoke.runtime.calls.approvals import pending_approvals
 from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
 from yoke.tools.catalog import CatalogEntry
 
 pytestmark = pytest.mark.slow

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.support.cli import cli_env, run_yoke
-from yoke.bus import Bus
+from yoke.bus.broker import Bus
 
 
 async def test_post_without_an_answer_says_so_and_exits_1(amqp_url: str, mongodb_url: str) -> None:

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from tests.support.cli import cli_env, run_yoke
-from yoke import topology
-from yoke.bus import Bus
+from yoke.bus import topology
+from yoke.bus.broker import Bus
 
 DEFINITIONS = Path(__file__).resolve().parents[2] / "deploy/rabbitmq/definitions.json"
 

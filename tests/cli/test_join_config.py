@@ -13,12 +13,12 @@ from tests.support.cli import cli_env, run_yoke
 from tests.support.mesh import Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
 from yoke.client import Client
-from yoke.ids import derive_id
-from yoke.models import Message
+from yoke.core.ids import derive_id
+from yoke.core.models import Message
 from yoke.runtime.instances import PROCESSOR
 from yoke.runtime.join_config import JOIN_CONFIGS, JoinConfig, load_join_config
 from yoke.runtime.joins import create_agent, create_forum, join_id
-from yoke.store import Store
+from yoke.store.database import Store
 
 
 def write(tmp_path: Path, content: Any) -> str:

@@ -16,23 +16,23 @@ PUBLIC = {
     "leave_conversation": "yoke.runtime.joins",
     "Tool": "yoke.tools.base",
     "ToolContext": "yoke.tools.base",
-    "Message": "yoke.models",
-    "Envelope": "yoke.models",
-    "MessagePosted": "yoke.models",
-    "AgentActivity": "yoke.models",
-    "SubmitMessage": "yoke.models",
-    "SubmitReply": "yoke.models",
-    "ToolCallRequest": "yoke.models",
-    "SubmitToolResult": "yoke.models",
-    "ApprovalRequested": "yoke.models",
-    "ApprovalDecided": "yoke.models",
-    "SubmitApproval": "yoke.models",
-    "Part": "yoke.models",
-    "TextPart": "yoke.models",
-    "ToolCallPart": "yoke.models",
-    "ToolResultPart": "yoke.models",
-    "publisher_permissions": "yoke.topology",
-    "signature_matches": "yoke.webhooks",
+    "Message": "yoke.core.models",
+    "Envelope": "yoke.core.models",
+    "MessagePosted": "yoke.core.models",
+    "AgentActivity": "yoke.core.models",
+    "SubmitMessage": "yoke.core.models",
+    "SubmitReply": "yoke.core.models",
+    "ToolCallRequest": "yoke.core.models",
+    "SubmitToolResult": "yoke.core.models",
+    "ApprovalRequested": "yoke.core.models",
+    "ApprovalDecided": "yoke.core.models",
+    "SubmitApproval": "yoke.core.models",
+    "Part": "yoke.core.models",
+    "TextPart": "yoke.core.models",
+    "ToolCallPart": "yoke.core.models",
+    "ToolResultPart": "yoke.core.models",
+    "publisher_permissions": "yoke.bus.topology",
+    "signature_matches": "yoke.store.webhooks",
 }
 HEAVY = ("aio_pika", "aiormq", "pymongo", "openai", "fastapi", "httpx", "prometheus_client")
 
@@ -64,7 +64,7 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
 
 def test_import_yoke_loads_no_broker_database_model_or_http_library() -> None:
     script = (
-        "import sys, yoke, yoke.models\n"
+        "import sys, yoke, yoke.core.models\n"
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))\n"
     )
     out = subprocess.run(

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 from tests.support.cli import run_yoke_commands
-from yoke.publishing import find_published
 from yoke.runtime.joins import create_agent
-from yoke.store import Store
-from yoke.tokens import list_tokens
+from yoke.store.database import Store
+from yoke.store.publishing import find_published
+from yoke.store.tokens import list_tokens
 
 
 async def test_publishing_is_stored_listed_replaced_and_taken_back(

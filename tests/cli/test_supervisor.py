@@ -10,7 +10,7 @@ import pytest
 
 from yoke.cli import supervisor
 from yoke.cli.supervisor import Child, watch
-from yoke.errors import EXIT_MISCONFIGURED
+from yoke.core.errors import EXIT_MISCONFIGURED
 
 
 async def test_a_misconfigured_service_is_not_restarted() -> None:

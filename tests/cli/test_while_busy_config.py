@@ -10,7 +10,7 @@ import pytest
 
 from yoke.cli.base import UsageError
 from yoke.cli.main import join_config_of, parser
-from yoke.models import Actor
+from yoke.core.models import Actor
 from yoke.runtime.instances import ProcessorConfig
 from yoke.runtime.joins import agent_while_busy
 

@@ -831,8 +831,8 @@ def turn_trace(run: Run) -> str:
     """A line posted over HTTP with a caller's traceparent: the gateway starts a trace of its
     own, whose request span links to the caller's, and the turn's spans, from every service it
     crosses, are found in Jaeger under that trace id."""
-    if not (run.root / "shared/yoke/tracing.py").exists():
-        raise Skipped("the services do not trace yet (no shared/yoke/tracing.py)")
+    if not (run.root / "shared/yoke/core/tracing.py").exists():
+        raise Skipped("the services do not trace yet (no shared/yoke/core/tracing.py)")
     caller_trace, caller_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
     since = time.time()
     gateway_turn(run, traceparent=f"00-{caller_trace}-{caller_span}-01")

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from tests.compose.check import EXPECTED, STAND_INS
-from yoke import provisioning
-from yoke.settings import Settings
+from yoke.bus import provisioning
+from yoke.core.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 OUR_IMAGE = "deploy/Dockerfile"
@@ -159,7 +159,7 @@ GATEWAY_NEVER = [
     "yoke.ingestion.commands",
     "yoke.egress.shard.003",
     "yoke.tool.calculator",
-    "yoke.webhooks.route",
+    "yoke.store.webhooks.route",
     "bridge.someone.replies",
     "amq.default",
     "amq.topic",

@@ -23,13 +23,11 @@ from prometheus_client import REGISTRY
 import services.gateway.a2a.task_store
 import services.gateway.mcp_door
 import services.gateway.webhooks  # noqa: F401
-import yoke.metrics
-import yoke.ownership  # noqa: F401
 from tests.support.processes import ServiceProcess, free_port
-from yoke import topology
+from yoke.bus import topology
 from yoke.cli.supervisor import GATEWAY, SERVICES
-from yoke.metrics import initialize as initialize_metrics
-from yoke.settings import Settings
+from yoke.core.metrics import initialize as initialize_metrics
+from yoke.core.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,7 +85,7 @@ def known_environment() -> set[str]:
         "OPENAI_API_KEY",
         "OPENAI_BASE_URL",
         "HOME",  # the processor's, on a tmpfs (stdio MCP servers need a writable home)
-        # OpenTelemetry's own (yoke.tracing: off unless the endpoint is set).
+        # OpenTelemetry's own (yoke.core.tracing: off unless the endpoint is set).
         "OTEL_EXPORTER_OTLP_ENDPOINT",
         "OTEL_SERVICE_NAME",
         "OTEL_TRACES_SAMPLER",
@@ -138,7 +136,7 @@ def test_rabbitmq_definitions_give_bridges_least_privilege() -> None:
     conf = (ROOT / "deploy/rabbitmq/rabbitmq.conf").read_text()
     assert not re.search(r"^\s*load_definitions", conf, re.MULTILINE)
     init = load("docker-compose.yml")["services"]["rabbitmq-init"]
-    assert init["command"][:3] == ["python", "-m", "yoke.provisioning"]
+    assert init["command"][:3] == ["python", "-m", "yoke.bus.provisioning"]
     assert init["depends_on"]["rabbitmq"]["condition"] == "service_healthy"
     mount = next(m for m in init["volumes"] if m.startswith("./deploy/rabbitmq/definitions.json:"))
     assert mount.split(":")[1] == init["command"][3]
@@ -403,7 +401,12 @@ def test_make_env_writes_random_passwords_once_and_prints_none(tmp_path: Path) -
 
 def test_provisioning_refuses_to_run_without_the_passwords() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "yoke.provisioning", str(ROOT / "deploy/rabbitmq/definitions.json")],
+        [
+            sys.executable,
+            "-m",
+            "yoke.bus.provisioning",
+            str(ROOT / "deploy/rabbitmq/definitions.json"),
+        ],
         capture_output=True,
         text=True,
         env={"PATH": "/usr/bin:/bin", "YOKE_MANAGEMENT_URL": "http://op:pw@127.0.0.1:1"},

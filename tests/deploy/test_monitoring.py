@@ -40,17 +40,17 @@ from tests.support.prometheus import Prometheus, binary
 from tests.support.webhook_receiver import Receiver
 from yoke.cli.monitoring import local_config
 from yoke.client import Client
-from yoke.ids import new_id
+from yoke.core.ids import new_id
+from yoke.core.models import Message, TextPart
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import Message, TextPart
-from yoke.outbox import Outbox
-from yoke.publishing import publish_agent
 from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.joins import create_agent
-from yoke.store import Store
-from yoke.tokens import create_token, ensure_token_indexes
+from yoke.store.database import Store
+from yoke.store.outbox import Outbox
+from yoke.store.publishing import publish_agent
+from yoke.store.tokens import create_token, ensure_token_indexes
+from yoke.store.webhooks import add_webhook, ensure_webhook_indexes
 from yoke.tools.catalog import CatalogEntry
-from yoke.webhooks import add_webhook, ensure_webhook_indexes
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """Secrets stay secret and the services run with least privilege (README, "Security").
 
 The services' RabbitMQ user is made by the code compose's ``rabbitmq-init`` runs
-(``yoke.provisioning`` importing ``deploy/rabbitmq/definitions.json`` with passwords from the
+(``yoke.bus.provisioning`` importing ``deploy/rabbitmq/definitions.json`` with passwords from the
 environment), renamed into a vhost of this module: no tag, only ``yoke.*``. The five services
 run as that user through a turn with a tool call; then every service's output, every ``/healthz``
 body and the CLI's output (answers and errors) are searched for its password, for a MongoDB
@@ -34,24 +34,24 @@ from tests.support.cli import run_yoke
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import ServiceProcess, eventually, free_port
 from tests.support.unprivileged import python_for, readable_copies
-from yoke import topology
-from yoke.client import Client
-from yoke.ids import new_id
-from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import Conversation, Message, MessagePosted, TextPart, ToolResultPart
-from yoke.provisioning import (
+from yoke.bus import topology
+from yoke.bus.provisioning import (
     ProvisioningError,
     import_definitions,
     passwords_from_environment,
     with_passwords,
 )
-from yoke.redact import redact
+from yoke.client import Client
+from yoke.core.ids import new_id
+from yoke.core.models import Conversation, Message, MessagePosted, TextPart, ToolResultPart
+from yoke.core.redact import redact
+from yoke.core.settings import Settings
+from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.health import HealthServer
 from yoke.runtime.joins import create_forum
 from yoke.runtime.posting import Poster
-from yoke.settings import Settings
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

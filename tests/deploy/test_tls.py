@@ -24,11 +24,11 @@ from tests.support.mesh import Mesh
 from tests.support.processes import eventually, free_port
 from tests.support.rabbit_node import RabbitNode
 from tests.support.tls_servers import Certificates, TLSFerretDB, ferretdb_binary, tls_ferretdb
-from yoke.errors import EXIT_MISCONFIGURED, is_transient
-from yoke.models import Message
+from yoke.core.errors import EXIT_MISCONFIGURED, is_transient
+from yoke.core.models import Message
+from yoke.core.tls import verification_failure
 from yoke.runtime.joins import create_forum
-from yoke.store import Store
-from yoke.tls import verification_failure
+from yoke.store.database import Store
 
 # Its FerretDB, a second one on the shared PostgreSQL, lists every test's database (its ping
 # does) without knowing of the drops the shared one makes: one dropped meanwhile by a test

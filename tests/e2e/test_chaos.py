@@ -33,7 +33,7 @@ from tests.chaos.verdict import FaultRecord, Report, account
 from tests.support import rabbit_node
 from tests.support.processes import ROOT, free_port
 from tests.support.tcp_proxy import ProxyProcess
-from yoke.models import Message, MessageMeta, TextPart, ToolCallPart, ToolResultPart
+from yoke.core.models import Message, MessageMeta, TextPart, ToolCallPart, ToolResultPart
 
 
 def _through(url: str, port: int) -> str:

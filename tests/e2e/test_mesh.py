@@ -15,14 +15,14 @@ from aiormq.exceptions import ChannelAccessRefused
 
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
-from yoke import topology
-from yoke.amqp_nodes import amqp_user
-from yoke.bus import Bus
+from yoke.bus import topology
+from yoke.bus.amqp_nodes import amqp_user
+from yoke.bus.broker import Bus
 from yoke.client import Client
+from yoke.core.models import ToolResultPart
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import ToolResultPart
 from yoke.runtime.joins import leave_conversation
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

@@ -28,16 +28,16 @@ from tests.chaos.verdict import account
 from tests.support.cli import run_yoke
 from tests.support.mesh import service_env
 from tests.support.processes import ServiceProcess, eventually
-from yoke.bus import Bus
+from yoke.bus.broker import Bus
 from yoke.cli.supervisor import ReplicasError, parse_replicas
 from yoke.client import Client
-from yoke.ids import new_id
-from yoke.models import Message, SubmitReply
-from yoke.ownership import EXPIRES_SECONDS, REPLICAS, dead_here
+from yoke.coordination.ownership import EXPIRES_SECONDS, REPLICAS, dead_here
+from yoke.core.ids import new_id
+from yoke.core.models import Message, SubmitReply
+from yoke.core.settings import Settings
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.settings import Settings
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

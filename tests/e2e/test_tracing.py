@@ -39,18 +39,18 @@ from tests.support.mesh import Mesh, agent_lines, lines_until, say
 from tests.support.processes import ROOT, eventually, local_http
 from tests.support.worker_process import as_user
 from tests.support.worker_tools import WorkerTool, ask_direct, registered_worker_tool
-from yoke import topology
-from yoke.amqp_nodes import amqp_user
+from yoke.bus import topology
+from yoke.bus.amqp_nodes import amqp_user
 from yoke.cli.publishers import create_publisher, management_of
 from yoke.client import Client
-from yoke.ids import new_id
-from yoke.models import Message, MessagePosted, ToolResultPart
+from yoke.core.ids import new_id
+from yoke.core.models import Message, MessagePosted, ToolResultPart
 from yoke.runtime.calls.approvals import pending_approvals
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.store import Store
-from yoke.tokens import create_token, ensure_token_indexes
+from yoke.store.database import Store
+from yoke.store.tokens import create_token, ensure_token_indexes
 
 pytestmark = pytest.mark.slow
 

@@ -22,11 +22,11 @@ from pymongo import ASCENDING
 from tests.support.mesh import Mesh, say
 from tests.support.processes import eventually
 from yoke.client import Client
-from yoke.ids import derive_id
-from yoke.models import Message, TextPart
+from yoke.core.ids import derive_id
+from yoke.core.models import Message, TextPart
 from yoke.runtime.joins import create_agent, create_forum, join_conversation, join_id
 from yoke.runtime.posting import Poster
-from yoke.store import Store, bucket_key, seq_bucket
+from yoke.store.database import Store, bucket_key, seq_bucket
 
 pytestmark = pytest.mark.slow
 

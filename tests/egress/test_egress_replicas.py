@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.support.mesh import JoinFactory, Launch, Mesh, say
 from tests.support.processes import ServiceProcess, eventually
 from yoke.client import Client
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

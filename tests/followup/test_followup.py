@@ -16,10 +16,10 @@ from tests.support.cli import run_yoke
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import ServiceProcess, eventually
 from yoke.client import Client
-from yoke.models import Message
+from yoke.core.models import Message
 from yoke.runtime.join_config import FollowUpConfig, JoinConfig
 from yoke.runtime.joins import Join, join_id, participant_id
-from yoke.store import PROCEDURES, Store
+from yoke.store.database import PROCEDURES, Store
 
 NUDGE = "Nobody answered; follow up briefly."
 

@@ -7,8 +7,8 @@ import pytest
 
 from tests.support.mesh import Mesh
 from tests.support.published import Agents
-from yoke.store import Store
-from yoke.tokens import ensure_token_indexes
+from yoke.store.database import Store
+from yoke.store.tokens import ensure_token_indexes
 
 
 @pytest.fixture(scope="module")

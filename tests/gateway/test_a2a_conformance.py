@@ -34,9 +34,9 @@ from tests.support.processes import ServiceProcess, eventually
 from tests.support.published import Agents, Caller
 from tests.support.store_operations import breakdown, store_operations, total
 from tests.support.webhook_receiver import Receiver
-from yoke.publishing import PublishedAgent, publish_agent
-from yoke.store import Store
-from yoke.tokens import ensure_token_indexes, revoke_token
+from yoke.store.database import Store
+from yoke.store.publishing import PublishedAgent, publish_agent
+from yoke.store.tokens import ensure_token_indexes, revoke_token
 
 pytestmark = pytest.mark.slow
 

@@ -53,12 +53,12 @@ from tests.support.processes import eventually
 from tests.support.published import Agents, Caller
 from tests.support.store_operations import breakdown, http_turn, settled_operations, total
 from tests.support.webhook_receiver import Receiver
-from yoke.publishing import PublishedAgent, publish_agent
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.store import Store
-from yoke.tokens import create_token
-from yoke.webhooks import signature_matches
+from yoke.store.database import Store
+from yoke.store.publishing import PublishedAgent, publish_agent
+from yoke.store.tokens import create_token
+from yoke.store.webhooks import signature_matches
 
 pytestmark = pytest.mark.slow
 

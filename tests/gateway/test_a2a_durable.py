@@ -36,11 +36,11 @@ from tests.support.gateway_process import assert_stopped_cleanly, start_gateway
 from tests.support.mesh import START_SECONDS, Mesh
 from tests.support.processes import ServiceProcess, eventually
 from tests.support.webhook_receiver import Receiver
-from yoke.publishing import publish_agent
 from yoke.runtime.joins import create_agent
-from yoke.store import Store
-from yoke.tokens import create_token, ensure_token_indexes
-from yoke.webhooks import signature_matches
+from yoke.store.database import Store
+from yoke.store.publishing import publish_agent
+from yoke.store.tokens import create_token, ensure_token_indexes
+from yoke.store.webhooks import signature_matches
 
 pytestmark = pytest.mark.slow
 

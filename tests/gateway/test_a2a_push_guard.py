@@ -41,9 +41,9 @@ from services.gateway.a2a.task_store import COLLECTION, TaskRecord
 from tests.support.processes import eventually
 from tests.support.published import Agents, Caller
 from tests.support.webhook_receiver import Receiver
-from yoke.publishing import PublishedAgent
-from yoke.store import Store
-from yoke.webhooks import CURSORS, DEAD_LETTERS, Cursor, signature_matches
+from yoke.store.database import Store
+from yoke.store.publishing import PublishedAgent
+from yoke.store.webhooks import CURSORS, DEAD_LETTERS, Cursor, signature_matches
 
 pytestmark = pytest.mark.slow
 

@@ -26,13 +26,13 @@ from services.gateway.deps import Gateway
 from services.gateway.stream import Hub
 from tests.support.mesh import Mesh
 from yoke.client import Client
-from yoke.ids import new_id
-from yoke.models import Message, MessageMeta, TextPart
-from yoke.publishing import publish_agent
+from yoke.core.ids import new_id
+from yoke.core.models import Message, MessageMeta, TextPart
+from yoke.core.settings import Settings
 from yoke.runtime.joins import create_agent, create_forum
-from yoke.settings import Settings
-from yoke.store import Store
-from yoke.tokens import create_token, ensure_token_indexes
+from yoke.store.database import Store
+from yoke.store.publishing import publish_agent
+from yoke.store.tokens import create_token, ensure_token_indexes
 
 
 @pytest.fixture(scope="module")

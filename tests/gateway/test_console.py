@@ -28,8 +28,8 @@ from services.gateway.tool_calls import ToolCallStates
 from tests.support.browser import page_text, texts, wait_for
 from tests.support.mesh import JoinFactory, agent_lines, lines_until, say
 from yoke.client import Client
+from yoke.core.models import Message, MessageMeta, ToolCallPart, ToolResultPart
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import Message, MessageMeta, ToolCallPart, ToolResultPart
 from yoke.runtime.calls.records import (
     TOOL_CALL_ENDS_COLLECTION,
     open_call_id,
@@ -38,10 +38,9 @@ from yoke.runtime.calls.records import (
 )
 from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.joins import Join, create_agent, create_forum, join_id
-from yoke.store import Store
-from yoke.tokens import create_token, ensure_token_indexes
-from yoke.tools.catalog import CatalogEntry
-from yoke.webhooks import (
+from yoke.store.database import Store
+from yoke.store.tokens import create_token, ensure_token_indexes
+from yoke.store.webhooks import (
     DEAD_LETTERS,
     DeadLetter,
     add_webhook,
@@ -49,6 +48,7 @@ from yoke.webhooks import (
     ensure_webhook_indexes,
     remove_webhook,
 )
+from yoke.tools.catalog import CatalogEntry
 
 pytestmark = pytest.mark.slow
 

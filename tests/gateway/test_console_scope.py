@@ -19,13 +19,13 @@ import pytest
 from services.gateway.console import PAGE_HEADERS
 from tests.support.cli import run_yoke
 from tests.support.gateway_process import running_gateway
-from yoke.forum_list import FORUM_LIST, ForumList
-from yoke.ids import new_id
-from yoke.models import Actor, Conversation, utcnow
+from yoke.core.ids import new_id
+from yoke.core.models import Actor, Conversation, utcnow
 from yoke.runtime.joins import create_agent, create_forum, ensure_participant, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.store import Store
-from yoke.tokens import create_token, ensure_token_indexes
+from yoke.store.database import Store
+from yoke.store.forum_list import FORUM_LIST, ForumList
+from yoke.store.tokens import create_token, ensure_token_indexes
 
 pytestmark = pytest.mark.slow
 

@@ -34,16 +34,16 @@ from tests.support.gateway_process import running_gateway, start_gateway
 from tests.support.mesh import JoinFactory, Mesh, lines_until
 from tests.support.processes import ROOT, eventually, free_port
 from tests.support.sse import EventReader
-from yoke.bus import Bus
+from yoke.bus.broker import Bus
 from yoke.cli.supervisor import GATEWAY, SERVICES
 from yoke.client import Client
-from yoke.ids import new_id
+from yoke.core.ids import new_id
+from yoke.core.models import Message, MessageMeta, TextPart
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import Message, MessageMeta, TextPart
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.store import Store
-from yoke.tokens import create_token, ensure_token_indexes
+from yoke.store.database import Store
+from yoke.store.tokens import create_token, ensure_token_indexes
 
 pytestmark = pytest.mark.slow
 

@@ -27,13 +27,13 @@ from tests.support.cli import run_yoke
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.sse import Event, EventReader
 from yoke.client import Client
-from yoke.ids import new_id
+from yoke.core.ids import new_id
+from yoke.core.models import Message, ToolResultPart
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import Message, ToolResultPart
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
 from yoke.runtime.joins import Join, create_forum
-from yoke.store import Store
-from yoke.tokens import create_token, ensure_token_indexes
+from yoke.store.database import Store
+from yoke.store.tokens import create_token, ensure_token_indexes
 
 pytestmark = pytest.mark.slow
 

@@ -31,12 +31,12 @@ from tests.support.gateway_process import metric, running_gateway
 from tests.support.processes import eventually, free_port
 from tests.support.raw_http import exchange, request_bytes
 from tests.support.tcp_proxy import ProxyProcess
-from yoke.ids import new_id
-from yoke.models import Message, TextPart
+from yoke.core.ids import new_id
+from yoke.core.models import Message, TextPart
 from yoke.runtime.joins import create_forum
 from yoke.runtime.posting import Poster
-from yoke.store import Store
-from yoke.tokens import create_token, ensure_token_indexes
+from yoke.store.database import Store
+from yoke.store.tokens import create_token, ensure_token_indexes
 
 pytestmark = pytest.mark.slow
 

@@ -25,14 +25,14 @@ from services.gateway import stream as stream_module
 from services.gateway.app import create_app
 from services.gateway.deps import Gateway
 from tests.support.processes import eventually, free_port
-from yoke.bus import Bus
-from yoke.ids import new_id
-from yoke.models import Message, TextPart
+from yoke.bus.broker import Bus
+from yoke.core.ids import new_id
+from yoke.core.models import Message, TextPart
+from yoke.core.settings import Settings
 from yoke.runtime.joins import create_forum
 from yoke.runtime.posting import Poster
-from yoke.settings import Settings
-from yoke.store import Store
-from yoke.tokens import create_token, ensure_token_indexes, revoke_token
+from yoke.store.database import Store
+from yoke.store.tokens import create_token, ensure_token_indexes, revoke_token
 
 
 @pytest.fixture

@@ -35,12 +35,12 @@ from tests.support.mesh import Mesh, lines_until
 from tests.support.processes import eventually
 from tests.support.published import Agents
 from tests.support.store_operations import breakdown, http_turn, settled_operations, total
-from yoke.models import Message
-from yoke.publishing import PublishedAgent, publish_agent, unpublish_agent
+from yoke.core.models import Message
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.store import Store
-from yoke.tokens import create_token
+from yoke.store.database import Store
+from yoke.store.publishing import PublishedAgent, publish_agent, unpublish_agent
+from yoke.store.tokens import create_token
 
 pytestmark = pytest.mark.slow
 

@@ -27,8 +27,8 @@ from tests.support.mcp_client import mcp_session
 from tests.support.mesh import lines_until
 from tests.support.processes import eventually
 from tests.support.published import Agents
-from yoke.models import Message
-from yoke.store import Store
+from yoke.core.models import Message
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

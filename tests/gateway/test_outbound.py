@@ -1,5 +1,5 @@
-"""yoke.outbound: which addresses an outsider's URL may reach, and a connection that goes to the
-address that was checked (no second resolution for DNS rebinding to change), in-process
+"""yoke.core.outbound: which addresses an outsider's URL may reach, and a connection that goes to
+the address that was checked (no second resolution for DNS rebinding to change), in-process
 against a real local server."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.tls_servers import Certificates
 from tests.support.webhook_receiver import Receiver
-from yoke.outbound import (
+from yoke.core.outbound import (
     Allowed,
     OutboundGuard,
     RefusedRequest,

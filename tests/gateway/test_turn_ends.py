@@ -38,8 +38,8 @@ from tests.support.fake_openai import FakeOpenAI, openai_env
 from tests.support.gateway_process import metric, running_gateway
 from tests.support.processes import eventually
 from tests.support.published import Agents, Caller
-from yoke.publishing import PublishedAgent
-from yoke.store import Store
+from yoke.store.database import Store
+from yoke.store.publishing import PublishedAgent
 
 pytestmark = pytest.mark.slow
 

@@ -24,15 +24,15 @@ from tests.support.gateway_process import assert_stopped_cleanly, metric, start_
 from tests.support.mesh import JoinFactory, Mesh, say
 from tests.support.processes import ServiceProcess, eventually, free_port
 from tests.support.webhook_receiver import Receiver
-from yoke.bus import Bus
+from yoke.bus.broker import Bus
 from yoke.client import Client
-from yoke.ids import new_id
-from yoke.models import Message, TextPart
+from yoke.core.ids import new_id
+from yoke.core.models import Message, TextPart
+from yoke.core.settings import Settings
 from yoke.runtime.joins import create_forum
 from yoke.runtime.posting import Poster
-from yoke.settings import Settings
-from yoke.store import Store
-from yoke.webhooks import (
+from yoke.store.database import Store
+from yoke.store.webhooks import (
     DEAD_LETTERS,
     LEASES,
     WebhookError,

@@ -18,14 +18,14 @@ from services.gateway.webhooks import REFRESH_SECONDS, WebhookWorker
 from tests.support.cli import run_yoke
 from tests.support.processes import eventually, free_port
 from tests.support.webhook_receiver import Receiver
-from yoke.bus import Bus
-from yoke.ids import new_id
-from yoke.models import Message, TextPart
+from yoke.bus.broker import Bus
+from yoke.core.ids import new_id
+from yoke.core.models import Message, TextPart
+from yoke.core.settings import Settings
 from yoke.runtime.joins import create_forum
 from yoke.runtime.posting import Poster
-from yoke.settings import Settings
-from yoke.store import Store
-from yoke.webhooks import (
+from yoke.store.database import Store
+from yoke.store.webhooks import (
     CURSORS,
     DEAD_LETTERS,
     SUBSCRIPTIONS,

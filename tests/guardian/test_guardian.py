@@ -19,8 +19,8 @@ from tests.support.mesh import JoinFactory, Launch, Mesh, lines_until, say
 from tests.support.processes import ServiceProcess, eventually, free_port
 from tests.support.slow_guardian import RUNS
 from yoke.client import Client
+from yoke.core.models import Message, ToolCallPart
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import Message, ToolCallPart
 from yoke.runtime.join_config import (
     GuardianConfig,
     JoinConfig,
@@ -31,7 +31,7 @@ from yoke.runtime.join_config import (
     save_join_config,
 )
 from yoke.runtime.joins import Join, join_id
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

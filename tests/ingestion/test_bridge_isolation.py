@@ -25,14 +25,14 @@ from tests.support.fake_openai import FakeOpenAI, completion, openai_env
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until
 from tests.support.processes import eventually, free_port
 from tests.support.worker_process import as_user
-from yoke import topology
-from yoke.amqp_nodes import amqp_vhost
+from yoke.bus import topology
+from yoke.bus.amqp_nodes import amqp_vhost
 from yoke.cli.asyncapi import asyncapi_document
 from yoke.cli.publishers import Management, management_of
 from yoke.client import Client
-from yoke.models import Envelope, MessagePosted, ToolCallPart, ToolResultPart
+from yoke.core.models import Envelope, MessagePosted, ToolCallPart, ToolResultPart
 from yoke.runtime.joins import create_forum
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from tests.support.processes import eventually
 from yoke.client import Client
 from yoke.runtime.joins import create_agent, join_conversation, leave_conversation
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

@@ -28,14 +28,14 @@ from tests.support.worker_tools import (
     registered_worker_tool,
     serving,
 )
-from yoke import topology
+from yoke.bus import topology
 from yoke.cli.publishers import delete_user, management_of
 from yoke.client import Client
+from yoke.core.models import Message, ToolResultPart
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import Message, ToolResultPart
 from yoke.runtime.calls.records import TOOL_CALL_ENDS_COLLECTION, own_result_line_id
 from yoke.runtime.joins import Join
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

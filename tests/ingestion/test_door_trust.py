@@ -26,18 +26,18 @@ from tests.support.gateway_process import running_gateway
 from tests.support.mesh import Mesh
 from tests.support.processes import ServiceProcess, eventually
 from tests.support.worker_process import as_user
-from yoke import topology
-from yoke.bus import Bus
+from yoke.bus import topology
+from yoke.bus.broker import Bus
+from yoke.bus.dead_letters import list_dead_letters, replay_dead_letters
 from yoke.cli.publishers import create_publisher, create_user, management_of
 from yoke.client import Client
-from yoke.dead_letters import list_dead_letters, replay_dead_letters
-from yoke.ids import derive_id
-from yoke.models import SubmitReply
-from yoke.publishing import kept_forum_id, publish_agent
+from yoke.core.ids import derive_id
+from yoke.core.models import SubmitReply
 from yoke.runtime.joins import create_agent, create_forum, join_conversation, participant_id
 from yoke.runtime.posting import Poster
-from yoke.store import Store
-from yoke.tokens import Token, create_token, ensure_token_indexes, revoke_token
+from yoke.store.database import Store
+from yoke.store.publishing import kept_forum_id, publish_agent
+from yoke.store.tokens import Token, create_token, ensure_token_indexes, revoke_token
 
 LIMIT = 4
 KEPT = 2  # conversations a caller's token may keep here

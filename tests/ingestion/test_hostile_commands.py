@@ -21,12 +21,12 @@ import pytest
 from services.ingestion.app import UNKEYED, command_key
 from tests.support.mesh import Mesh
 from tests.support.processes import ServiceProcess, eventually
-from yoke import topology
+from yoke.bus import topology
+from yoke.bus.dead_letters import list_dead_letters
 from yoke.client import Client
-from yoke.dead_letters import list_dead_letters
-from yoke.ids import new_id
+from yoke.core.ids import new_id
 from yoke.runtime.joins import create_forum
-from yoke.store import Store
+from yoke.store.database import Store
 
 DATA = json.loads((Path(__file__).parents[1] / "data" / "hostile_commands.json").read_text())
 REJECTED: list[dict[str, Any]] = DATA["rejected"]

@@ -16,11 +16,11 @@ from tests.support.cli import run_yoke
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from yoke.client import Client
+from yoke.core.models import Message
 from yoke.llm.providers import price_of
-from yoke.models import Message
 from yoke.runtime.join_config import JoinConfig, load_join_config
 from yoke.runtime.joins import create_agent, create_forum, join_id
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

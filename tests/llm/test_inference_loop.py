@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from yoke.core.models import Message, TextPart, ToolResultPart
 from yoke.llm.base import InferenceRequest, ScriptedCall, ScriptedOutput
 from yoke.llm.fixtures import ScriptedProvider
 from yoke.llm.loop import run_inference_loop
-from yoke.models import Message, TextPart, ToolResultPart
 from yoke.tools.builtin import BUILTIN_TOOLS
 
 

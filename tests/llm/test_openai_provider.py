@@ -10,10 +10,10 @@ from datetime import UTC, datetime
 import pytest
 
 from tests.support.fake_openai import FakeOpenAI, completion, failure
+from yoke.core.models import Message, TextPart, ToolCallPart, ToolResultPart
+from yoke.core.settings import Settings
 from yoke.llm.base import InferenceRequest, ProviderFailed
 from yoke.llm.openai_provider import OpenAIProvider
-from yoke.models import Message, TextPart, ToolCallPart, ToolResultPart
-from yoke.settings import Settings
 from yoke.tools.base import ToolContext
 from yoke.tools.builtin import BUILTIN_TOOLS
 from yoke.tools.run import run_tool_call
@@ -145,8 +145,8 @@ async def test_unknown_tool_invalid_input_exception_and_timeout_are_error_result
 
 
 def test_steps_share_one_client_and_its_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    from yoke.core.settings import Settings
     from yoke.llm.openai_provider import OpenAIProvider
-    from yoke.settings import Settings
 
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     settings = Settings()

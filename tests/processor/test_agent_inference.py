@@ -10,10 +10,10 @@ import pytest
 from tests.support.fake_openai import FakeOpenAI, completion, failure, openai_env
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from yoke.client import Client
+from yoke.core.models import ToolResultPart
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import ToolResultPart
 from yoke.runtime.join_config import JoinConfig
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 SECRET = "sk-test-this-must-never-be-logged"

@@ -16,13 +16,13 @@ from tests.support import faults
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
 from yoke.client import Client
-from yoke.models import Message, Part, TextPart, ToolCallPart, ToolResultPart
+from yoke.core.models import Message, Part, TextPart, ToolCallPart, ToolResultPart
 from yoke.runtime.actor import instance_state_id
 from yoke.runtime.chain import SWAPPING, carriable, chain_of
 from yoke.runtime.compaction import SWAP_STEPS, needs_compaction, split_for_compaction
 from yoke.runtime.instances import PROCESSOR, ProcessorConfig
 from yoke.runtime.joins import Join, join_id
-from yoke.store import PROCEDURES, Store
+from yoke.store.database import PROCEDURES, Store
 
 pytestmark = pytest.mark.slow
 

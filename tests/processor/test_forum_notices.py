@@ -16,11 +16,11 @@ from aio_pika.abc import AbstractIncomingMessage
 from tests.support.fake_openai import FakeOpenAI, completion, failure, openai_env
 from tests.support.mesh import JoinFactory, lines_until, say
 from tests.support.processes import eventually
-from yoke import topology
+from yoke.bus import topology
 from yoke.client import Client
-from yoke.models import Envelope, Message, MessagePosted
+from yoke.core.models import Envelope, Message, MessagePosted
 from yoke.runtime.join_config import JoinConfig
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

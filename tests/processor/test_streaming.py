@@ -23,11 +23,11 @@ from tests.support.fake_openai import FakeOpenAI, completion, openai_env, stream
 from tests.support.mesh import JoinFactory, lines_until, say
 from tests.support.processes import eventually
 from tests.support.sse import Event, EventReader
-from yoke import topology
+from yoke.bus import topology
 from yoke.client import Client
-from yoke.models import AgentActivity, AgentDelta, Envelope, Message, MessagePosted, TextPart
-from yoke.store import Store
-from yoke.tokens import create_token, ensure_token_indexes
+from yoke.core.models import AgentActivity, AgentDelta, Envelope, Message, MessagePosted, TextPart
+from yoke.store.database import Store
+from yoke.store.tokens import create_token, ensure_token_indexes
 
 ANSWER = "Streaming, piece by piece, the answer that the forum's people watch being written."
 

@@ -8,7 +8,16 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from services.processor.processor import Processor
-from yoke.models import Envelope, Message, MessageMeta, Part, TextPart, ToolCallPart, ToolResultPart
+from yoke.core.models import (
+    Envelope,
+    Message,
+    MessageMeta,
+    Part,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+)
+from yoke.core.settings import Settings
 from yoke.runtime.actor import ActorContext
 from yoke.runtime.calls.records import (
     OpenCall,
@@ -23,8 +32,7 @@ from yoke.runtime.in_flight import InFlight
 from yoke.runtime.instances import ProcessorConfig, ProcessorState
 from yoke.runtime.rounds import open_round
 from yoke.runtime.tails import Tails
-from yoke.settings import Settings
-from yoke.store import Store
+from yoke.store.database import Store
 
 
 class DeltaSink:

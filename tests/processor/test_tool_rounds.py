@@ -11,8 +11,8 @@ import pytest
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env
 from tests.support.mesh import JoinFactory, agent_lines, lines_until, say
 from yoke.client import Client
-from yoke.models import Message, ToolCallPart, ToolResultPart
-from yoke.store import Store
+from yoke.core.models import Message, ToolCallPart, ToolResultPart
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 WAIT = 10  # seconds the tool runs (its most): lines typed meanwhile land well before it ends

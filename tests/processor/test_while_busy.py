@@ -25,12 +25,12 @@ from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
 from tests.support.worker_process import WorkerProcess
 from tests.support.worker_tools import WorkerTool, registered_worker_tool
-from yoke import topology
+from yoke.bus import topology
 from yoke.client import Client
+from yoke.core.models import AgentDelta, Envelope, Message, ToolResultPart
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import AgentDelta, Envelope, Message, ToolResultPart
 from yoke.runtime.calls.records import TOOL_CALL_ENDS_COLLECTION
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

@@ -11,15 +11,15 @@ from services.egress.app import Egress
 from tests.support.fake_openai import FakeOpenAI
 from tests.support.mesh import JoinFactory, Mesh, lines_until, say
 from yoke.client import Client
+from yoke.core.lru import LRUCache
+from yoke.core.metrics import OTHER, BoundedLabel, model_label, tool_label
+from yoke.core.models import Message, TextPart, ToolResultPart
+from yoke.core.settings import Settings
 from yoke.llm.base import InferenceRequest, ScriptedCall, ScriptedOutput
 from yoke.llm.fixtures import EchoProvider, ScriptedProvider
 from yoke.llm.openai_provider import OpenAIProvider
-from yoke.lru import LRUCache
-from yoke.metrics import OTHER, BoundedLabel, model_label, tool_label
-from yoke.models import Message, TextPart, ToolResultPart
 from yoke.runtime.service import Service
-from yoke.settings import Settings
-from yoke.store import Store
+from yoke.store.database import Store
 from yoke.tools.builtin import BUILTIN_TOOLS
 
 # --- the LRU ---------------------------------------------------------------------------------

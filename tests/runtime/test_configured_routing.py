@@ -17,14 +17,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.followup.scheduler import FOLLOWUPS, PENDING_GAUGE_SECONDS, schedule_id
 from tests.support.mesh import Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
-from yoke import topology, upgrades
+from yoke.bus import _upgrades as upgrades
+from yoke.bus import topology
 from yoke.client import Client
-from yoke.ids import new_id
-from yoke.models import Envelope, Message, MessagePosted, TextPart
+from yoke.core.ids import new_id
+from yoke.core.models import Envelope, Message, MessagePosted, TextPart
 from yoke.runtime.join_config import FollowUpConfig, GuardianConfig, JoinConfig, RulePolicy
 from yoke.runtime.joins import create_agent, create_forum, join_conversation, join_id
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

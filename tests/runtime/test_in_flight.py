@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from services.processor.commands import is_person_line, is_stop_line
-from yoke.models import Message, MessageMeta, TextPart, ToolResultPart
+from yoke.core.models import Message, MessageMeta, TextPart, ToolResultPart
 from yoke.runtime.in_flight import Arrival, InFlight, cancelled_here
 
 CONVERSATION = "m1"

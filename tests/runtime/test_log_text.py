@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from yoke.logs import JsonFormatter, TextFormatter
+from yoke.core.logs import JsonFormatter, TextFormatter
 
 HOSTILE = "hello\x1b[2J\x07\nWARNING forged line\u202e"
 

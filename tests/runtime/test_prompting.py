@@ -13,12 +13,12 @@ import pytest
 
 from tests.support.chat_rules import first_violation
 from tests.support.fake_openai import FakeOpenAI, completion
+from yoke.core.models import Message, MessageMeta, Part, TextPart, ToolCallPart, ToolResultPart
+from yoke.core.settings import Settings
 from yoke.llm.base import InferenceRequest, ProviderFailed, newest_user_text
 from yoke.llm.fixtures import EchoProvider
 from yoke.llm.openai_provider import OpenAIProvider
 from yoke.llm.prompting import NO_RESULT, to_chat_messages, unanswered_last
-from yoke.models import Message, MessageMeta, Part, TextPart, ToolCallPart, ToolResultPart
-from yoke.settings import Settings
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 NAMES = {"h1": "Ada", "h2": "Grace"}

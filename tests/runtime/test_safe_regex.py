@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from yoke.safe_regex import MAX_MATCHED_CHARS, compile_safe, search
+from yoke.core.safe_regex import MAX_MATCHED_CHARS, compile_safe, search
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from tests.support.processes import eventually, free_port
-from yoke.models import MessagePosted
+from yoke.core.models import MessagePosted
+from yoke.core.settings import Settings
 from yoke.runtime.service import Service
-from yoke.settings import Settings
 
 
 @pytest.fixture

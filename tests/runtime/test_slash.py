@@ -1,11 +1,11 @@
-"""The one rule for what a slash command is (yoke.slash), as every reader of a line uses it."""
+"""The one rule for what a slash command is (yoke.core.slash), as every reader of a line uses it."""
 
 from __future__ import annotations
 
 import pytest
 
 from yoke.client import STOP_LINE
-from yoke.slash import SlashCommand, is_stop, slash_command
+from yoke.core.slash import SlashCommand, is_stop, slash_command
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from datetime import UTC, datetime
 
-from yoke.models import Message, TextPart
+from yoke.core.models import Message, TextPart
 from yoke.runtime.tails import Tails, as_stored, consecutive, joined
 
 CONVERSATION = "monologue"

@@ -1,4 +1,4 @@
-"""yoke.tracing's own pieces: off by default at no cost, and on, a collector that is slow,
+"""yoke.core.tracing's own pieces: off by default at no cost, and on, a collector that is slow,
 full or away never holds the process up and its losses are counted.
 
 Tracing on is process-wide (OpenTelemetry's provider is set once), so those cases run in a
@@ -21,9 +21,9 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.processes import ROOT
-from yoke import tracing
-from yoke.logs import JsonFormatter, TextFormatter
-from yoke.metrics import exposition
+from yoke.core import tracing
+from yoke.core.logs import JsonFormatter, TextFormatter
+from yoke.core.metrics import exposition
 
 
 def test_off_without_an_endpoint_nothing_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,8 +97,8 @@ def run_traced(code: str, **env: str) -> dict[str, object]:
 
 PROBE = """
     import json, time
-    from yoke import tracing
-    from yoke.metrics import TRACE_SPANS_DROPPED
+    from yoke.core import tracing
+    from yoke.core.metrics import TRACE_SPANS_DROPPED
     from opentelemetry import trace
 
     assert tracing.configure("probe")
@@ -162,7 +162,7 @@ def test_settings_the_sdk_refuses_leave_tracing_off_not_the_service_down(
     found = run_traced(
         """
         import json
-        from yoke import tracing
+        from yoke.core import tracing
         print(json.dumps({"on": tracing.configure("probe"), "span": tracing.traceparent()}))
         """,
         OTEL_EXPORTER_OTLP_ENDPOINT=silent_collector,
@@ -192,11 +192,11 @@ MODEL_CALL = """
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    from yoke import tracing
+    from yoke.core import tracing
     from yoke.llm.base import InferenceRequest
     from yoke.llm.providers import provider_for
-    from yoke.models import Message, TextPart
-    from yoke.settings import Settings
+    from yoke.core.models import Message, TextPart
+    from yoke.core.settings import Settings
 
     # A program's own provider (a worker inside an application, say): tracing uses it.
     memory = InMemorySpanExporter()

@@ -1,4 +1,4 @@
-"""The mesh's processes keep their memory from the programs they start (yoke.hardening).
+"""The mesh's processes keep their memory from the programs they start (yoke.core.hardening).
 
 A stdio MCP server is the processor's child. When the mesh runs as a user other than root (as
 in compose), the server is that user too, and only the mark ``prctl(PR_SET_DUMPABLE, 0)`` keeps
@@ -24,7 +24,7 @@ from tests.support.broker import fresh_vhost
 from tests.support.processes import ROOT, eventually, free_port
 from tests.support.unprivileged import hides_its_memory, python_for, readable_copies
 
-HARDENING = ROOT / "shared/yoke/hardening.py"
+HARDENING = ROOT / "shared/yoke/core/hardening.py"
 SECRET = f"hunter{uuid.uuid4().hex[:8]}"
 # Run as nobody: marks itself (or not) and has a child read its parent's environ and memory.
 # hardening.py is loaded from the path in argv[2]: a copy nobody can read (readable_copies), as

@@ -22,12 +22,10 @@ from services.guardian.guardian import COLLECTION as GUARDIAN
 from services.guardian.guardian import retention_rules as guardian_rules
 from tests.support.mesh import JoinFactory, Mesh, lines_until, say
 from tests.support.processes import eventually
-from yoke.ages import day_bucket, hour_bucket
 from yoke.client import Client
-from yoke.failures import Failure, close_failure, record_failure
-from yoke.models import Message, TextPart
-from yoke.rate_limit import COLLECTION as LINE_LIMITS
-from yoke.retention import Sweep, core_rules
+from yoke.core.ages import day_bucket, hour_bucket
+from yoke.core.models import Message, TextPart
+from yoke.core.settings import Settings
 from yoke.runtime.calls import reaper
 from yoke.runtime.calls.reaper import Reaper
 from yoke.runtime.calls.records import (
@@ -41,9 +39,11 @@ from yoke.runtime.calls.repository import OpenCalls
 from yoke.runtime.calls.retention import call_rules
 from yoke.runtime.compaction import MonologueSwap, swap_rule
 from yoke.runtime.join_config import FollowUpConfig, GuardianConfig, JoinConfig, RulePolicy
-from yoke.settings import Settings
-from yoke.store import PROCEDURES, Store
-from yoke.webhooks import DEAD_LETTERS, LEASES, DeadLetter
+from yoke.store.database import PROCEDURES, Store
+from yoke.store.failures import Failure, close_failure, record_failure
+from yoke.store.rate_limit import COLLECTION as LINE_LIMITS
+from yoke.store.retention import Sweep, core_rules
+from yoke.store.webhooks import DEAD_LETTERS, LEASES, DeadLetter
 
 Doc = dict[str, Any]
 

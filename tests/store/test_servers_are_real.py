@@ -72,7 +72,7 @@ async def test_single_active_consumer_quorum_queue_feeds_one_consumer(amqp_url: 
 
 
 async def test_consistent_hash_exchange_routes_by_conversation_header(amqp_url: str) -> None:
-    from yoke.topology import CONVERSATION_HEADER
+    from yoke.bus.topology import CONVERSATION_HEADER
 
     connection = await aio_pika.connect(amqp_url)
     try:

@@ -1,12 +1,12 @@
-"""Outside text made storable once, where it enters (yoke.text.storable; invariant 15)."""
+"""Outside text made storable once, where it enters (yoke.core.text.storable; invariant 15)."""
 
 from __future__ import annotations
 
 import pytest
 
+from yoke.core.models import ToolCallPart
+from yoke.core.text import storable, storable_json
 from yoke.llm.base import InferenceResult
-from yoke.models import ToolCallPart
-from yoke.text import storable, storable_json
 
 
 @pytest.mark.parametrize(

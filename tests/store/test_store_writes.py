@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 from pymongo.errors import DuplicateKeyError
 
-from yoke.ids import new_id
-from yoke.models import Message, TextPart, utcnow
-from yoke.outbox import OutboxSweep
-from yoke.rate_limit import LineLimit
-from yoke.store import ID_KEY, SEQ_KEY, Store, duplicate_key
+from yoke.core.ids import new_id
+from yoke.core.models import Message, TextPart, utcnow
+from yoke.store.database import ID_KEY, SEQ_KEY, Store, duplicate_key
+from yoke.store.outbox import OutboxSweep
+from yoke.store.rate_limit import LineLimit
 
 
 @pytest.fixture

@@ -7,10 +7,10 @@ from typing import Literal
 
 from tests.support.mesh import agent_lines
 from tests.support.processes import eventually
-from yoke.amqp_nodes import amqp_user
+from yoke.bus.amqp_nodes import amqp_user
 from yoke.client import Client
+from yoke.core.models import Message, SubmitReply, ToolResultPart
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import Message, SubmitReply, ToolResultPart
 from yoke.runtime.calls.records import (
     TOOL_CALL_ENDS_COLLECTION,
     TOOL_CALLS_COLLECTION,
@@ -19,7 +19,7 @@ from yoke.runtime.calls.records import (
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
 
 WAIT = 30.0  # the most any step of a test may take on a loaded machine
 DONE = "the sums are done"

@@ -11,7 +11,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 import aio_pika
 import httpx
 
-from yoke import topology
+from yoke.bus import topology
 from yoke.cli.publishers import delete_user, management_of
 
 

@@ -10,9 +10,9 @@ from tests.support import faults
 from tests.support.processes import ServiceProcess, eventually
 from yoke.cli.supervisor import SERVICES
 from yoke.client import Client
-from yoke.models import Message
+from yoke.core.models import Message
 from yoke.runtime.joins import Join
-from yoke.store import Store
+from yoke.store.database import Store
 
 # new_join(forum_id=None, name="echo", **join options) -> (forum id, join)
 JoinFactory = Callable[..., Awaitable[tuple[str, Join]]]

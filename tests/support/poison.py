@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from yoke.models import Message
+from yoke.core.models import Message
 from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.runtime.service import Service, run_service
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from yoke.bus import Bus
-from yoke.ids import new_id
-from yoke.models import Message, TextPart
+from yoke.bus.broker import Bus
+from yoke.core.ids import new_id
+from yoke.core.models import Message, TextPart
+from yoke.core.settings import Settings
 from yoke.runtime.posting import Poster
-from yoke.settings import Settings
-from yoke.store import Store
+from yoke.store.database import Store
 
 
 async def main(conversation_id: str, count: int, label: str) -> None:

@@ -7,11 +7,11 @@ import uuid
 from dataclasses import dataclass
 
 from tests.support.fake_openai import FakeOpenAI, completion
-from yoke.publishing import PublishedAgent, publish_agent
 from yoke.runtime.join_config import ApprovalConfig
 from yoke.runtime.joins import create_agent
-from yoke.store import Store
-from yoke.tokens import Token, create_token
+from yoke.store.database import Store
+from yoke.store.publishing import PublishedAgent, publish_agent
+from yoke.store.tokens import Token, create_token
 
 
 @dataclass

@@ -11,8 +11,8 @@ import asyncio
 import os
 import time
 
-from yoke.ids import derive_id
-from yoke.models import Message, MessagePosted, TextPart
+from yoke.core.ids import derive_id
+from yoke.core.models import Message, MessagePosted, TextPart
 from yoke.runtime.service import Service, run_service
 
 EFFECTS_PREFIX = "effects-"

@@ -13,7 +13,7 @@ import asyncio
 import os
 
 from services.egress.app import Egress, register
-from yoke.models import MessagePosted
+from yoke.core.models import MessagePosted
 from yoke.runtime.service import run_service
 
 

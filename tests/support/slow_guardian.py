@@ -16,7 +16,7 @@ import sys
 import time
 
 from services.guardian.guardian import Guardian, Match, Watched, register
-from yoke.models import Message
+from yoke.core.models import Message
 from yoke.runtime.join_config import GuardianConfig
 from yoke.runtime.service import Service, run_service
 

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.mesh import Mesh
 from tests.support.processes import eventually
-from yoke.store import Store
+from yoke.store.database import Store
 
 
 async def store_operations(mesh: Mesh, gateway_url: str) -> Counter[str]:

@@ -59,7 +59,7 @@ def stdio_servers_need_root() -> bool:
 
 
 def hides_its_memory(pid: int) -> bool:
-    """Whether process ``pid`` is marked not dumpable (yoke.hardening), so that no process of
+    """Whether process ``pid`` is marked not dumpable (yoke.core.hardening), so that no process of
     its user without CAP_SYS_PTRACE reads its ``/proc/<pid>/environ``, ``mem``...
 
     Root's processes are read by root whatever the mark, so it is read from the owner the

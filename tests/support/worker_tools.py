@@ -24,8 +24,8 @@ from aio_pika.abc import AbstractIncomingMessage
 from tests.support.cli import run_yoke
 from tests.support.mesh import service_env
 from tests.support.worker_process import WorkerProcess, as_user
-from yoke import topology
-from yoke.amqp_nodes import amqp_vhost
+from yoke.bus import topology
+from yoke.bus.amqp_nodes import amqp_vhost
 from yoke.cli.publishers import delete_user, management_of
 
 CLI_SECONDS = 240  # the most a ``yoke`` command may take (its imports, on a loaded machine)

@@ -40,14 +40,14 @@ from tests.support.fake_openai import FakeOpenAI, completion, openai_env
 from tests.support.mesh import Mesh, lines_until, say
 from tests.support.processes import eventually
 from tests.support.worker_process import WorkerProcess, as_user
-from yoke import topology
-from yoke.amqp_nodes import amqp_vhost
+from yoke.bus import topology
+from yoke.bus.amqp_nodes import amqp_vhost
 from yoke.cli.base import UsageError
 from yoke.cli.main import join_config_of, parser
 from yoke.cli.publishers import create_publisher, management_of
 from yoke.client import Client
+from yoke.core.models import Message
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import Message
 from yoke.runtime.calls.approvals import pending_approvals
 from yoke.runtime.calls.records import (
     TOOL_CALL_DECISIONS_COLLECTION,
@@ -57,7 +57,7 @@ from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,7 @@ from yoke.runtime.instances import PROCESSOR
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
 from yoke.runtime.joins import Join, create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

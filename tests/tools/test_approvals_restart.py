@@ -28,12 +28,12 @@ from tests.support.approvals import (
 from tests.support.mesh import START_SECONDS, Mesh, lines_until, say
 from tests.support.processes import eventually
 from tests.support.rabbit_node import RabbitNode
-from yoke import topology
+from yoke.bus import topology
 from yoke.cli.supervisor import SERVICES
 from yoke.client import Client
 from yoke.runtime.calls.approvals import pending_approvals
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

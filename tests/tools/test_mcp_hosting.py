@@ -23,7 +23,7 @@ from tests.support.mcp_server import STDIO_COMMAND
 from tests.support.processes import eventually
 from yoke.runtime.catalog_store import LocalTools, ToolCatalog
 from yoke.runtime.mcp_hosting import McpHosting
-from yoke.store import Store
+from yoke.store.database import Store
 from yoke.tools.catalog import MCP_SERVERS, CatalogEntry, McpServer
 
 WAIT = 60  # the most a test waits for anything (a loaded machine starts a server slowly)

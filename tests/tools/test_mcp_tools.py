@@ -41,8 +41,8 @@ from tests.support.mcp_server import LONG_NAME, NUL_DESCRIPTION, RAW_SCHEMA
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import ROOT, eventually, free_port
 from yoke.client import Client
-from yoke.ids import derive_id
-from yoke.models import Message, ToolCallPart, ToolResultPart
+from yoke.core.ids import derive_id
+from yoke.core.models import Message, ToolCallPart, ToolResultPart
 from yoke.runtime.calls.records import (
     TOOL_CALLS_COLLECTION,
     OpenCall,
@@ -51,7 +51,7 @@ from yoke.runtime.calls.records import (
 )
 from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.joins import Join, join_id
-from yoke.store import Store
+from yoke.store.database import Store
 from yoke.tools.catalog import CatalogEntry
 
 pytestmark = pytest.mark.slow

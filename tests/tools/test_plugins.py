@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict, RootModel
 
-from yoke.models import ToolCallPart
+from yoke.core.models import ToolCallPart
 from yoke.tools.base import Tool, ToolContext
 from yoke.tools.builtin import BUILTIN_TOOLS
 from yoke.tools.catalog import CatalogEntry

@@ -17,12 +17,12 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from prometheus_client import REGISTRY
 
-from yoke.metrics import STORE_ORIGIN
-from yoke.models import Message
+from yoke.core.metrics import STORE_ORIGIN
+from yoke.core.models import Message
 from yoke.runtime.calls.reaper import Reaper, ReapShare
 from yoke.runtime.calls.records import TOOL_CALLS_COLLECTION, OpenCall
 from yoke.runtime.calls.repository import OpenCalls
-from yoke.store import Store
+from yoke.store.database import Store
 
 PENDING = 1000
 ROUNDS = 5

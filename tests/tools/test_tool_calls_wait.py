@@ -34,11 +34,11 @@ from tests.support.mesh import START_SECONDS, JoinFactory, Mesh, agent_lines, li
 from tests.support.processes import eventually
 from tests.support.worker_process import WorkerProcess, as_user
 from tests.support.worker_tools import WorkerTool, serving
-from yoke import topology
-from yoke.amqp_nodes import amqp_vhost
+from yoke.bus import topology
+from yoke.bus.amqp_nodes import amqp_vhost
 from yoke.client import Client
+from yoke.core.models import Message, ToolResultPart
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import Message, ToolResultPart
 from yoke.runtime.calls.records import (
     TOOL_CALL_ENDS_COLLECTION,
     TOOL_CALLS_COLLECTION,
@@ -46,7 +46,7 @@ from yoke.runtime.calls.records import (
 )
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

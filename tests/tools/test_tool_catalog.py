@@ -25,14 +25,14 @@ from tests.support.broker import Management
 from tests.support.cli import run_yoke
 from tests.support.mesh import JoinFactory, agent_lines, lines_until, say
 from tests.support.processes import eventually
-from yoke import topology
+from yoke.bus import topology
 from yoke.client import Client
+from yoke.core.models import Message, ToolResultPart
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import Message, ToolResultPart
 from yoke.runtime.catalog_store import CLASH_PREFIX, ToolCatalog
 from yoke.runtime.join_config import JOIN_CONFIGS
 from yoke.runtime.joins import create_agent, create_forum
-from yoke.store import Store
+from yoke.store.database import Store
 from yoke.tools.builtin import BUILTIN_TOOLS
 from yoke.tools.catalog import CATALOG, MCP_SERVERS, CatalogEntry
 

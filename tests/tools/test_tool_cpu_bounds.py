@@ -15,7 +15,7 @@ import time
 import pytest
 from pydantic import BaseModel
 
-from yoke.models import ToolCallPart, ToolResultPart
+from yoke.core.models import ToolCallPart, ToolResultPart
 from yoke.tools import threads
 from yoke.tools.base import Tool, ToolContext
 from yoke.tools.builtin import BUILTIN_TOOLS

@@ -35,12 +35,12 @@ from tests.support.fake_openai import FakeOpenAI, completion, openai_env
 from tests.support.mesh import JoinFactory, Launch, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
 from tests.support.worker_tools import CLI_SECONDS, WorkerTool, registered_worker_tool
-from yoke import topology
+from yoke.bus import topology
 from yoke.client import Client
+from yoke.core.models import Message, ToolCallPart, ToolResultPart
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import Message, ToolCallPart, ToolResultPart
 from yoke.runtime.catalog_store import ToolCatalog
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

@@ -40,8 +40,8 @@ from tests.support.processes import ServiceProcess, eventually
 from tests.support.worker_process import WorkerProcess
 from tests.support.worker_tools import WorkerTool, registered_worker_tool
 from yoke.client import Client
+from yoke.core.models import Message, ToolResultPart
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import Message, ToolResultPart
 from yoke.runtime.calls.approvals import pending_approvals
 from yoke.runtime.calls.records import TOOL_CALL_ENDS_COLLECTION
 from yoke.runtime.calls.texts import CUT_SHORT
@@ -49,7 +49,7 @@ from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.join_config import JoinConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

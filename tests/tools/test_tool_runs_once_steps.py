@@ -15,13 +15,13 @@ import pytest
 from pymongo.errors import AutoReconnect
 
 from tests.processor.test_tool_round_steps import Monologue, StorePoster
-from yoke.models import Message, ToolResultPart
+from yoke.core.models import Message, ToolResultPart
 from yoke.runtime.calls.records import OpenCall, open_call_id, round_results_line_id
 from yoke.runtime.calls.repository import OpenCalls
 from yoke.runtime.calls.texts import CUT_SHORT
 from yoke.runtime.catalog_store import LocalTools, ToolCatalog
 from yoke.runtime.dispatch import ToolDispatch
-from yoke.store import Store
+from yoke.store.database import Store
 from yoke.tools.base import ToolContext
 
 

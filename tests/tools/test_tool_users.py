@@ -18,11 +18,11 @@ from aiormq.exceptions import ProbableAuthenticationError
 from tests.support.broker import Management
 from tests.support.cli import run_yoke
 from tests.support.worker_process import WorkerProcess, as_user
-from yoke import topology
-from yoke.amqp_nodes import amqp_vhost
+from yoke.bus import topology
+from yoke.bus.amqp_nodes import amqp_vhost
 from yoke.cli.publishers import create_user, management_of
 from yoke.cli.tool_users import ToolUserRefused, create_tool_user, delete_tool_user
-from yoke.settings import Settings
+from yoke.core.settings import Settings
 
 
 @pytest.fixture(scope="module")

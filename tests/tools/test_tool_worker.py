@@ -26,11 +26,11 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 from tests.support.broker import Management
 from tests.support.processes import eventually
 from tests.support.worker_process import WorkerProcess, as_user
-from yoke import topology
-from yoke.amqp_nodes import amqp_vhost
+from yoke.bus import topology
+from yoke.bus.amqp_nodes import amqp_vhost
 from yoke.cli.tool_users import create_tool_user, tool_user_name
-from yoke.models import SubmitReply, ToolCallRequest
-from yoke.settings import Settings
+from yoke.core.models import SubmitReply, ToolCallRequest
+from yoke.core.settings import Settings
 from yoke.tools.worker import DIRECT_REPLY_TO, serve
 
 

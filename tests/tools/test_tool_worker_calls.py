@@ -29,14 +29,14 @@ from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
 from tests.support.worker_process import WorkerProcess, as_user
 from tests.support.worker_tools import WorkerTool, ask_direct, registered_worker_tool, serving
-from yoke import topology
+from yoke.bus import topology
 from yoke.cli.publishers import create_publisher, delete_user, management_of
 from yoke.client import Client
+from yoke.core.models import Message, SubmitReply, ToolResultPart
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import Message, SubmitReply, ToolResultPart
 from yoke.runtime.calls.records import own_result_line_id
 from yoke.runtime.joins import Join
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

@@ -26,16 +26,16 @@ from tests.support.cli import run_yoke
 from tests.support.mesh import Mesh, say
 from tests.support.processes import eventually
 from tests.support.worker_process import WorkerProcess, as_user
-from yoke import topology
-from yoke.amqp_nodes import amqp_vhost
-from yoke.bus import Bus
+from yoke.bus import topology
+from yoke.bus.amqp_nodes import amqp_vhost
+from yoke.bus.broker import Bus
 from yoke.cli.publishers import delete_user, management_of
 from yoke.client import Client
+from yoke.core.models import ToolResultPart
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.models import ToolResultPart
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
 

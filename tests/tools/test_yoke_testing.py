@@ -21,8 +21,8 @@ from typing import Any, cast
 import pytest
 from pydantic import BaseModel
 
+from yoke.core.models import Message, TextPart, ToolResultPart
 from yoke.llm.base import InferenceRequest
-from yoke.models import Message, TextPart, ToolResultPart
 from yoke.runtime.join_config import JoinConfig
 from yoke.testing import PluginTools, ScriptedModel, ToolUnavailable, reply, run_turn, tool_call
 from yoke.tools.base import Tool, ToolContext
@@ -356,7 +356,14 @@ def test_importing_it_loads_no_runtime_bus_store_or_model_client() -> None:
         timeout=60,
     ).stdout.split()
 
-    # (yoke.errors classifies the drivers' exceptions, so their exception modules do load.)
-    mesh = ("yoke.runtime", "yoke.bus", "yoke.store", "yoke.consumer", "yoke.cli", "services")
+    # (yoke.core.errors classifies the drivers' exceptions, so their exception modules do load.)
+    mesh = (
+        "yoke.runtime",
+        "yoke.bus.broker",
+        "yoke.store.database",
+        "yoke.bus.consumer",
+        "yoke.cli",
+        "services",
+    )
     clients = ("aio_pika", "openai", "httpx", "mcp")
     assert [name for name in loaded if name.startswith(mesh + clients)] == []

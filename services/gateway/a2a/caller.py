@@ -16,8 +16,8 @@ from a2a.server.context import ServerCallContext
 from a2a.server.routes import DefaultServerCallContextBuilder
 
 from services.gateway.deps import Gateway
-from yoke.publishing import PublishedAgent
-from yoke.tokens import Token
+from yoke.store.publishing import PublishedAgent
+from yoke.store.tokens import Token
 
 if TYPE_CHECKING:
     from starlette.requests import Request

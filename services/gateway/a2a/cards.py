@@ -22,7 +22,7 @@ from a2a.types.a2a_pb2 import (
 )
 from a2a.utils.constants import PROTOCOL_VERSION_0_3, PROTOCOL_VERSION_1_0, TransportProtocol
 
-from yoke.publishing import PublishedAgent
+from yoke.store.publishing import PublishedAgent
 
 BEARER = "bearer"
 TEXT = "text/plain"

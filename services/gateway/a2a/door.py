@@ -71,10 +71,10 @@ from services.gateway.deps import (
     while_token_in_force,
 )
 from services.gateway.limits import REFUSALS
-from yoke.json_limits import MAX_BODY_DEPTH, nesting_depth
-from yoke.lru import LRUCache
-from yoke.publishing import PublishedAgent
-from yoke.tokens import Token
+from yoke.core.json_limits import MAX_BODY_DEPTH, nesting_depth
+from yoke.core.lru import LRUCache
+from yoke.store.publishing import PublishedAgent
+from yoke.store.tokens import Token
 
 log = logging.getLogger(__name__)
 

@@ -40,9 +40,9 @@ from services.gateway.a2a.turns import (
 )
 from services.gateway.calling import Answered, Failed, TurnEvent, post_line
 from services.gateway.deps import ApiError
-from yoke.ids import derive_id
-from yoke.lru import LRUCache
-from yoke.models import Message
+from yoke.core.ids import derive_id
+from yoke.core.lru import LRUCache
+from yoke.core.models import Message
 
 log = logging.getLogger(__name__)
 

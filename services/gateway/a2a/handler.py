@@ -52,11 +52,11 @@ from services.gateway.calling import (
     turn_outcome,
 )
 from services.gateway.deps import ApiError
-from yoke.ids import derive_id, submitted_line_id
-from yoke.models import Message as Line
-from yoke.models import unstorable
+from yoke.core.ids import derive_id, submitted_line_id
+from yoke.core.models import Message as Line
+from yoke.core.models import unstorable
 
-# What a kept forum's key may be (yoke.models.KeptForum): an A2A contextId is one.
+# What a kept forum's key may be (yoke.core.models.KeptForum): an A2A contextId is one.
 MAX_CONTEXT_ID_CHARS = 128
 
 

@@ -2,7 +2,7 @@
 
 A push config (``tasks/pushNotificationConfig/set``, or one given with the send) is kept in
 ``a2a_push_configs`` (a2a-sdk's config store, scoped to the caller) and, once its task has its
-line, is a webhook subscription too (:class:`~yoke.webhooks.WebhookSubscription` with
+line, is a webhook subscription too (:class:`~yoke.store.webhooks.WebhookSubscription` with
 ``task_id``) of the task's forum from that line on: the gateway's
 :class:`~services.gateway.webhooks.WebhookWorker` delivers it like any subscription (a cursor in
 the store, a lease, signed with ``X-Yoke-Signature`` keyed by the config's ``token``, retried
@@ -19,8 +19,8 @@ sent as the push's ``Authorization`` header beside the signature; the credential
 caller's secret for its receiver, so they are kept in the config only (never shown back, never
 logged).
 
-The URL is the caller's word (:mod:`yoke.outbound`): refused when it is set if its host resolves
-inside the operator's network (``YOKE_PUSH_ALLOWED_HOSTS`` lets chosen hosts through), and
+The URL is the caller's word (:mod:`yoke.core.outbound`): refused when it is set if its host
+resolves inside the operator's network (``YOKE_PUSH_ALLOWED_HOSTS`` lets chosen hosts through), and
 checked again when each push connects. Bounded (invariant 14): a config given with a send is
 kept only once the send's line is accepted (a refused send keeps none), a task holds at most
 ``YOKE_A2A_PUSH_CONFIGS_PER_TASK``, a token ``YOKE_A2A_PUSH_CONFIGS_PER_TOKEN``, and a task's
@@ -55,15 +55,15 @@ from services.gateway.a2a.task_store import MeshTaskStore, TaskRecord
 from services.gateway.a2a.turns import agent_message, final_status, status_event, waiting_text
 from services.gateway.calling import OUTCOME_LINES, Answered, Failed, Waiting, outcome_of
 from services.gateway.webhooks import SubscriptionRunner, WebhookWorker
-from yoke.ages import day_bucket
-from yoke.ids import derive_id
-from yoke.lru import LRUCache
-from yoke.models import Document, Message, unstorable, utcnow
-from yoke.outbound import guard_for
-from yoke.retention import Rule
-from yoke.settings import Settings
-from yoke.store import Doc, Store
-from yoke.webhooks import (
+from yoke.core.ages import day_bucket
+from yoke.core.ids import derive_id
+from yoke.core.lru import LRUCache
+from yoke.core.models import Document, Message, unstorable, utcnow
+from yoke.core.outbound import guard_for
+from yoke.core.settings import Settings
+from yoke.store.database import Doc, Store
+from yoke.store.retention import Rule
+from yoke.store.webhooks import (
     CURSORS,
     LEASES,
     SECRET_PREFIX,
@@ -111,7 +111,7 @@ class PushConfig(Document):
     forum_id: str | None = None
     live: bool = False
     created_at: datetime = Field(default_factory=utcnow)
-    # yoke.retention: kept as long as its task is (YOKE_RETENTION_A2A_TASK_DAYS, and while the
+    # yoke.store.retention: kept as long as its task is (YOKE_RETENTION_A2A_TASK_DAYS, and while the
     # task's record is there).
     age_bucket: str = Field(default_factory=day_bucket)
 

@@ -40,13 +40,13 @@ from pymongo.asynchronous.collection import AsyncCollection
 from services.gateway.a2a.caller import Caller, caller_of
 from services.gateway.a2a.turns import apply_end, is_terminal, state_name
 from services.gateway.calling import turn_outcome
-from yoke.ages import day_bucket
-from yoke.lru import LRUCache
-from yoke.metrics import LATENCY_BUCKETS
-from yoke.models import Document, unstorable, utcnow
-from yoke.retention import Rule
-from yoke.settings import Settings
-from yoke.store import Doc, Store
+from yoke.core.ages import day_bucket
+from yoke.core.lru import LRUCache
+from yoke.core.metrics import LATENCY_BUCKETS
+from yoke.core.models import Document, unstorable, utcnow
+from yoke.core.settings import Settings
+from yoke.store.database import Doc, Store
+from yoke.store.retention import Rule
 
 COLLECTION = "a2a_tasks"
 
@@ -79,7 +79,7 @@ class TaskRecord(Document):
     # The newest caller line the task follows (a second message to a working task moves it).
     line_id: str | None = None
     created_at: datetime = Field(default_factory=utcnow)
-    # yoke.retention: kept YOKE_RETENTION_A2A_TASK_DAYS from this day.
+    # yoke.store.retention: kept YOKE_RETENTION_A2A_TASK_DAYS from this day.
     age_bucket: str = Field(default_factory=day_bucket)
 
     def proto(self) -> Task:

@@ -29,8 +29,8 @@ from a2a.types.a2a_pb2 import (
 
 from services.gateway.calling import Answered, Delta, Failed, TurnEvent, Waiting, follow_turn
 from services.gateway.deps import Gateway
-from yoke.models import Message as Line
-from yoke.models import utcnow
+from yoke.core.models import Message as Line
+from yoke.core.models import utcnow
 
 REPLY_ARTIFACT = "reply"
 TERMINAL_STATES = frozenset(

@@ -16,15 +16,15 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from yoke.amqp_nodes import amqp_user
+from yoke.bus.amqp_nodes import amqp_user
 from yoke.cli.base import CommandError, UsageError, refusals_as_errors, with_store
 from yoke.client import Client
-from yoke.errors import describe_validation_error
+from yoke.core.errors import describe_validation_error
+from yoke.core.settings import Settings
+from yoke.core.text import printable
 from yoke.runtime.calls.approvals import pending_approvals
 from yoke.runtime.join_config import ApprovalConfig
-from yoke.settings import Settings
-from yoke.store import Store
-from yoke.text import printable
+from yoke.store.database import Store
 
 # The reply queue's prefix: the services' own user may declare only yoke.* queues.
 REPLY_QUEUE_PREFIX = "yoke.cli."

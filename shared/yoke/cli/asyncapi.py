@@ -11,8 +11,8 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from yoke import topology
-from yoke.models import (
+from yoke.bus import topology
+from yoke.core.models import (
     AgentActivity,
     AgentDelta,
     AgentForumJoined,

@@ -8,8 +8,8 @@ from contextlib import contextmanager
 
 from aiormq.exceptions import ChannelAccessRefused
 
-from yoke.settings import Settings
-from yoke.store import Store
+from yoke.core.settings import Settings
+from yoke.store.database import Store
 
 
 class CommandError(Exception):

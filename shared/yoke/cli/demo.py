@@ -8,13 +8,13 @@ import sys
 
 import httpx
 
-from yoke.bus import Bus
+from yoke.bus.broker import Bus
 from yoke.cli import supervisor
-from yoke.ids import derive_id
+from yoke.core.ids import derive_id
+from yoke.core.settings import SERVICES, Settings
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
-from yoke.settings import SERVICES, Settings
-from yoke.store import Store
+from yoke.store.database import Store
 
 DEMO_AGENT_ID = derive_id("demo", "agent")
 DEMO_FORUM_ID = derive_id("demo", "forum")

@@ -13,7 +13,8 @@ from typing import Any, get_args
 
 from pydantic import ValidationError
 
-from yoke.bus import Bus
+from yoke.bus.broker import Bus
+from yoke.bus.dead_letters import list_dead_letters, replay_dead_letters
 from yoke.cli import supervisor
 from yoke.cli.approvals import add_approval_options, approval_data, approval_of
 from yoke.cli.approvals import register as register_approvals
@@ -26,19 +27,18 @@ from yoke.cli.tools import check_tool_names
 from yoke.cli.tools import register as register_tools
 from yoke.cli.webhooks import register as register_webhooks
 from yoke.client import STOP_LINE, Client
-from yoke.dead_letters import list_dead_letters, replay_dead_letters
-from yoke.errors import EXIT_MISCONFIGURED, Misconfigured, describe_validation_error
-from yoke.logs import configure_cli_logging
-from yoke.models import Message
-from yoke.redact import redact
-from yoke.reshard import ReshardRefused, reshard
+from yoke.coordination.reshard import ReshardRefused, reshard
+from yoke.core.errors import EXIT_MISCONFIGURED, Misconfigured, describe_validation_error
+from yoke.core.logs import configure_cli_logging
+from yoke.core.models import Message
+from yoke.core.redact import redact
+from yoke.core.settings import Settings
+from yoke.core.text import printable
+from yoke.core.tls import refused_as_misconfigured
 from yoke.runtime.join_config import JoinConfig, WhileBusy
 from yoke.runtime.joins import create_agent, create_forum, join_conversation, leave_conversation
 from yoke.runtime.posting import Poster
-from yoke.settings import Settings
-from yoke.store import Store
-from yoke.text import printable
-from yoke.tls import refused_as_misconfigured
+from yoke.store.database import Store
 
 
 def split_tools(value: str | None) -> list[str] | None:
@@ -191,7 +191,7 @@ async def submit_as(forum_id: str, name: str, text: str, *, reply_timeout: float
 
 def render(message: Message, names: dict[str, str]) -> str:
     """One line for people: injected instructions and notices say what they are; outside
-    text shows its control characters escaped (yoke.text)."""
+    text shows its control characters escaped (yoke.core.text)."""
     who = printable(names.get(message.author_actor_id, message.author_actor_id))
     text = printable(message.text, multiline=True)
     if message.meta.instruction:

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from yoke.settings import SERVICES
+from yoke.core.settings import SERVICES
 
 # Replica k (k >= 1) of a service serves its metrics on the service's port + REPLICA_PORT_STEP*k.
 REPLICA_PORT_STEP = 10

@@ -1,9 +1,9 @@
 """``yoke publisher create``: a bridge's RabbitMQ user, with exactly the bridge permissions.
 
 Made through RabbitMQ's management API in the mesh's vhost (YOKE_AMQP_URL's), so an operator
-never types the permission patterns: they are :func:`yoke.topology.publisher_permissions` (a
+never types the permission patterns: they are :func:`yoke.bus.topology.publisher_permissions` (a
 bridge NAME owns only ``bridge.NAME.*`` queues), and the policy that bounds every ``bridge.``
-queue (:func:`yoke.topology.bridge_queue_policy`) is set in the same vhost first.
+queue (:func:`yoke.bus.topology.bridge_queue_policy`) is set in the same vhost first.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import httpx
 
-from yoke import topology
-from yoke.amqp_nodes import amqp_vhost
+from yoke.bus import topology
+from yoke.bus.amqp_nodes import amqp_vhost
 from yoke.cli.base import with_store
+from yoke.core.settings import Settings
 from yoke.runtime.calls.approvers import grant_approver, revoke_approver
-from yoke.settings import Settings
-from yoke.store import Store
+from yoke.store.database import Store
 
 MANAGEMENT_PORT = 15672
 

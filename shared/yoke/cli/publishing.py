@@ -1,5 +1,5 @@
 """``yoke agent publish/unpublish/published``: the agents the gateway's MCP and A2A doors show
-(see :mod:`yoke.publishing`)."""
+(see :mod:`yoke.store.publishing`)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import argparse
 from typing import Any
 
 from yoke.cli.base import CommandError, with_store
-from yoke.publishing import (
+from yoke.store.database import Store
+from yoke.store.publishing import (
     PublishingError,
     publish_agent,
     published_agents,
     unpublish_agent,
 )
-from yoke.store import Store
 
 
 async def agent_publish(args: argparse.Namespace) -> None:

@@ -1,7 +1,7 @@
 """``yoke status``: each service's live replicas, the shards each owns, and their queue depth.
 
-One JSON line per replica, from the ``replicas`` collection (:mod:`yoke.ownership`) and a
-passive look at the shard queues: ``{"service", "replica", "pid", "metricsPort", "shards",
+One JSON line per replica, from the ``replicas`` collection (:mod:`yoke.coordination.ownership`)
+and a passive look at the shard queues: ``{"service", "replica", "pid", "metricsPort", "shards",
 "queueDepth"}`` (plus ``host``: under docker compose, whose replicas share one replica
 number, the container). ``queueDepth`` counts the messages waiting in the shards it owns.
 """
@@ -13,11 +13,11 @@ import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from yoke.models import as_utc
-from yoke.ownership import EXPIRES_SECONDS, REPLICAS, dead_here
-from yoke.reshard import connection_to, shard_queues
-from yoke.settings import Settings
-from yoke.store import Store
+from yoke.coordination.ownership import EXPIRES_SECONDS, REPLICAS, dead_here
+from yoke.coordination.reshard import connection_to, shard_queues
+from yoke.core.models import as_utc
+from yoke.core.settings import Settings
+from yoke.store.database import Store
 
 
 async def replica_lines(

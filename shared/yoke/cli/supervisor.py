@@ -2,7 +2,7 @@
 
 ``--replicas processor=3,ingestion=2`` runs several replicas of a service; replica k gets
 ``YOKE_REPLICA=k`` (so its metrics port is the service's + 10·k) and they share the
-service's shards (:mod:`yoke.ownership`).
+service's shards (:mod:`yoke.coordination.ownership`).
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from yoke.errors import EXIT_MISCONFIGURED
-from yoke.hardening import make_undumpable
+from yoke.core.errors import EXIT_MISCONFIGURED
+from yoke.core.hardening import make_undumpable
 
 # The services that consume shard queues (resharded, scaled, health-checked on metrics ports):
 # settings' list, re-exported for those who start the mesh.
-from yoke.settings import SERVICES as SERVICES
+from yoke.core.settings import SERVICES as SERVICES
 
 # The HTTP gateway: a door on YOKE_GATEWAY_PORT, with no queues of its own to shard.
 GATEWAY = "gateway"

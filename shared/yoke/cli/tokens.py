@@ -1,4 +1,5 @@
-"""``yoke token create/list/revoke``: the HTTP gateway's bearer tokens (see :mod:`yoke.tokens`)."""
+"""``yoke token create/list/revoke``: the HTTP gateway's bearer tokens (see
+:mod:`yoke.store.tokens`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,15 @@ import json
 import sys
 from typing import Any
 
-from yoke.settings import Settings
-from yoke.store import Store
-from yoke.tokens import TokenError, create_token, ensure_token_indexes, list_tokens, revoke_token
+from yoke.core.settings import Settings
+from yoke.store.database import Store
+from yoke.store.tokens import (
+    TokenError,
+    create_token,
+    ensure_token_indexes,
+    list_tokens,
+    revoke_token,
+)
 
 
 async def _with_store(action: Any, args: argparse.Namespace) -> None:

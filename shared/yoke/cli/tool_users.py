@@ -1,8 +1,8 @@
 """A worker tool's RabbitMQ user (``tool-NAME``, ``tool-VHOST.NAME`` off the default vhost:
-:func:`yoke.topology.tool_user`): what ``yoke tools add-worker`` gives a worker.
+:func:`yoke.bus.topology.tool_user`): what ``yoke tools add-worker`` gives a worker.
 
 The user may read only its tool's call queue and write only to ``yoke.commands``
-(:func:`yoke.topology.tool_worker_permissions`); the door knows which tool an answer comes
+(:func:`yoke.bus.topology.tool_worker_permissions`); the door knows which tool an answer comes
 from by the AMQP ``user_id`` RabbitMQ verified, so this user is the worker's whole identity.
 Made through the management API in the mesh's vhost, as ``yoke publisher create`` makes a
 bridge's user.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
-from yoke import topology
-from yoke.amqp_nodes import amqp_vhost
+from yoke.bus import topology
+from yoke.bus.amqp_nodes import amqp_vhost
 from yoke.cli.publishers import (
     Management,
     PublisherRefused,
@@ -22,7 +22,7 @@ from yoke.cli.publishers import (
     management_delete,
     management_of,
 )
-from yoke.settings import Settings
+from yoke.core.settings import Settings
 from yoke.tools.catalog import name_problem
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import aio_pika
 
-from yoke import topology
+from yoke.bus import topology
 from yoke.cli.base import CommandError, UsageError, with_store
 from yoke.cli.tool_users import (
     ToolUserRefused,
@@ -23,10 +23,10 @@ from yoke.cli.tool_users import (
     delete_tool_user,
     tool_user_name,
 )
+from yoke.core.settings import Settings
+from yoke.core.text import printable
 from yoke.runtime.catalog_store import LocalTools, ToolCatalog, listed_name, registered_servers
-from yoke.settings import Settings
-from yoke.store import Store
-from yoke.text import printable
+from yoke.store.database import Store
 from yoke.tools import stdio_user
 from yoke.tools.catalog import (
     DEFAULT_WORKER_TIMEOUT_SECONDS,
@@ -105,7 +105,7 @@ async def tools_list(args: argparse.Namespace) -> None:
                 print(json.dumps(row.to_wire(), separators=(",", ":")))
             else:
                 state = row.status if row.reason is None else f"{row.status}: {row.reason}"
-                # A plugin's or MCP server's text: its controls escaped (yoke.text).
+                # A plugin's or MCP server's text: its controls escaped (yoke.core.text).
                 fields = (row.name, row.source, state, row.description)
                 print("\t".join(printable(field) for field in fields))
 

@@ -1,4 +1,4 @@
-"""``yoke webhook add/list/remove``: the gateway's outgoing webhooks (``yoke.webhooks``)."""
+"""``yoke webhook add/list/remove``: the gateway's outgoing webhooks (``yoke.store.webhooks``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from yoke.settings import Settings
-from yoke.store import Store
-from yoke.webhooks import (
+from yoke.core.settings import Settings
+from yoke.store.database import Store
+from yoke.store.webhooks import (
     DEAD_LETTERS,
     InvalidWebhookUrl,
     WebhookError,

@@ -14,8 +14,8 @@ from typing import Protocol
 
 from pydantic import ConfigDict, Field, JsonValue
 
-from yoke.models import Message, TextPart, ToolCallPart, ToolResultPart, Usage, WireModel
-from yoke.text import storable, storable_json
+from yoke.core.models import Message, TextPart, ToolCallPart, ToolResultPart, Usage, WireModel
+from yoke.core.text import storable, storable_json
 from yoke.tools.base import ToolSpec
 
 
@@ -44,7 +44,7 @@ class InferenceRequest:
 
 @dataclass
 class InferenceResult:
-    """What a model answered, made storable as it is made (``yoke.text.storable``): every
+    """What a model answered, made storable as it is made (``yoke.core.text.storable``): every
     provider's output enters the mesh here, and a U+0000 or a lone surrogate in it would make
     the line it becomes fail to store on every attempt."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+from yoke.core.models import ToolCallPart, Usage
 from yoke.llm.base import (
     InferenceRequest,
     InferenceResult,
@@ -16,7 +17,6 @@ from yoke.llm.base import (
     estimate_tokens,
     newest_user_text,
 )
-from yoke.models import ToolCallPart, Usage
 
 
 class EchoProvider:

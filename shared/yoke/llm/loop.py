@@ -10,9 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 
-from yoke.ids import SYSTEM_ACTOR_ID, derive_id
+from yoke.core.ids import SYSTEM_ACTOR_ID, derive_id
+from yoke.core.models import Message, Part, TextPart, ToolCallPart
 from yoke.llm.base import InferenceRequest, Provider
-from yoke.models import Message, Part, TextPart, ToolCallPart
 from yoke.tools.base import Tool
 from yoke.tools.run import run_tool_calls
 

@@ -23,12 +23,12 @@ import httpx
 import openai
 from openai import AsyncOpenAI
 
-from yoke import tracing
+from yoke.core import tracing
+from yoke.core.metrics import LLM_LATENCY, LLM_REQUESTS, model_label
+from yoke.core.models import ToolCallPart, Usage
+from yoke.core.settings import Settings
 from yoke.llm.base import InferenceRequest, InferenceResult, ProviderFailed
 from yoke.llm.prompting import to_chat_messages
-from yoke.metrics import LLM_LATENCY, LLM_REQUESTS, model_label
-from yoke.models import ToolCallPart, Usage
-from yoke.settings import Settings
 
 log = logging.getLogger(__name__)
 

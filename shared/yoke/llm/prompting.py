@@ -13,7 +13,7 @@ import json
 from datetime import datetime
 from typing import Any
 
-from yoke.models import Message, TextPart, ToolCallPart, ToolResultPart
+from yoke.core.models import Message, TextPart, ToolCallPart, ToolResultPart
 
 ChatMessage = dict[str, Any]
 

@@ -15,7 +15,10 @@ import re
 import time
 from collections.abc import Mapping
 
-from yoke import tracing
+from yoke.core import tracing
+from yoke.core.metrics import LLM_LATENCY, LLM_REQUESTS, model_label
+from yoke.core.models import TextPart, ToolCallPart, ToolResultPart, Usage
+from yoke.core.settings import Settings
 from yoke.llm.base import (
     InferenceRequest,
     InferenceResult,
@@ -32,9 +35,6 @@ from yoke.llm.fixtures import (
     stream_rate,
 )
 from yoke.llm.openai_provider import OpenAIProvider
-from yoke.metrics import LLM_LATENCY, LLM_REQUESTS, model_label
-from yoke.models import TextPart, ToolCallPart, ToolResultPart, Usage
-from yoke.settings import Settings
 
 
 class Measured:

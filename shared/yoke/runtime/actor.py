@@ -21,15 +21,15 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
 
-from yoke.errors import SetAside, Stopping
-from yoke.failures import Failure, close_failure, open_failures, record_failure
-from yoke.ids import SYSTEM_ACTOR_ID, derive_id
-from yoke.lru import LRUCache
-from yoke.models import Message, MessageMeta, MessagePosted, TextPart
+from yoke.core.errors import SetAside, Stopping
+from yoke.core.ids import SYSTEM_ACTOR_ID, derive_id
+from yoke.core.lru import LRUCache
+from yoke.core.models import Message, MessageMeta, MessagePosted, TextPart
+from yoke.core.settings import Settings
 from yoke.runtime.posting import Poster
 from yoke.runtime.service import Service
-from yoke.settings import Settings
-from yoke.store import Store
+from yoke.store.database import Store
+from yoke.store.failures import Failure, close_failure, open_failures, record_failure
 
 log = logging.getLogger(__name__)
 

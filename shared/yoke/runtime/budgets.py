@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 
+from yoke.core.metrics import LLM_COST, LLM_TOKENS, LLM_UNPRICED_CALLS, model_label
+from yoke.core.models import Usage
+from yoke.core.settings import Settings
 from yoke.llm.providers import cost_of, price_of, priced_family
-from yoke.metrics import LLM_COST, LLM_TOKENS, LLM_UNPRICED_CALLS, model_label
-from yoke.models import Usage
 from yoke.runtime.instances import ProcessorConfig, ProcessorState
-from yoke.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from bson.errors import InvalidDocument
 from pymongo.errors import DuplicateKeyError, OperationFailure
 
-from yoke.ids import derive_id
-from yoke.store import Store
+from yoke.core.ids import derive_id
+from yoke.store.database import Store
 from yoke.tools.base import Tool
 from yoke.tools.catalog import CATALOG, MCP_SEPARATOR, MCP_SERVERS, CatalogEntry, McpServer
 from yoke.tools.plugins import builtin_entries, load_plugins

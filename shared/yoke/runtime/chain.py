@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from yoke.ids import derive_id
-from yoke.models import Message, Participant, ToolResultPart, WireModel, utcnow
+from yoke.core.ids import derive_id
+from yoke.core.models import Message, Participant, ToolResultPart, WireModel, utcnow
 from yoke.runtime.actor import instance_state_id
 from yoke.runtime.instances import PROCESSOR
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
 
 # Forum participant metadata: the swap under way away from its monologueId (ingestion's hint).
 SWAPPING = "swapping"

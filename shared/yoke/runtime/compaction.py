@@ -63,12 +63,10 @@ from typing import Any
 
 from pydantic import Field
 
-from yoke.ages import BUCKET_FIELD, day_bucket
-from yoke.ids import SYSTEM_ACTOR_ID, derive_id
-from yoke.llm.base import InferenceRequest, ProviderFailed, estimate_tokens
-from yoke.llm.providers import provider_for
-from yoke.metrics import COMPACTIONS
-from yoke.models import (
+from yoke.core.ages import BUCKET_FIELD, day_bucket
+from yoke.core.ids import SYSTEM_ACTOR_ID, derive_id
+from yoke.core.metrics import COMPACTIONS
+from yoke.core.models import (
     Conversation,
     Document,
     Message,
@@ -77,7 +75,8 @@ from yoke.models import (
     TextPart,
     utcnow,
 )
-from yoke.retention import Rule
+from yoke.llm.base import InferenceRequest, ProviderFailed, estimate_tokens
+from yoke.llm.providers import provider_for
 from yoke.runtime.actor import ActorContext
 from yoke.runtime.budgets import budget_spent, charge, count_usage, unpriced_under_budget
 from yoke.runtime.chain import (
@@ -91,7 +90,8 @@ from yoke.runtime.chain import (
 from yoke.runtime.instances import ProcessorConfig, ProcessorState
 from yoke.runtime.joins import ensure_participant
 from yoke.runtime.rounds import call_ids, has_unanswered_call, result_ids
-from yoke.store import PROCEDURES, Store
+from yoke.store.database import PROCEDURES, Store
+from yoke.store.retention import Rule
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class MonologueSwap(Document):
     wake_id: str
     done: bool = False
     created_at: datetime = Field(default_factory=utcnow)
-    # yoke.retention: the day it was recorded, then the day it was done (kept from then).
+    # yoke.store.retention: the day it was recorded, then the day it was done (kept from then).
     age_bucket: str = Field(default_factory=day_bucket)
 
     @property

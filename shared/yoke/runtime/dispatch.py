@@ -30,10 +30,10 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
-from yoke import tracing
-from yoke.bus import Bus
-from yoke.metrics import TOOL_CALLS, tool_label
-from yoke.models import ToolCallPart, ToolCallRequest, ToolResultPart
+from yoke.bus.broker import Bus
+from yoke.core import tracing
+from yoke.core.metrics import TOOL_CALLS, tool_label
+from yoke.core.models import ToolCallPart, ToolCallRequest, ToolResultPart
 from yoke.runtime.calls.approvals import Approvals
 from yoke.runtime.calls.records import CallEnd, OpenCall
 from yoke.runtime.calls.repository import OpenCalls

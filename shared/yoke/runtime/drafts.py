@@ -15,10 +15,10 @@ import contextlib
 import logging
 from typing import Literal
 
-from yoke import topology
-from yoke.bus import Bus
-from yoke.ids import derive_id
-from yoke.models import AgentDelta, Envelope
+from yoke.bus import topology
+from yoke.bus.broker import Bus
+from yoke.core.ids import derive_id
+from yoke.core.models import AgentDelta, Envelope
 
 log = logging.getLogger(__name__)
 

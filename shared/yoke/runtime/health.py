@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from yoke.metrics import exposition
-from yoke.redact import redact
+from yoke.core.metrics import exposition
+from yoke.core.redact import redact
 
 # What keeps the process from serving: an empty list means healthy.
 HealthCheck = Callable[[], Awaitable[list[str]]]

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from yoke.lru import LRUCache
+from yoke.core.lru import LRUCache
 
 log = logging.getLogger(__name__)
 

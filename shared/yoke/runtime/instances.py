@@ -15,15 +15,15 @@ from typing import Any
 
 from pydantic import Field
 
+from yoke.core.models import Message, WireModel
 from yoke.llm.base import ScriptedOutput
-from yoke.models import Message, WireModel
 from yoke.runtime.join_config import (
     ApprovalConfig,
     JoinConfig,
     WhileBusy,
     load_versioned_join_config,
 )
-from yoke.store import Store
+from yoke.store.database import Store
 
 DEFAULT_MODEL = "fixture-echo"
 DEFAULT_HOP_CAP = 4

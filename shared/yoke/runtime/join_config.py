@@ -14,16 +14,16 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
-from yoke import topology
-from yoke.ids import new_id
+from yoke.bus import topology
+from yoke.core.ids import new_id
+from yoke.core.lru import LRUCache
+from yoke.core.metrics import JOIN_CONFIG_READS
+from yoke.core.models import WireModel
+from yoke.core.safe_regex import compile_safe
 from yoke.llm.base import ScriptedOutput
-from yoke.lru import LRUCache
-from yoke.metrics import JOIN_CONFIG_READS
-from yoke.models import WireModel
 from yoke.runtime.catalog_store import matches
 from yoke.runtime.service import delivery_headers
-from yoke.safe_regex import compile_safe
-from yoke.store import Store
+from yoke.store.database import Store
 from yoke.tools.catalog import TOOL_NAME, is_tool_pattern
 
 

@@ -13,16 +13,15 @@ from typing import Any
 
 from pydantic import JsonValue
 
-from yoke.forum_list import ForumList
-from yoke.ids import SYSTEM_ACTOR_ID, derive_id, new_id
-from yoke.llm.base import ScriptedOutput
-from yoke.models import (
+from yoke.core.ids import SYSTEM_ACTOR_ID, derive_id, new_id
+from yoke.core.models import (
     Actor,
     AgentForumJoined,
     Conversation,
     Participant,
     WireModel,
 )
+from yoke.llm.base import ScriptedOutput
 from yoke.runtime.actor import create_instance_document, instance_state_id
 from yoke.runtime.instances import (
     CONFIG_VERSION,
@@ -42,7 +41,8 @@ from yoke.runtime.join_config import (
     save_join_config,
 )
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
+from yoke.store.forum_list import ForumList
 
 
 class Join(WireModel):

@@ -1,7 +1,7 @@
 """The forums kept for outside callers of a published agent (the gateway's MCP and A2A doors).
 
 A caller names a conversation by a key of its own; the forum is derived from it
-(:func:`yoke.publishing.kept_forum_id`) and made, with the published agent joined, by the door
+(:func:`yoke.store.publishing.kept_forum_id`) and made, with the published agent joined, by the door
 when the first line arrives: the gateway may not write forums or joins (its store user is
 read-mostly), and one command makes the forum, the join and the line in order, so the line is
 the join's first to answer. Known-joined forums are remembered per process: later lines cost
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from yoke.lru import LRUCache
-from yoke.models import KeptForum, RejectCode
-from yoke.publishing import PublishedAgent, find_published, kept_forum_id
+from yoke.core.lru import LRUCache
+from yoke.core.models import KeptForum, RejectCode
 from yoke.runtime.joins import create_forum, join_conversation, participant_id
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
+from yoke.store.publishing import PublishedAgent, find_published, kept_forum_id
 
 
 class KeptForumRefused(Exception):

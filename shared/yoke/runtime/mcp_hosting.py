@@ -29,7 +29,7 @@ import logging
 from typing import Any
 
 from yoke.runtime.catalog_store import ToolCatalog, registered_servers
-from yoke.store import Store
+from yoke.store.database import Store
 from yoke.tools.catalog import MCP_SEPARATOR, MCP_SERVERS, CatalogEntry
 from yoke.tools.mcp import McpHost, OnTools, describe
 

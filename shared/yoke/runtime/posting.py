@@ -1,7 +1,7 @@
 """``post()``: how a message is written (stored, then published), and the outbox sweep behind it.
 
 docs/architecture.md, invariants 1 and 2: the message is stored before its event is published with a
-confirm; a crash in between leaves it to the outbox (:mod:`yoke.outbox`), never lost. Only
+confirm; a crash in between leaves it to the outbox (:mod:`yoke.store.outbox`), never lost. Only
 compaction's wake-up line is stored without being published here: it is left to the outbox on
 purpose (see :mod:`yoke.runtime.compaction`).
 """
@@ -12,14 +12,14 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
-from yoke import topology
-from yoke.bus import Bus
-from yoke.ids import derive_id
-from yoke.metrics import MESSAGES_POSTED, OUTBOX_REPUBLISHED
-from yoke.models import Envelope, EventPayload, Message, MessagePosted
-from yoke.outbox import OutboxSweep
+from yoke.bus import topology
+from yoke.bus.broker import Bus
+from yoke.core.ids import derive_id
+from yoke.core.metrics import MESSAGES_POSTED, OUTBOX_REPUBLISHED
+from yoke.core.models import Envelope, EventPayload, Message, MessagePosted
 from yoke.runtime.tails import Tails
-from yoke.store import Store
+from yoke.store.database import Store
+from yoke.store.outbox import OutboxSweep
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class Poster:
             self.store.outbox.confirmed(message.id)
 
     def outbox_sweep(self) -> OutboxSweep:
-        """What republishes the events a crash left unconfirmed (see :mod:`yoke.outbox`)."""
+        """What republishes the events a crash left unconfirmed (see :mod:`yoke.store.outbox`)."""
         return OutboxSweep(
             self.store.outbox,
             self.store.db["writers"],

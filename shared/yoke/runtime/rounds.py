@@ -12,7 +12,7 @@ result would land in a monologue that no longer holds its call.
 
 from __future__ import annotations
 
-from yoke.models import Message, ToolCallPart, ToolResultPart
+from yoke.core.models import Message, ToolCallPart, ToolResultPart
 
 
 def call_ids(line: Message) -> set[str]:

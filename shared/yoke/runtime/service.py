@@ -19,23 +19,29 @@ from typing import TypeVar
 from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
-from yoke import metrics, topology, tracing
-from yoke.bus import Bus, OnMessage
-from yoke.consumer import Dispatcher, Gate, Malformed, Route, event_type_of, key_from_header
-from yoke.errors import EXIT_MISCONFIGURED, Misconfigured, RetryPolicy, describe_validation_error
-from yoke.hardening import make_undumpable
-from yoke.logs import configure_logging
-from yoke.metrics import EVENT_LAG_SECONDS
-from yoke.models import Envelope, EventPayload, MessagePosted, utcnow
-from yoke.ownership import REPLICAS, Ownership
-from yoke.reshard import check_shard_count
-from yoke.retention import sweep_for
+from yoke.bus import topology
+from yoke.bus.broker import Bus, OnMessage
+from yoke.bus.consumer import Dispatcher, Gate, Malformed, Route, event_type_of, key_from_header
+from yoke.coordination.ownership import REPLICAS, Ownership
+from yoke.coordination.reshard import check_shard_count
+from yoke.coordination.speakers import DoorUsers
+from yoke.core import metrics, tracing
+from yoke.core.errors import (
+    EXIT_MISCONFIGURED,
+    Misconfigured,
+    RetryPolicy,
+    describe_validation_error,
+)
+from yoke.core.hardening import make_undumpable
+from yoke.core.logs import configure_logging
+from yoke.core.metrics import EVENT_LAG_SECONDS
+from yoke.core.models import Envelope, EventPayload, MessagePosted, utcnow
+from yoke.core.settings import Settings
+from yoke.core.tls import refused_as_misconfigured
 from yoke.runtime.health import HealthServer
 from yoke.runtime.posting import Poster
-from yoke.settings import Settings
-from yoke.speakers import DoorUsers
-from yoke.store import Store
-from yoke.tls import refused_as_misconfigured
+from yoke.store.database import Store
+from yoke.store.retention import sweep_for
 
 log = logging.getLogger(__name__)
 
@@ -478,7 +484,7 @@ def run_service(name: str, register: Callable[[Service], None]) -> None:
     settings = Settings()
     configure_logging(name, settings.log_format, settings.log_level)
     metrics.initialize(name, settings.prices)
-    # Off unless OTEL_EXPORTER_OTLP_ENDPOINT is set (yoke.tracing).
+    # Off unless OTEL_EXPORTER_OTLP_ENDPOINT is set (yoke.core.tracing).
     if tracing.configure(name, content=settings.trace_content):
         log.info("%s sends traces to %s", name, tracing.endpoint())
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from yoke.lru import LRUCache
-from yoke.metrics import TAIL_DROPS, TAIL_LINES
-from yoke.models import Message
+from yoke.core.lru import LRUCache
+from yoke.core.metrics import TAIL_DROPS, TAIL_LINES
+from yoke.core.models import Message
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ PROBES = 3
 
 
 class LineStore(Protocol):
-    """What a tail reads through (:class:`yoke.store.Store`)."""
+    """What a tail reads through (:class:`yoke.store.database.Store`)."""
 
     async def message_at(self, conversation_id: str, seq: int) -> Message | None: ...
 

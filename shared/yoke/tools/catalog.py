@@ -25,7 +25,7 @@ from typing import Any, Literal, Self
 
 from pydantic import Field
 
-from yoke.models import Document, WireModel
+from yoke.core.models import Document, WireModel
 
 CATALOG = "tool_catalog"
 # What the OpenAI API accepts as a function name.

@@ -31,7 +31,7 @@ Why it is shaped this way:
 - **Stdio servers get no secrets.** Their environment is an allow-list of harmless basics
   (:data:`INHERITED_ENV`) plus the server's own ``env``; nothing else of this process's
   environment (``YOKE_*``, ``OPENAI_API_KEY``, broker and store URLs) reaches them.
-  Nor can they read it from ``/proc``: this process is not dumpable (:mod:`yoke.hardening`),
+  Nor can they read it from ``/proc``: this process is not dumpable (:mod:`yoke.core.hardening`),
   and when it is root they run as an unprivileged user (:mod:`yoke.tools.stdio_user`).
 - **Bounded** (invariant 14): at most :data:`MAX_TOOLS` tools in :data:`MAX_LIST_PAGES` pages
   per listing, at most ``max_calls_in_flight`` calls per connection (those waiting for a
@@ -68,7 +68,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 
-from yoke.text import storable
+from yoke.core.text import storable
 from yoke.tools.catalog import (
     MCP_SEPARATOR,
     MCP_SERVER_NAME,
@@ -204,7 +204,7 @@ def result_text(result: types.CallToolResult) -> str:
     )
     if result.structured_content is not None and not has_text:
         parts.append(json.dumps(result.structured_content, ensure_ascii=False, default=str))
-    # Outside text: a binary file read as text holds NULs the store cannot (yoke.text).
+    # Outside text: a binary file read as text holds NULs the store cannot (yoke.core.text).
     return storable("\n\n".join(parts))
 
 

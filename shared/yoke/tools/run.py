@@ -4,7 +4,7 @@ Whatever goes wrong (unknown tool, invalid input, an exception, a timeout) becom
 ``tool_result`` with ``isError`` that the model sees; nothing escapes into the caller. The
 built-ins run on the event loop (they bound their own work); every other tool's code runs on a
 thread of its own (:mod:`yoke.tools.threads`), so no plugin can hold the loop. A result's text
-is made storable here (:func:`yoke.text.storable`), whatever the tool answered.
+is made storable here (:func:`yoke.core.text.storable`), whatever the tool answered.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
-from yoke.errors import describe_validation_error
-from yoke.models import ToolCallPart, ToolResultPart
-from yoke.text import storable
+from yoke.core.errors import describe_validation_error
+from yoke.core.models import ToolCallPart, ToolResultPart
+from yoke.core.text import storable
 from yoke.tools import threads
 from yoke.tools.base import Tool, ToolContext
 from yoke.tools.builtin import BUILTIN_TOOLS

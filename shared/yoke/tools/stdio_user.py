@@ -1,6 +1,6 @@
 """Who a stdio MCP server runs as: a user that cannot read the mesh's secrets.
 
-The mesh's services mark themselves not dumpable (:mod:`yoke.hardening`), which keeps their
+The mesh's services mark themselves not dumpable (:mod:`yoke.core.hardening`), which keeps their
 ``/proc/<pid>/environ``, ``mem`` and the like from any process of the same user. Root is not
 held back by that (``CAP_SYS_PTRACE``), so when the processor runs as root, as it does in a
 plain container or a test machine, a stdio server is started as ``YOKE_MCP_STDIO_USER``
@@ -45,7 +45,7 @@ def configured_user() -> str | None:
     """The user this process starts stdio servers as, or None for its own."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return None
-    from yoke.settings import Settings
+    from yoke.core.settings import Settings
 
     user = Settings().mcp_stdio_user or DEFAULT_USER
     return None if user in ("root", "0") else user

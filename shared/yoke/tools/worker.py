@@ -6,7 +6,7 @@ connect as the user ``yoke tools add-worker`` made::
 
     import asyncio
 
-    from yoke.models import ToolCallRequest
+    from yoke.core.models import ToolCallRequest
     from yoke.tools.worker import serve
 
     async def shout(call: ToolCallRequest) -> str:
@@ -45,8 +45,9 @@ from aio_pika.abc import (
 from aio_pika.exceptions import AMQPError, ProbableAuthenticationError
 from pydantic import ValidationError
 
-from yoke import topology, tracing
-from yoke.models import SubmitReply, SubmitToolResult, ToolCallRequest
+from yoke.bus import topology
+from yoke.core import tracing
+from yoke.core.models import SubmitReply, SubmitToolResult, ToolCallRequest
 
 log = logging.getLogger(__name__)
 

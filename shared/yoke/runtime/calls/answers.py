@@ -1,7 +1,7 @@
 """A worker's answer at the door (``tool.result.submit``): checked, then the call's end.
 
 The answer is taken only from the RabbitMQ user of the call's own tool (the broker verifies
-``user_id``; :func:`yoke.topology.tool_of_user` reads the tool from it), only for a call sent to
+``user_id``; :func:`yoke.bus.topology.tool_of_user` reads the tool from it), only for a call sent to
 a worker, and only before its deadline. A late or repeated answer is told how the call ended:
 ``duplicate`` to the worker whose answer stands, ``call_closed`` to anyone else.
 """
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from yoke import topology
-from yoke.models import SubmitReply, as_utc
+from yoke.bus import topology
+from yoke.core.models import SubmitReply, as_utc
+from yoke.core.text import storable
 from yoke.runtime.calls.records import CallEnd, EndOutcome, own_result_line_id
 from yoke.runtime.calls.repository import OpenCalls
 from yoke.runtime.calls.texts import timeout_text
-from yoke.text import storable
 
 
 class WorkerAnswers:

@@ -28,10 +28,11 @@ from typing import Any
 
 from pydantic import Field, JsonValue
 
-from yoke import topology, tracing
-from yoke.ids import derive_id
-from yoke.metrics import APPROVAL_SECONDS, APPROVALS_DECIDED, APPROVALS_REQUESTED, tool_label
-from yoke.models import (
+from yoke.bus import topology
+from yoke.core import tracing
+from yoke.core.ids import derive_id
+from yoke.core.metrics import APPROVAL_SECONDS, APPROVALS_DECIDED, APPROVALS_REQUESTED, tool_label
+from yoke.core.models import (
     ApprovalDecided,
     ApprovalDecision,
     ApprovalRequested,
@@ -52,7 +53,7 @@ from yoke.runtime.calls.records import (
 )
 from yoke.runtime.calls.repository import OpenCalls
 from yoke.runtime.calls.texts import no_decision_text
-from yoke.store import Store
+from yoke.store.database import Store
 
 log = logging.getLogger(__name__)
 

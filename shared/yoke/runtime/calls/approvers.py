@@ -3,8 +3,9 @@
 A decision comes through a RabbitMQ user the broker verified: the services' own (which the CLI
 speaks as), the HTTP gateway's (YOKE_GATEWAY_AMQP_USER), or a publisher made with ``yoke
 publisher create --can-approve`` (an :class:`Approver` document, written by the CLI). Each names
-its person in ``by``, within its own namespace as for lines (:mod:`yoke.speakers`); a tool
-worker's user never decides. What the decision then does is :mod:`yoke.runtime.calls.approvals`.
+its person in ``by``, within its own namespace as for lines (:mod:`yoke.coordination.speakers`); a
+tool worker's user never decides. What the decision then does is
+:mod:`yoke.runtime.calls.approvals`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from datetime import UTC, datetime
 
 from pydantic import Field
 
-from yoke.models import Document, SubmitApproval, SubmitReply
+from yoke.coordination.speakers import DoorUsers, ForeignNamespace
+from yoke.core.models import Document, SubmitApproval, SubmitReply
 from yoke.runtime.calls.approvals import Approvals
-from yoke.speakers import DoorUsers, ForeignNamespace
-from yoke.store import Store
+from yoke.store.database import Store
 
 # The publishers (RabbitMQ users) that may decide, one document each; written by the CLI.
 APPROVERS_COLLECTION = "approvers"

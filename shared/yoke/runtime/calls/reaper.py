@@ -19,9 +19,9 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from yoke.metrics import OPEN_TOOL_CALLS, OVERDUE_TOOL_CALLS, PENDING_APPROVALS, STORE_ORIGIN
-from yoke.models import as_utc
-from yoke.ownership import weight
+from yoke.coordination.ownership import weight
+from yoke.core.metrics import OPEN_TOOL_CALLS, OVERDUE_TOOL_CALLS, PENDING_APPROVALS, STORE_ORIGIN
+from yoke.core.models import as_utc
 from yoke.runtime.calls.approvals import Approvals
 from yoke.runtime.calls.records import CallDecision, OpenCall, due_bucket
 from yoke.runtime.calls.repository import OpenCalls
@@ -47,8 +47,8 @@ SWEEP_KEY = -1
 
 class ReapShare:
     """Which buckets this processor reaps: rendezvous hashing over the live processors (the
-    shard owners' live set, :class:`yoke.ownership.Ownership`), so each is reaped by one; the
-    sweep too. Without a live set (one process, tests) it reaps everything."""
+    shard owners' live set, :class:`yoke.coordination.ownership.Ownership`), so each is reaped by
+    one; the sweep too. Without a live set (one process, tests) it reaps everything."""
 
     def __init__(self, me: Callable[[], tuple[str, list[str]] | None] = lambda: None) -> None:
         self.me = me

@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 from pydantic import Field, JsonValue
 
-from yoke.ages import day_bucket
-from yoke.ids import derive_id
-from yoke.models import (
+from yoke.core.ages import day_bucket
+from yoke.core.ids import derive_id
+from yoke.core.models import (
     ApprovalDecision,
     CommandAuthor,
     Document,
@@ -68,7 +68,7 @@ class OpenCall(Document):
     # line is written missed it, and ends in a line of its own.
     round_line_id: str | None = None
     # The step that asked, as a W3C traceparent (tracing on only): what ends the wait, however
-    # much later and in whatever trace, links to it (yoke.tracing.link).
+    # much later and in whatever trace, links to it (yoke.core.tracing.link).
     trace_parent: str | None = None
 
     def to_document(self) -> dict[str, Any]:

@@ -13,10 +13,10 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from yoke import tracing
-from yoke.ids import SYSTEM_ACTOR_ID
-from yoke.metrics import TOOL_CALL_SECONDS, TOOL_CALLS, tool_label
-from yoke.models import Message, ToolResultPart, as_utc
+from yoke.core import tracing
+from yoke.core.ids import SYSTEM_ACTOR_ID
+from yoke.core.metrics import TOOL_CALL_SECONDS, TOOL_CALLS, tool_label
+from yoke.core.models import Message, ToolResultPart, as_utc
 from yoke.runtime.calls.records import (
     TOOL_CALL_ENDS_COLLECTION,
     TOOL_CALLS_COLLECTION,
@@ -26,7 +26,7 @@ from yoke.runtime.calls.records import (
     own_result_line_id,
 )
 from yoke.runtime.posting import Poster
-from yoke.store import Store
+from yoke.store.database import Store
 
 log = logging.getLogger(__name__)
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from yoke.retention import Rule
 from yoke.runtime.calls.records import (
     TOOL_CALL_DECISIONS_COLLECTION,
     TOOL_CALL_ENDS_COLLECTION,
     TOOL_CALLS_COLLECTION,
 )
-from yoke.store import Store
+from yoke.store.database import Store
+from yoke.store.retention import Rule
 
 
 def call_rules(store: Store, days: float) -> list[Rule]:

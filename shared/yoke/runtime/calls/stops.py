@@ -6,7 +6,7 @@ is decided ``stopped`` instead (unless a decision came first), so its approvers 
 
 from __future__ import annotations
 
-from yoke.models import CommandAuthor
+from yoke.core.models import CommandAuthor
 from yoke.runtime.calls.approvals import Approvals
 from yoke.runtime.calls.repository import OpenCalls
 

@@ -24,10 +24,12 @@ from aio_pika.abc import (
 )
 from aiormq.exceptions import AMQPError, ChannelNotFoundEntity, DeliveryError
 
-from yoke import amqp_nodes, topology, tracing, upgrades
-from yoke.dead_letters import declare_dead_letter_queue
-from yoke.errors import Transient
-from yoke.models import Envelope
+from yoke.bus import _upgrades as upgrades
+from yoke.bus import amqp_nodes, topology
+from yoke.bus.dead_letters import declare_dead_letter_queue
+from yoke.core import tracing
+from yoke.core.errors import Transient
+from yoke.core.models import Envelope
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Upgrades of a store that an earlier build set up: run at every start, idempotent.
 
 Each undoes or reads past what a 0.1.0 build made before the change named beside it; all of it
-may be removed with the broker's upgrades (``yoke.bus.upgrades.REMOVABLE_IN``).
+may be removed with the broker's upgrades (``yoke.bus.broker.upgrades.REMOVABLE_IN``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ INDEX_NOT_FOUND = 27
 
 async def drop_conversation_bucket_index(messages: AsyncCollection[Doc]) -> None:
     """Drop ``conv_bucket``, the ``(conversationId, bucket)`` index that ``conv_bucket_key``
-    replaced: its presence misleads FerretDB's planner (see ``yoke.store.bucket_key``)."""
+    replaced: its presence misleads FerretDB's planner (see ``yoke.store.database.bucket_key``)."""
     try:
         await messages.drop_index("conv_bucket")
     except OperationFailure as error:

@@ -37,7 +37,7 @@ from opentelemetry.context import Context
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from yoke.metrics import TRACE_SPANS_DROPPED, TRACE_SPANS_EXPORTED
+from yoke.core.metrics import TRACE_SPANS_DROPPED, TRACE_SPANS_EXPORTED
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import weakref
 from pymongo import ASCENDING
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
-from yoke.models import Conversation, utcnow
-from yoke.store import Doc, Store
+from yoke.core.models import Conversation, utcnow
+from yoke.store.database import Doc, Store
 
 FORUM_LIST = "forum_list"
 BUCKET = 100

@@ -14,9 +14,9 @@ from datetime import datetime
 from pydantic import Field
 from pymongo.asynchronous.collection import AsyncCollection
 
-from yoke.ids import derive_id
-from yoke.models import CallerDoor, Document, utcnow
-from yoke.store import Doc, Store
+from yoke.core.ids import derive_id
+from yoke.core.models import CallerDoor, Document, utcnow
+from yoke.store.database import Doc, Store
 
 COLLECTION = "published_agents"
 # An MCP tool's name and a URL path segment at once: what the OpenAI API accepts as a tool name.

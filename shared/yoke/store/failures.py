@@ -12,9 +12,9 @@ from datetime import datetime
 
 from pydantic import Field
 
-from yoke.ages import BUCKET_FIELD, day_bucket
-from yoke.models import Document, utcnow
-from yoke.store import Store
+from yoke.core.ages import BUCKET_FIELD, day_bucket
+from yoke.core.models import Document, utcnow
+from yoke.store.database import Store
 
 
 class Failure(Document):
@@ -28,7 +28,7 @@ class Failure(Document):
     open: bool = True
     created_at: datetime = Field(default_factory=utcnow)
     resolved_at: datetime | None = None
-    # yoke.retention: the day it was recorded, then the day it was handled (kept from then).
+    # yoke.store.retention: the day it was recorded, then the day it was handled (kept from then).
     age_bucket: str = Field(default_factory=day_bucket)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from pamqp.common import FieldTable
 
-from yoke.models import Message, ToolCallPart
+from yoke.core.models import Message, ToolCallPart
 
 EVENTS_EXCHANGE = "yoke.events"
 COMMANDS_EXCHANGE = "yoke.commands"
@@ -16,7 +16,7 @@ DEAD_LETTER_QUEUE = "yoke.dead-letters"
 # Invariant 14 for the dead letters: the queue holds at most so many (its oldest dropped first),
 # and each one dropped is dead-lettered in turn to DROPPED_LETTERS_EXCHANGE, whose queue (bounded
 # too, and read by nobody but the counter) ingestion reads to count them
-# (yoke.dead_letters.count_dropped_letters, yoke_dead_letters_dropped_total).
+# (yoke.bus.dead_letters.count_dropped_letters, yoke_dead_letters_dropped_total).
 DEAD_LETTERS_MAX_LENGTH = 10_000
 DEAD_LETTERS_MAX_BYTES = 256 * 1024 * 1024
 DROPPED_LETTERS_EXCHANGE = "yoke.dead-letters.dropped"

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from yoke import topology
-from yoke.amqp_nodes import amqp_user, amqp_vhost
-from yoke.settings import Settings
+from yoke.bus import topology
+from yoke.bus.amqp_nodes import amqp_user, amqp_vhost
+from yoke.core.settings import Settings
 
 # What no bridge may start a value with: other doors' namespaces. ``cli:`` is not among them:
 # the CLI names its people ``cli:NAME`` whoever runs it, and a bridge user's CLI (compose's

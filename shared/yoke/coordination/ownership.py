@@ -36,12 +36,12 @@ from typing import Any
 from prometheus_client import Counter, Gauge, Histogram
 from pymongo.errors import DuplicateKeyError
 
-from yoke.ages import BUCKET_FIELD, hour_bucket
-from yoke.bus import Bus, OnMessage, Subscription
-from yoke.consumer import Gate
-from yoke.ids import new_id
-from yoke.metrics import IN_DELIVERY, LATENCY_BUCKETS, STORE_ORIGIN
-from yoke.models import as_utc
+from yoke.bus.broker import Bus, OnMessage, Subscription
+from yoke.bus.consumer import Gate
+from yoke.core.ages import BUCKET_FIELD, hour_bucket
+from yoke.core.ids import new_id
+from yoke.core.metrics import IN_DELIVERY, LATENCY_BUCKETS, STORE_ORIGIN
+from yoke.core.models import as_utc
 
 log = logging.getLogger(__name__)
 

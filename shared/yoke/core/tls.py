@@ -25,8 +25,8 @@ from typing import Any, TypedDict
 from aiormq.exceptions import AMQPError
 from pymongo.errors import PyMongoError
 
-from yoke.errors import Misconfigured
-from yoke.settings import Settings
+from yoke.core.errors import Misconfigured
+from yoke.core.settings import Settings
 
 # OpenSSL's words for "the certificate did not verify", on our side or on the server's.
 _VERIFY_FAILED = re.compile(r"certificate verify failed: (?P<reason>[^()\n]*?)\.? \(_ssl\.c:\d+\)")

@@ -28,10 +28,10 @@ from pydantic import Field
 from pymongo import ASCENDING
 from pymongo.asynchronous.collection import AsyncCollection
 
-from yoke.ages import day_bucket
-from yoke.ids import derive_id, new_id
-from yoke.models import Document, Message, WireModel, utcnow
-from yoke.store import Doc, Store
+from yoke.core.ages import day_bucket
+from yoke.core.ids import derive_id, new_id
+from yoke.core.models import Document, Message, WireModel, utcnow
+from yoke.store.database import Doc, Store
 
 SUBSCRIPTIONS = "webhooks"
 CURSORS = "webhook_cursors"
@@ -94,7 +94,7 @@ class DeadLetter(Document):
     status: int | None = None
     attempts: int
     created_at: datetime = Field(default_factory=utcnow)
-    # yoke.retention: kept YOKE_RETENTION_WEBHOOK_DEAD_LETTER_DAYS from this day.
+    # yoke.store.retention: kept YOKE_RETENTION_WEBHOOK_DEAD_LETTER_DAYS from this day.
     age_bucket: str = Field(default_factory=day_bucket)
 
 

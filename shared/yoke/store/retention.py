@@ -1,6 +1,6 @@
 """Retention: records the mesh keeps only for a while are swept, by equality, in the background.
 
-docs/architecture.md, invariant 14. Each such record carries its age bucket (:mod:`yoke.ages`:
+docs/architecture.md, invariant 14. Each such record carries its age bucket (:mod:`yoke.core.ages`:
 the UTC day or hour it was written in, looked up by equality). A :class:`Sweep` deletes, bucket
 by bucket, the buckets whose whole span is older than a :class:`Rule`'s ``keep``; a rule with a
 ``live`` check reads the bucket and deletes only the records that are no longer needed (a
@@ -28,10 +28,10 @@ from typing import Any
 from pymongo import ASCENDING
 from pymongo.errors import DuplicateKeyError
 
-from yoke.ages import BUCKET_FIELD, SPAN, Unit, bucket_at, bucket_index
-from yoke.metrics import RETENTION_DELETED
-from yoke.settings import Settings
-from yoke.store import Store
+from yoke.core.ages import BUCKET_FIELD, SPAN, Unit, bucket_at, bucket_index
+from yoke.core.metrics import RETENTION_DELETED
+from yoke.core.settings import Settings
+from yoke.store.database import Store
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ RabbitMQ cannot interpolate environment variables into a definitions file, and a
 boot (``load_definitions``) also stops the node from creating its default user. So the
 repository's ``deploy/rabbitmq/definitions.json`` names the users (with their tags), their
 permissions and the exchanges, and holds no password or hash; compose's one-shot
-``rabbitmq-init`` service runs ``python -m yoke.provisioning`` as the operator (the node's
+``rabbitmq-init`` service runs ``python -m yoke.bus.provisioning`` as the operator (the node's
 default user, from ``RABBITMQ_DEFAULT_USER``/``_PASS``), which imports that file through the
 management API with each user's password hash computed from the environment (``.env``, written
 by ``make env``). Running it again sets the same users and permissions again: after editing
@@ -27,7 +27,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import httpx
 
-from yoke.redact import redact
+from yoke.core.redact import redact
 
 # Each user in the definitions file takes its password from this environment variable.
 PASSWORD_VARIABLES = {
@@ -124,7 +124,7 @@ async def provision(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m yoke.provisioning",
+        prog="python -m yoke.bus.provisioning",
         description="Create RabbitMQ's users (passwords from YOKE_RABBITMQ_*_PASSWORD), "
         "permissions and exchanges from a definitions file, through the management API at "
         "YOKE_MANAGEMENT_URL (http://operator:PASSWORD@host:15672).",

@@ -1,7 +1,7 @@
 """From a delivery to a handler: lanes, bounded retries, dead letters, acks.
 
 docs/architecture.md, invariants 3 and 5: deliveries run serially per conversation key and
-concurrently across keys; a transient failure (see :mod:`yoke.errors`) is waited out with the
+concurrently across keys; a transient failure (see :mod:`yoke.core.errors`) is waited out with the
 delivery held; a handler that keeps failing for good is dead-lettered with its error after a bounded
 number of attempts and its conversation goes on; malformed input is dead-lettered at once.
 """
@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from yoke import topology, tracing
-from yoke.bus import Bus
-from yoke.errors import Permanent, RetryPolicy, SetAside, Stopping
-from yoke.lanes import Lanes
-from yoke.metrics import (
+from yoke.bus import topology
+from yoke.bus._lanes import Lanes
+from yoke.bus.broker import Bus
+from yoke.core import tracing
+from yoke.core.errors import Permanent, RetryPolicy, SetAside, Stopping
+from yoke.core.metrics import (
     DEAD_LETTERS,
     EVENTS_HANDLED,
     HANDLING_SECONDS,

@@ -14,12 +14,12 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import CollectionInvalid, DuplicateKeyError, OperationFailure
 
-from yoke import store_upgrades as upgrades
-from yoke import tls, tracing
-from yoke.lru import LRUCache
-from yoke.metrics import IN_DELIVERY, STORE_DOCUMENTS_READ, STORE_OPERATIONS, STORE_ORIGIN
-from yoke.models import Actor, Conversation, Message, Participant
-from yoke.outbox import Outbox
+from yoke.core import tls, tracing
+from yoke.core.lru import LRUCache
+from yoke.core.metrics import IN_DELIVERY, STORE_DOCUMENTS_READ, STORE_OPERATIONS, STORE_ORIGIN
+from yoke.core.models import Actor, Conversation, Message, Participant
+from yoke.store import _upgrades as upgrades
+from yoke.store.outbox import Outbox
 
 Doc = dict[str, Any]
 NAMESPACE_EXISTS = 48
@@ -40,7 +40,7 @@ FEW_LINES = 3
 
 def seq_bucket(seq: int) -> int:
     """Which of its conversation's buckets of :data:`BUCKET` seqs a line is filed in (not an
-    age bucket: those are :mod:`yoke.ages`)."""
+    age bucket: those are :mod:`yoke.core.ages`)."""
     return seq // BUCKET
 
 

@@ -23,7 +23,7 @@ from aio_pika.robust_connection import RobustConnection
 from aiormq.exceptions import AMQPError
 from yarl import URL
 
-from yoke import tls
+from yoke.core import tls
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ class Settings(BaseSettings):
     # as the AMQP URL's user; a user in this URL, say an operator, is used instead).
     management_url: str | None = None
     mongodb_url: str = "mongodb://127.0.0.1:27017/yoke"
-    # TLS (yoke.tls): the CA that signed an amqps:// server's certificate, and this client's
+    # TLS (yoke.core.tls): the CA that signed an amqps:// server's certificate, and this client's
     # own certificate and key when the broker asks for one (PEM files).
     amqp_ca_file: str | None = None
     amqp_cert_file: str | None = None
@@ -52,8 +52,8 @@ class Settings(BaseSettings):
     max_text_bytes: int = Field(default=65536, ge=1)
     log_format: Literal["json", "text"] | None = None
     log_level: str = "INFO"
-    # Tracing (yoke.tracing, on when OTEL_EXPORTER_OTLP_ENDPOINT is set): model-call spans carry
-    # the prompt and the completion only when this says so.
+    # Tracing (yoke.core.tracing, on when OTEL_EXPORTER_OTLP_ENDPOINT is set): model-call spans
+    # carry the prompt and the completion only when this says so.
     trace_content: bool = False
     # The services' event loop: uvloop (less CPU per delivery) or the standard library's.
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
@@ -129,7 +129,7 @@ class Settings(BaseSettings):
     # forum and a join each); past it a new key is refused and the ones it has go on.
     kept_forums_per_token: int = Field(default=10_000, ge=1)
     # Hosts a URL set on an outsider's word (an A2A push) may reach although they are inside
-    # the operator's network (yoke.outbound): host names, IPs or CIDRs, comma-separated.
+    # the operator's network (yoke.core.outbound): host names, IPs or CIDRs, comma-separated.
     push_allowed_hosts: str = ""
     # Outgoing webhooks: one POST's timeout; a failing receiver is retried with backoff from
     # the first wait up to the cap, for up to the window, then its lines are dead-lettered.
@@ -149,7 +149,7 @@ class Settings(BaseSettings):
     # its oldest debts are dropped (their answers stay in their conversations).
     mcp_owed_answers_per_token: int = Field(default=100, ge=1)
 
-    # Retention (yoke.retention): how often each process sweeps what it owns, how far back
+    # Retention (yoke.store.retention): how often each process sweeps what it owns, how far back
     # its first round looks, and how many records of a bucket one round reads for liveness.
     retention_sweep_seconds: float = Field(default=600.0, gt=0)
     retention_lookback_days: int = Field(default=7, ge=1)

@@ -4,7 +4,7 @@ docs/architecture.md, invariant 14. FerretDB 1.x has no TTL indexes and reads a 
 field by scanning the collection, so a record kept only for a while carries ``ageBucket``
 (:data:`BUCKET_FIELD`), the day (``2026-12-01``) or the hour (``2026-12-01T16``) it was written
 in: a string looked up by equality under an index. A leaf module, so that whatever writes such
-records (the store, the outbox, failures) needs nothing of the sweep (:mod:`yoke.retention`).
+records (the store, the outbox, failures) needs nothing of the sweep (:mod:`yoke.store.retention`).
 """
 
 from __future__ import annotations

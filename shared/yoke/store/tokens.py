@@ -10,8 +10,8 @@ before namespaces were random keep their name as namespace. Deciding a tool call
 is a right of its own (``can_approve``): a token that only posts lines, say a website's,
 cannot also let an agent's tool run. So is reading what an agent keeps to itself, its
 monologues (``can_read_monologues``): such a token reads its forums, never the agents' private
-working there. Calling a published agent (:mod:`yoke.publishing`) through the MCP and A2A doors
-is a right per name (``can_call``). A right absent from a stored token is a right it has not
+working there. Calling a published agent (:mod:`yoke.store.publishing`) through the MCP and A2A
+doors is a right per name (``can_call``). A right absent from a stored token is a right it has not
 (stored before it existed, it never gains it).
 """
 
@@ -25,8 +25,8 @@ from datetime import datetime
 from pydantic import Field
 from pymongo.asynchronous.collection import AsyncCollection
 
-from yoke.models import Document, utcnow
-from yoke.store import Doc, Store
+from yoke.core.models import Document, utcnow
+from yoke.store.database import Doc, Store
 
 COLLECTION = "tokens"
 # Letters, digits, '-' and '_': no ':' (the namespace separator) and short enough that a
@@ -112,7 +112,7 @@ async def create_token(
     if not NAME_PATTERN.match(name):
         raise TokenError(f"invalid token name {name!r}: use 1-64 letters, digits, '-' or '_'")
     for callee in can_call or []:
-        # A published agent's name follows the token names' rule (yoke.publishing).
+        # A published agent's name follows the token names' rule (yoke.store.publishing).
         if not NAME_PATTERN.match(callee):
             raise TokenError(f"invalid --can-call name {callee[:80]!r}")
     secret = SECRET_PREFIX + secrets.token_urlsafe(32)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from aio_pika.abc import AbstractExchange
 
-from yoke.topology import EVENT_HEADER, KIND_HEADER, TYPE_HEADER, Interest
+from yoke.bus.topology import EVENT_HEADER, KIND_HEADER, TYPE_HEADER, Interest
 
 REMOVABLE_IN = "0.2.0"
 

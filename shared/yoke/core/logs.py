@@ -1,7 +1,7 @@
 """Structured logs: JSON lines off a terminal, readable text on one (``YOKE_LOG_FORMAT``).
 
 Pass ids through ``extra={"conversationId": ..., "messageId": ...}``; they become fields. A line
-written inside a span (tracing on: :mod:`yoke.tracing`) also names its ``trace_id`` and
+written inside a span (tracing on: :mod:`yoke.core.tracing`) also names its ``trace_id`` and
 ``span_id``, so a trace in Jaeger and the lines of its steps find each other.
 """
 
@@ -12,9 +12,9 @@ import logging
 import sys
 from datetime import UTC, datetime
 
-from yoke import tracing
-from yoke.redact import RedactingFormatter, install_excepthook
-from yoke.text import printable
+from yoke.core import tracing
+from yoke.core.redact import RedactingFormatter, install_excepthook
+from yoke.core.text import printable
 
 CONTEXT_FIELDS = ("service", "event", "conversationId", "messageId", "causationId", "queue")
 TRACE_FIELDS = ("trace_id", "span_id")
@@ -55,7 +55,7 @@ class JsonFormatter(logging.Formatter):
 
 class TextFormatter(logging.Formatter):
     """One line per record for a terminal. Messages carry outside text (lines, names, errors):
-    its control characters are shown escaped (:func:`yoke.text.printable`), so none clears the
+    its control characters are shown escaped (:func:`yoke.core.text.printable`), so none clears the
     operator's screen and no newline in it starts a forged line; a traceback keeps its lines."""
 
     def __init__(self, service: str) -> None:

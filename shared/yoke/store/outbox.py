@@ -30,15 +30,15 @@ from typing import Any
 
 from pymongo.errors import DuplicateKeyError
 
-from yoke.ages import BUCKET_FIELD, hour_bucket
-from yoke.ids import new_id
-from yoke.metrics import (
+from yoke.core.ages import BUCKET_FIELD, hour_bucket
+from yoke.core.ids import new_id
+from yoke.core.metrics import (
     IN_DELIVERY,
     OUTBOX_OLDEST_UNPUBLISHED_SECONDS,
     OUTBOX_UNPUBLISHED,
     STORE_ORIGIN,
 )
-from yoke.models import Message, as_utc
+from yoke.core.models import Message, as_utc
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ from datetime import datetime, timedelta
 
 from pymongo.errors import DuplicateKeyError
 
-from yoke.ages import BUCKET_FIELD, hour_bucket
-from yoke.lru import LRUCache
-from yoke.models import as_utc, utcnow
-from yoke.retention import Rule
-from yoke.store import Store, highest_taken
+from yoke.core.ages import BUCKET_FIELD, hour_bucket
+from yoke.core.lru import LRUCache
+from yoke.core.models import as_utc, utcnow
+from yoke.store.database import Store, highest_taken
+from yoke.store.retention import Rule
 
 COLLECTION = "line_limits"
 WINDOW = timedelta(minutes=1)

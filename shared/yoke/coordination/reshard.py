@@ -30,10 +30,10 @@ from aio_pika.abc import (
 )
 from aiormq.exceptions import ChannelNotFoundEntity
 
-from yoke import amqp_nodes, topology
-from yoke.bus import Bus
-from yoke.errors import Misconfigured
-from yoke.store import Store
+from yoke.bus import amqp_nodes, topology
+from yoke.bus.broker import Bus
+from yoke.core.errors import Misconfigured
+from yoke.store.database import Store
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """The Prometheus series the services share (``yoke_`` prefix; never a conversation id label).
 
-A part's own series are defined beside it: shard ownership's in :mod:`yoke.ownership`, the
-gateway's in ``services/gateway/deps.py``, its streams' in ``services/gateway/stream.py`` and its
-webhooks' in ``services/gateway/webhooks.py``.
+A part's own series are defined beside it: shard ownership's in :mod:`yoke.coordination.ownership`,
+the gateway's in ``services/gateway/deps.py``, its streams' in ``services/gateway/stream.py`` and
+its webhooks' in ``services/gateway/webhooks.py``.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ OUTBOX_REPUBLISHED = Counter(
     "Messages the outbox sweep found unpublished and published.",
     ["service"],
 )
-# Set by :mod:`yoke.outbox` from each writer's in-memory unconfirmed messages.
+# Set by :mod:`yoke.store.outbox` from each writer's in-memory unconfirmed messages.
 OUTBOX_UNPUBLISHED = Gauge(
     "yoke_outbox_unpublished",
     "Messages this process stored whose event the broker has not confirmed yet.",
@@ -211,13 +211,14 @@ GUARDIAN_CHECKS = Counter(
 GUARDIAN_INTERVENTIONS = Counter(
     "yoke_guardian_interventions", "Steering lines the guardian posted, by policy kind.", ["policy"]
 )
-# yoke.retention: records its sweeps deleted, by rule (what grows is bounded: invariant 14).
+# yoke.store.retention: records its sweeps deleted, by rule (what grows is bounded: invariant 14).
 RETENTION_DELETED = Counter(
     "yoke_retention_deleted",
     "Records the retention sweep deleted as expired (live ones are kept), by rule.",
     ["rule"],
 )
-# yoke.tracing: spans sent to the collector, and those lost (the queue full, the collector away).
+# yoke.core.tracing: spans sent to the collector, and those lost (the queue full, the collector
+# away).
 TRACE_SPANS_EXPORTED = Counter(
     "yoke_trace_spans_exported", "Spans the OTLP collector took (tracing on only)."
 )

@@ -12,10 +12,10 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
 from aiormq.exceptions import ChannelPreconditionFailed
 
-from yoke import amqp_nodes, topology
-from yoke.amqp_nodes import amqp_user
-from yoke.metrics import DEAD_LETTERS_DROPPED
-from yoke.settings import SERVICES, Settings
+from yoke.bus import amqp_nodes, topology
+from yoke.bus.amqp_nodes import amqp_user
+from yoke.core.metrics import DEAD_LETTERS_DROPPED
+from yoke.core.settings import SERVICES, Settings
 
 log = logging.getLogger(__name__)
 

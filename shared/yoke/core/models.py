@@ -566,7 +566,7 @@ RejectCode = Literal[
     "unknown_conversation",
     "not_a_forum",
     # An externalId, idempotencyKey or approval's by.externalId in a namespace the publishing
-    # RabbitMQ user may not speak in (yoke.speakers).
+    # RabbitMQ user may not speak in (yoke.coordination.speakers).
     "foreign_namespace",
     # Past the publisher's lines per minute (a bridge's or a token's); see retryAfter.
     "rate_limited",
