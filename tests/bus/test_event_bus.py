@@ -29,6 +29,8 @@ from yoke.runtime.posting import Poster
 from yoke.store.database import Store
 
 RECORDER = ["tests/support/recorder.py"]
+# The writer dies right after its message is stored, before the event is published.
+AFTER_INSERT = faults.fault("after", Store.insert_message)
 
 
 @pytest.fixture
@@ -223,12 +225,11 @@ async def test_outbox_sweep_publishes_what_a_crashed_writer_left(
     store: Store, spawn: Callable[..., ServiceProcess], amqp_url: str, mongodb_url: str
 ) -> None:
     env = {"YOKE_AMQP_URL": amqp_url, "YOKE_MONGODB_URL": mongodb_url}
-    # The writer dies right after its message is stored, before the event is published.
     writer = ["-m", "tests.support.faults", "tests.support.post_lines", "outbox", "1", "crasher"]
     crashed = subprocess.run(
         [sys.executable, *writer],
         cwd=ROOT,
-        env={**_environ(), **env, "YOKE_FAULT": "after:yoke.store.database:Store.insert_message"},
+        env={**_environ(), **env, faults.VARIABLE: AFTER_INSERT},
         timeout=60,
     )
     assert crashed.returncode == faults.EXIT_CODE

@@ -17,6 +17,7 @@ from tests.support import faults
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
 from yoke.client import Client
+from yoke.runtime.actor import ActorRuntime
 from yoke.runtime.joins import create_agent, join_conversation, leave_conversation
 from yoke.runtime.posting import Poster
 from yoke.store.database import Store
@@ -33,9 +34,9 @@ def mesh_env() -> dict[str, str]:
     "point",
     [
         # The line stored and its marked event out, no copy made yet.
-        "before:yoke.runtime.actor:ActorRuntime.take",
+        faults.fault("before", ActorRuntime.take),
         # Copied, but the outbox not told and the submitter not answered.
-        "after:yoke.runtime.actor:ActorRuntime.take",
+        faults.fault("after", ActorRuntime.take),
     ],
 )
 async def test_a_door_killed_around_its_copies_loses_and_repeats_nothing(

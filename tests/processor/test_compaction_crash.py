@@ -17,7 +17,8 @@ from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
 from yoke.client import Client
 from yoke.core.models import Message, Part, TextPart, ToolCallPart, ToolResultPart
-from yoke.runtime.actor import instance_state_id
+from yoke.runtime import compaction
+from yoke.runtime.actor import ActorContext, instance_state_id
 from yoke.runtime.chain import SWAPPING, carriable, chain_of
 from yoke.runtime.compaction import SWAP_STEPS, needs_compaction, split_for_compaction
 from yoke.runtime.instances import PROCESSOR, ProcessorConfig
@@ -33,18 +34,19 @@ KEEP = 2
 # Right after each step of the swap, in order (yoke.runtime.compaction.SWAP_STEPS); the repoint step
 # is the runtime's ActorContext.repoint (where today's code lost the join), and after the last
 # step there is nothing left to resume.
-FAULT_POINTS = [
-    "after:yoke.runtime.compaction:record_intent",
-    "after:yoke.runtime.compaction:open_monologue",
-    "after:yoke.runtime.compaction:write_summary",
-    "after:yoke.runtime.compaction:write_context",
-    "after:yoke.runtime.compaction:arm_wake",
-    "after:yoke.runtime.actor:ActorContext.repoint",
-    "after:yoke.runtime.compaction:rouse",
-    "after:yoke.runtime.compaction:move_participant",
-    "after:yoke.runtime.compaction:carry_over",
-    "after:yoke.runtime.compaction:announce",
+FAULT_TARGETS = [
+    compaction.record_intent,
+    compaction.open_monologue,
+    compaction.write_summary,
+    compaction.write_context,
+    compaction.arm_wake,
+    ActorContext.repoint,
+    compaction.rouse,
+    compaction.move_participant,
+    compaction.carry_over,
+    compaction.announce,
 ]
+FAULT_POINTS = [faults.fault("after", target) for target in FAULT_TARGETS]
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +56,13 @@ def mesh_env() -> dict[str, str]:
 
 def test_every_step_of_the_swap_has_a_fault_point() -> None:
     assert [step.__name__ for step in SWAP_STEPS[:-1]] == [
-        point.rsplit(":", 1)[1].replace("ActorContext.", "") for point in FAULT_POINTS
+        target.__name__ for target in FAULT_TARGETS
     ]
 
 
 CASES = [(point, True) for point in FAULT_POINTS] + [
     # Nobody speaks until the swap is over: the wake-up left in the outbox alone finishes it.
-    ("after:yoke.runtime.actor:ActorContext.repoint", False)
+    (faults.fault("after", ActorContext.repoint), False)
 ]
 
 

@@ -10,6 +10,10 @@ process dies with ``os._exit(70)`` the first time it is called (``before``) or r
 moment: the step is retried) and lets every later call through. Then it
 runs the given module as ``__main__`` with the remaining arguments. Product modules carry no
 hooks of their own: the fault is put in from outside, before the service imports anything.
+
+Tests build a spec from the function itself, ``fault("after", Store.insert_message)``, never
+by hand: the name is the code's, so a renamed or moved target fails the test module's import
+(pytest's collection) naming it, not a child process minutes later.
 """
 
 from __future__ import annotations
@@ -20,10 +24,53 @@ import inspect
 import os
 import runpy
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 EXIT_CODE = 70
 VARIABLE = "YOKE_FAULT"
+WHENS = ("before", "after", "raise")
+
+When = Literal["before", "after", "raise"]
+
+
+class FaultSpecError(ValueError):
+    """A spec that names no function the fault can wrap."""
+
+
+def fault(when: When, target: Callable[..., Any]) -> str:
+    """The spec that makes ``target`` fatal (``when``), checked to name that very function."""
+    module = getattr(target, "__module__", None)
+    qualname = getattr(target, "__qualname__", None)
+    if not module or not qualname:
+        raise FaultSpecError(f"{target!r} has no module and qualified name to wrap")
+    spec = f"{when}:{module}:{qualname}"
+    if resolve(spec)[2] is not target:
+        raise FaultSpecError(f"{spec} names another object than {target!r} (decorated, aliased?)")
+    return spec
+
+
+def resolve(spec: str) -> tuple[Any, str, Any]:
+    """The owner, attribute name and function ``spec`` names; ``FaultSpecError`` if none."""
+    when, _, target = spec.partition(":")
+    module_name, _, qualname = target.partition(":")
+    if when not in WHENS or not module_name or not qualname or "<locals>" in qualname:
+        raise FaultSpecError(
+            f"{VARIABLE} must look like before|after|raise:module:qualname, not {spec!r}"
+        )
+    try:
+        owner: Any = importlib.import_module(module_name)
+        *path, name = qualname.split(".")
+        for attribute in path:
+            owner = getattr(owner, attribute)
+        original = inspect.getattr_static(owner, name)
+    except (ImportError, AttributeError) as error:
+        raise FaultSpecError(f"{VARIABLE} {spec!r} names nothing ({error!r})") from error
+    if isinstance(original, (staticmethod, classmethod)):
+        raise FaultSpecError(f"{VARIABLE}: {qualname} is a static or class method; not supported")
+    if not callable(original):
+        raise FaultSpecError(f"{VARIABLE}: {qualname} is not a function")
+    return owner, name, original
 
 
 def die(spec: str) -> None:
@@ -47,22 +94,12 @@ def fail_once(spec: str) -> None:
 
 
 def install(spec: str) -> None:
-    """Make the function ``spec`` names fatal; raise if it names nothing (a typo must fail)."""
-    when, _, target = spec.partition(":")
-    module_name, _, qualname = target.partition(":")
-    if when not in ("before", "after", "raise") or not module_name or not qualname:
-        raise SystemExit(
-            f"{VARIABLE} must look like before|after|raise:module:qualname, not {spec!r}"
-        )
-    owner: Any = importlib.import_module(module_name)
-    *path, name = qualname.split(".")
-    for attribute in path:
-        owner = getattr(owner, attribute)
-    original = inspect.getattr_static(owner, name)
-    if isinstance(original, (staticmethod, classmethod)):
-        raise SystemExit(f"{VARIABLE}: {qualname} is a static or class method; not supported")
-    if not callable(original):
-        raise SystemExit(f"{VARIABLE}: {qualname} is not a function")
+    """Make the function ``spec`` names fatal; exit if it names nothing (a typo must fail)."""
+    try:
+        owner, name, original = resolve(spec)
+    except FaultSpecError as error:
+        raise SystemExit(str(error)) from error
+    when = spec.partition(":")[0]
 
     wrapper: Any
     if inspect.iscoroutinefunction(original):

@@ -71,7 +71,7 @@ class Mesh:
 
     def start_faulty(self, name: str, point: str) -> ServiceProcess:
         """Stop ``name`` cleanly and start it again under ``tests.support.faults`` with the fault
-        ``point`` (``after:module:function``, say): it dies there the first time."""
+        ``point`` (``faults.fault("after", function)``, say): it dies there the first time."""
         assert self.processes[name].stop() == 0
         process = ServiceProcess(
             ["-m", "tests.support.faults", f"services.{name}"],

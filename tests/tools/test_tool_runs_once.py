@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from services.processor.tool_rounds import ToolRounds
 from tests.support import faults
 from tests.support.approvals import decide_as, gated_join, results, texts
 from tests.support.cli import run_yoke
@@ -42,10 +43,11 @@ from tests.support.worker_tools import WorkerTool, registered_worker_tool
 from yoke.client import Client
 from yoke.core.models import Message, ToolResultPart
 from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.runtime.calls.approvals import pending_approvals
-from yoke.runtime.calls.records import TOOL_CALL_ENDS_COLLECTION
+from yoke.runtime.calls.approvals import Approvals, pending_approvals
+from yoke.runtime.calls.records import TOOL_CALL_ENDS_COLLECTION, round_results_line_id
 from yoke.runtime.calls.texts import CUT_SHORT
 from yoke.runtime.catalog_store import ToolCatalog
+from yoke.runtime.dispatch import ToolDispatch
 from yoke.runtime.join_config import JoinConfig
 from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
@@ -63,6 +65,11 @@ TOOL_TIMEOUT = 120.0  # more than a test waits: an end before it is not the dead
 WORKER_TIMEOUT = 600.0
 DONE = "the round is answered"
 AFTER = "anything else?"
+# Where the processor is made to fail (tests.support.faults), named from the code itself.
+RESULTS_LINE_FAILS = faults.fault("raise", round_results_line_id)
+DIES_IN_BACKGROUND = faults.fault("before", ToolDispatch._in_background)
+DIES_AFTER_ROUND = faults.fault("after", ToolRounds.run_tool_round)
+DIES_APPROVED = faults.fault("after", Approvals.mark_approved)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +178,7 @@ def results_by_call(lines: list[Message]) -> dict[str, list[ToolResultPart]]:
 async def test_a_results_line_failing_once_to_be_stored_runs_no_call_again(
     mesh: Mesh, counter: str, store: Store, poster: Poster, client: Client, tmp_path: Path
 ) -> None:
-    process = await processor_with(mesh, "raise:yoke.runtime.calls.records:round_results_line_id")
+    process = await processor_with(mesh, RESULTS_LINE_FAILS)
     runs = tmp_path / "runs"
     forum_id, monologue_id = await counting_join(
         store, poster, count_call(runs, "inline"), count_call(runs, "slow", SLOW_SECONDS)
@@ -194,7 +201,7 @@ async def test_a_results_line_failing_once_to_be_stored_runs_no_call_again(
 async def test_a_processor_killed_while_an_mcp_call_runs_ends_it_cut_short_never_twice(
     mesh: Mesh, counter: str, store: Store, poster: Poster, client: Client, tmp_path: Path
 ) -> None:
-    faulty = await processor_with(mesh, "before:yoke.runtime.dispatch:ToolDispatch._in_background")
+    faulty = await processor_with(mesh, DIES_IN_BACKGROUND)
     runs = tmp_path / "runs"
     forum_id, monologue_id = await counting_join(
         store, poster, count_call(runs, "slow", SLOW_SECONDS)
@@ -218,9 +225,7 @@ async def test_a_processor_killed_after_its_results_line_ends_the_slow_call_in_a
 ) -> None:
     # The round's results line holds the inline call's result; the slow call went on past the
     # inline bound and its runner died: cut short, it needs a line of its own.
-    faulty = await processor_with(
-        mesh, "after:services.processor.tool_rounds:ToolRounds.run_tool_round"
-    )
+    faulty = await processor_with(mesh, DIES_AFTER_ROUND)
     runs = tmp_path / "runs"
     forum_id, monologue_id = await counting_join(
         store, poster, count_call(runs, "inline"), count_call(runs, "slow", SLOW_SECONDS)
@@ -252,9 +257,7 @@ async def approve_when_asked(store: Store, client: Client, forum_id: str) -> str
 async def test_an_approved_mcp_call_cut_short_by_a_crash_ends_at_once(
     mesh: Mesh, counter: str, store: Store, poster: Poster, client: Client, tmp_path: Path
 ) -> None:
-    faulty = await processor_with(
-        mesh, "after:yoke.runtime.calls.approvals:Approvals.mark_approved"
-    )
+    faulty = await processor_with(mesh, DIES_APPROVED)
     runs = tmp_path / "runs"
     script = [
         ScriptedOutput(tool_calls=[count_call(runs, "approved")]),
@@ -285,9 +288,7 @@ async def test_an_approved_worker_call_cut_off_before_its_send_is_sent_after_a_r
     worker = await WorkerProcess.start(worker_tool.url, worker_tool.name, "answer")
     try:
         await worker.line("ready", timeout=WAIT)
-        faulty = await processor_with(
-            mesh, "after:yoke.runtime.calls.approvals:Approvals.mark_approved"
-        )
+        faulty = await processor_with(mesh, DIES_APPROVED)
         script = [
             ScriptedOutput(tool_calls=[ScriptedCall(name=worker_tool.name, input={"q": "A1"})]),
             ScriptedOutput(text=DONE),
