@@ -1,9 +1,10 @@
-"""Commands: a person's slash commands, ``/stop``, and the lines that arrive while a step runs.
+"""Commands: a person's slash commands and ``/stop``.
 
 Slash commands are answered by the processor itself, never by the model. A person's ``/stop``
 works in two places (docs/architecture.md, "While the agent is busy"): as its delivery arrives
-in a busy lane, :func:`notice_arrival` tells the process's :class:`InFlight`, which drops the
-model call in flight and makes the earlier lines' steps answer nothing; in its own turn,
+in a busy lane, the process's :class:`~yoke.runtime.in_flight.InFlight` drops the model call in
+flight and makes the earlier lines' steps answer nothing (what the join's
+:class:`~yoke.runtime.while_busy.WhileBusyPolicy` says a stop does); in its own turn,
 :func:`carry_out_stop` ends the open tool calls and tells the forum.
 """
 
@@ -11,33 +12,17 @@ from __future__ import annotations
 
 import logging
 
-from aio_pika.abc import AbstractIncomingMessage
-
 from services.processor.notices import FORUM_NOTICES, post_notice
-from services.processor.step import (
-    Context,
-    answered_through,
-    carried_meta,
-    is_slash_command,
-    post_agent_line,
-)
-from yoke.bus import topology
+from services.processor.step import Context, carried_meta, post_agent_line
 from yoke.core.ids import SYSTEM_ACTOR_ID
 from yoke.core.metrics import NOTICES, STOPS
-from yoke.core.models import (
-    CommandAuthor,
-    Envelope,
-    ForumNotice,
-    Message,
-    MessagePosted,
-    TextPart,
-)
-from yoke.core.slash import STOP, is_stop, slash_command
+from yoke.core.models import CommandAuthor, ForumNotice, Message, TextPart
+from yoke.core.slash import STOP, slash_command
 from yoke.runtime.calls.repository import OpenCalls
 from yoke.runtime.calls.stops import stop_forum_calls
-from yoke.runtime.in_flight import Arrival, InFlight
 from yoke.runtime.instances import ProcessorState, Progress, StopMark
 from yoke.runtime.rounds import call_ids
+from yoke.runtime.while_busy import answered_through, is_person_line
 
 log = logging.getLogger(__name__)
 
@@ -91,27 +76,6 @@ async def answer_slash_command(context: Context, trigger: Message, open_calls: O
 # --- /stop -----------------------------------------------------------------------------------
 
 
-def is_person_line(line: Message) -> bool:
-    """A person's line copied from the forum: never an agent's (agentHops above 0), a tool
-    result, a nudge or steering (instructions) or context a compaction carried."""
-    meta = line.meta
-    return (
-        line.role == "user"
-        and line.type == "message"
-        and meta.agent_hops == 0
-        and meta.source_message_id is not None
-        and not meta.instruction
-        and not meta.carried_from
-        and line.author_actor_id != SYSTEM_ACTOR_ID
-        and bool(line.text)
-    )
-
-
-def is_stop_line(line: Message) -> bool:
-    """A person's ``/stop``."""
-    return is_person_line(line) and is_stop(line.text)
-
-
 def stopped_round(state: ProcessorState, line: Message) -> bool:
     """A call line written before a stop's step ran whose own step comes after: it is ended
     rather than run."""
@@ -128,10 +92,11 @@ async def name_of(context: Context, actor_id: str) -> CommandAuthor:
 
 async def carry_out_stop(context: Context, trigger: Message, open_calls: OpenCalls) -> None:
     """A person's ``/stop``: the model call in flight was dropped as it arrived
-    (:func:`notice_arrival`) and the earlier lines' steps answered nothing; here the open tool
-    calls end ``stopped by NAME``, the rounds already written but not yet run are marked to end
-    likewise, and one notice tells the forum. Repeated on a redelivery, it changes nothing: the
-    ends are unique inserts, the notice's id derives from the stop."""
+    (:meth:`~yoke.runtime.in_flight.InFlight.arrive`) and the earlier lines' steps answered
+    nothing; here the open tool calls end ``stopped by NAME``, the rounds already written but
+    not yet run are marked to end likewise, and one notice tells the forum. Repeated on a
+    redelivery, it changes nothing: the ends are unique inserts, the notice's id derives from
+    the stop."""
     state, conversation = context.state, trigger.conversation_id
     by = await name_of(context, trigger.meta.source_actor_id or trigger.author_actor_id)
     head = min(
@@ -182,28 +147,3 @@ async def carry_out_stop(context: Context, trigger: Message, open_calls: OpenCal
             meta=meta,
         )
     )
-
-
-# --- arrivals while busy ---------------------------------------------------------------------
-
-
-def notice_arrival(in_flight: InFlight, delivery: AbstractIncomingMessage) -> None:
-    """A line arriving for a monologue whose step is pending may cancel that step's model call
-    (a person's line under ``whileBusy: interrupt``, a person's ``/stop`` always); decided at
-    once, not when the line's own turn comes."""
-    headers = delivery.headers or {}
-    if headers.get(topology.ROLE_HEADER) != "user" or topology.COMMAND_HEADER in headers:
-        return
-    envelope = Envelope.model_validate_json(delivery.body)
-    if envelope.type != MessagePosted.TYPE:
-        return
-    payload = envelope.parse()
-    assert isinstance(payload, MessagePosted)
-    line = payload.message
-    if not is_person_line(line):
-        return
-    arrival = Arrival(line.conversation_id, line.seq, line.id, line.author_actor_id)
-    if is_stop_line(line):
-        in_flight.stop(arrival)
-    elif not is_slash_command(line):
-        in_flight.interrupt(arrival)

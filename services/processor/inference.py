@@ -1,9 +1,9 @@
 """Inference: the step's one model call, its streamed draft, its activity hints, its cancel.
 
 The call runs as a task of its own, registered in the process's :class:`InFlight` while it
-runs, so that a line arriving for its conversation can cancel it (a person's line under
-``whileBusy: interrupt``, a person's ``/stop``: docs/architecture.md, "While the agent is
-busy"); the step itself is never cancelled. Its text streams into a :class:`Draft` as it comes,
+runs with the join's :class:`WhileBusyPolicy`, so that a line arriving for its conversation can
+cancel it if the policy says so (docs/architecture.md, "While the agent is busy"); the step
+itself is never cancelled. Its text streams into a :class:`Draft` as it comes,
 and ``agent.activity`` tells live views what the agent is doing; both are hints, the line that
 follows is the truth.
 """
@@ -17,25 +17,19 @@ from collections.abc import AsyncIterator
 from typing import Literal
 
 from services.processor.notices import post_notice
-from services.processor.step import (
-    Context,
-    answered_through,
-    carried_meta,
-    forum_covered,
-    post_agent_line,
-)
+from services.processor.step import Context, carried_meta, forum_covered, post_agent_line
 from yoke.bus import topology
 from yoke.core.ids import SYSTEM_ACTOR_ID, forwarded_line_id
 from yoke.core.metrics import LLM_COST_ESTIMATED, MODEL_CALLS_CANCELLED
 from yoke.core.models import AgentActivity, Envelope, Message, Part, TextPart, Usage
 from yoke.llm.base import InferenceRequest, InferenceResult, ProviderFailed, estimate_tokens
-from yoke.llm.prompting import unanswered_last
 from yoke.llm.providers import provider_for
 from yoke.runtime.budgets import budget_spent, charge, count_usage, unpriced_under_budget
 from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.drafts import Draft
 from yoke.runtime.in_flight import InFlight, ModelCall, cancelled_here
 from yoke.runtime.instances import Progress
+from yoke.runtime.while_busy import WhileBusyPolicy
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +50,12 @@ class Inference:
         context: Context,
         trigger: Message,
         transcript: list[Message],
+        policy: WhileBusyPolicy,
         *,
         answering: Message | None = None,
     ) -> None:
-        """One model call on ``transcript`` (read past the trigger under ``whileBusy``
-        coalesce and interrupt, which answer every unanswered line: the burst goes last in the
-        prompt, and the reply is in reply to ``answering``, its newest line)."""
+        """One model call on ``transcript`` (read past the trigger when ``policy`` answers a
+        burst: the prompt is as the policy orders it, the reply in reply to ``answering``)."""
         config, state = context.config, context.state
         answered = state.answered
         covered = max((line.seq for line in transcript), default=trigger.seq)
@@ -78,11 +72,10 @@ class Inference:
         if unpriced:
             await post_notice(context, trigger, "unpriced", unpriced, covers=covers)
             return
-        if config.while_busy != "queue":
-            transcript = unanswered_last(transcript, answered_through(answered, trigger))
+        transcript = policy.prompt(transcript, answered, trigger)
         async with activity(context, "thinking"):
             done = await self.infer_and_post(
-                context, trigger, transcript, answering, covered, covers
+                context, trigger, transcript, policy, answering, covered, covers
             )
             if not done:
                 state.answered = answered  # cancelled: the next step answers these lines
@@ -92,6 +85,7 @@ class Inference:
         context: Context,
         trigger: Message,
         transcript: list[Message],
+        policy: WhileBusyPolicy,
         answering: Message | None = None,
         covered: int | None = None,
         covers: int | None = None,
@@ -100,7 +94,7 @@ class Inference:
         draft = draft_of(context, trigger, answering)
         try:
             return await self.infer_into(
-                context, trigger, transcript, draft, answering, covered, covers
+                context, trigger, transcript, draft, policy, answering, covered, covers
             )
         finally:
             await draft.end("abandoned")  # unless it ended "posted" already
@@ -112,6 +106,7 @@ class Inference:
         trigger: Message,
         transcript: list[Message],
         draft: Draft,
+        policy: WhileBusyPolicy,
         answering: Message | None = None,
         covered: int | None = None,
         covers: int | None = None,
@@ -151,7 +146,7 @@ class Inference:
             call,
             trigger_seq=trigger.seq,
             covered_seq=trigger.seq if covered is None else covered,
-            interruptible=config.while_busy == "interrupt",
+            policy=policy,
         ) as flight:
             try:
                 result = await call

@@ -9,13 +9,12 @@ transcript ends at its trigger (docs/architecture.md, invariant 1), so queued li
 answered once. A line that lands while the agent's tools run is answered by the step after their
 results, not by a model call of its own (docs/architecture.md, invariant 10).
 
-While a step is pending, the join's ``whileBusy`` says what a line does (docs/architecture.md,
-"While the agent is busy"): ``queue`` waits its turn as above; ``coalesce`` and ``interrupt``
-read up to the newest line and answer every unanswered one in one reply, and under
-``interrupt`` a person's line arriving during the model call cancels it (:class:`InFlight`,
-told as the line's delivery arrives: :meth:`Processor.notice_arrival`). A person's ``/stop``
-drops the model call in flight, ends the open tool calls and leaves the earlier lines
-unanswered, whatever ``whileBusy`` says.
+What a line sent while a step is pending does is the join's
+:class:`~yoke.runtime.while_busy.WhileBusyPolicy` (docs/architecture.md, "While the agent is
+busy"), asked as the line's delivery arrives (:meth:`Processor.notice_arrival`, through the
+process's :class:`InFlight`) and by each step here: which lines it answers, and in reply to
+which. A person's ``/stop`` drops the model call in flight, ends the open tool calls and leaves
+the earlier lines unanswered, whatever ``whileBusy`` says.
 """
 
 from __future__ import annotations
@@ -24,23 +23,21 @@ import logging
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from services.processor.commands import answer_slash_command, notice_arrival, stopped_round
+from services.processor.commands import answer_slash_command, stopped_round
 from services.processor.inference import Inference
 from services.processor.notices import failure_meta, post_notice
-from services.processor.step import (
-    Context,
-    already_handled,
-    is_slash_command,
-    is_step_trigger,
-    newest_wanted,
-    step_window,
-    wants_model_answer,
-    with_recorded_round,
-)
+from services.processor.step import Context, is_step_trigger, step_window, with_recorded_round
 from services.processor.tool_rounds import ToolRounds, end_round_stopped
 from yoke.bus import topology
 from yoke.core import tracing
-from yoke.core.models import Message, ToolCallApproved, ToolCallPart, ToolResultPart
+from yoke.core.models import (
+    Envelope,
+    Message,
+    MessagePosted,
+    ToolCallApproved,
+    ToolCallPart,
+    ToolResultPart,
+)
 from yoke.runtime.actor import ActorDefinition
 from yoke.runtime.calls.repository import OpenCalls
 from yoke.runtime.compaction import compact
@@ -54,6 +51,7 @@ from yoke.runtime.instances import (
 )
 from yoke.runtime.rounds import call_ids, call_line_index, round_pending_after, unanswered
 from yoke.runtime.tails import Tails
+from yoke.runtime.while_busy import WhileBusyPolicy, is_slash_command
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +143,9 @@ class Processor:
             if calls:
                 await self.rounds.run(context, trigger, calls)
             return
+        policy = WhileBusyPolicy.of(context.config)
         if any(isinstance(part, ToolResultPart) for part in trigger.parts):
-            await self.answer_tool_results(context, trigger)
+            await self.answer_tool_results(context, trigger, policy)
             return
         if not trigger.text:
             return
@@ -163,17 +162,22 @@ class Processor:
                 extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
             )
             return
-        if already_handled(context.config, context.state, trigger):
+        if policy.answered_before(context.state, trigger):
             log.info(
                 "not answering: an earlier step answered this line with the lines before it",
                 extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
             )
             return
-        transcript = await step_window(context, trigger, self.tails)
+        transcript = await step_window(context, trigger, self.tails, policy)
         seen = await with_recorded_round(context, transcript)
-        if round_pending_after(seen, trigger) or await self.rounds.results_on_their_way(
-            context, seen
-        ):
+        answering = policy.reply_to(
+            trigger,
+            transcript,
+            context.state.answered,
+            round_open=round_pending_after(seen, trigger)
+            or await self.rounds.results_on_their_way(context, seen),
+        )
+        if answering is None:
             log.info(
                 "not answering yet: the step after the pending tool results answers this line",
                 extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
@@ -184,19 +188,19 @@ class Processor:
         upto_trigger = [line for line in transcript if line.seq <= trigger.seq]
         if await compact(context, trigger, upto_trigger):  # then answered in the new monologue
             return
-        await self.inference.infer_once(
-            context, trigger, transcript, answering=newest_wanted(context, transcript)
-        )
+        await self.inference.infer_once(context, trigger, transcript, policy, answering=answering)
 
-    async def answer_tool_results(self, context: Context, trigger: Message) -> None:
+    async def answer_tool_results(
+        self, context: Context, trigger: Message, policy: WhileBusyPolicy
+    ) -> None:
         """Infer once on the results, answering too any line that arrived while the tools ran."""
-        if already_handled(context.config, context.state, trigger):
+        if policy.answered_before(context.state, trigger):
             log.info(
                 "not answering: an earlier step answered these results with the lines around them",
                 extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
             )
             return
-        transcript = await step_window(context, trigger, self.tails)
+        transcript = await step_window(context, trigger, self.tails, policy)
         round_index = call_line_index(transcript, trigger)
         if round_index is None:  # a long wait: the call line is older than the window
             transcript = await with_recorded_round(context, transcript)
@@ -223,9 +227,7 @@ class Processor:
         waiting = [
             line
             for line in transcript[round_index + 1 :]
-            if line.role == "user"
-            and wants_model_answer(context.config, line)
-            and line.id != trigger.id
+            if line.role == "user" and policy.wants_answer(line) and line.id != trigger.id
         ]
         answering = trigger
         stopped = context.state.stopped
@@ -252,14 +254,21 @@ class Processor:
                 "kept requesting the same call; it answers again at the next line",
             )
             return
-        if context.config.while_busy != "queue":
-            answering = newest_wanted(context, transcript) or answering
-        await self.inference.infer_once(context, trigger, transcript, answering=answering)
+        answering = policy.reply_to(answering, transcript, context.state.answered)
+        await self.inference.infer_once(context, trigger, transcript, policy, answering=answering)
 
     def notice_arrival(self, key: str, delivery: AbstractIncomingMessage) -> None:
-        """``Service.on_arrival``: a delivery that arrives while its lane is busy, shown to the
-        model calls in flight (:func:`services.processor.commands.notice_arrival`)."""
-        notice_arrival(self.in_flight, delivery)
+        """``Service.on_arrival``: the line of a delivery that arrives while its lane is busy,
+        handed to the model calls in flight (:meth:`InFlight.arrive`), which do at once what
+        the join's policy says it does; decided then, not when the line's own turn comes."""
+        headers = delivery.headers or {}
+        if headers.get(topology.ROLE_HEADER) != "user" or topology.COMMAND_HEADER in headers:
+            return  # only a user line's event may interrupt or stop (read no further)
+        envelope = Envelope.model_validate_json(delivery.body)
+        if envelope.type == MessagePosted.TYPE:
+            payload = envelope.parse()
+            assert isinstance(payload, MessagePosted)
+            self.in_flight.arrive(payload.message)
 
     async def run_approved_call(self, event: ToolCallApproved) -> None:
         """``tool.call.approved``: run the call now (its result line wakes the step after it)."""

@@ -3,8 +3,9 @@
 A step is one monologue line's delivery (docs/architecture.md, "The processor's decision
 tree"). It reads a window of the monologue, never all of it (invariant 11), through the
 process's conversation tails (:mod:`yoke.runtime.tails`), so that most of it comes from memory
-and only what is new from the store; it ends at the trigger under ``whileBusy: queue``
-(invariant 1) and at the newest line otherwise ("While the agent is busy").
+and only what is new from the store; it ends at the trigger (invariant 1), or at the newest
+line when the join's :class:`~yoke.runtime.while_busy.WhileBusyPolicy` answers bursts ("While
+the agent is busy").
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from __future__ import annotations
 from yoke.core import tracing
 from yoke.core.ids import SYSTEM_ACTOR_ID
 from yoke.core.models import Message, MessageMeta, Part, TextPart, ToolCallPart, Usage
-from yoke.core.slash import slash_command
 from yoke.runtime.actor import ActorContext
 from yoke.runtime.calls.records import open_call_id, own_result_line_id, round_results_line_id
-from yoke.runtime.instances import ProcessorConfig, ProcessorState, Progress, RoundMark
+from yoke.runtime.instances import ProcessorConfig, ProcessorState, RoundMark
 from yoke.runtime.rounds import call_ids, unanswered
 from yoke.runtime.tails import Tails
+from yoke.runtime.while_busy import WhileBusyPolicy
 
 Context = ActorContext[ProcessorConfig, ProcessorState]
 
@@ -72,22 +73,6 @@ def forum_covered(context: Context, lines: list[Message]) -> int | None:
     )
 
 
-def is_slash_command(line: Message) -> bool:
-    """A person's ``/command`` (:func:`yoke.core.slash.slash_command` decides what one is):
-    answered by the processor itself, never by the model."""
-    return line.meta.agent_hops == 0 and slash_command(line.text) is not None
-
-
-def wants_model_answer(config: ProcessorConfig, line: Message) -> bool:
-    """A user text line the model answers: not a slash command, not past the hop cap."""
-    return (
-        line.type == "message"
-        and bool(line.text)
-        and not is_slash_command(line)
-        and line.meta.agent_hops < config.hop_cap
-    )
-
-
 # --- the window ------------------------------------------------------------------------------
 
 
@@ -107,12 +92,14 @@ async def context_window(context: Context, trigger: Message, tails: Tails) -> li
     )
 
 
-async def step_window(context: Context, trigger: Message, tails: Tails) -> list[Message]:
-    """The lines the step reads: up to its trigger under ``whileBusy: queue``; else up to the
-    conversation's newest line (invariant 1: coalesce and interrupt answer every unanswered
-    line at once), as many lines back as :func:`context_window` reads (a ``window`` span)."""
+async def step_window(
+    context: Context, trigger: Message, tails: Tails, policy: WhileBusyPolicy
+) -> list[Message]:
+    """The lines the step reads: up to its trigger, or up to the conversation's newest line
+    when ``policy`` answers bursts (invariant 1: every unanswered line at once), as many lines
+    back as :func:`context_window` reads (a ``window`` span)."""
     with tracing.span("window"):
-        if context.config.while_busy == "queue":
+        if not policy.reads_to_newest:
             window = await context_window(context, trigger, tails)
         else:
             head = await tails.last_seq(
@@ -189,46 +176,6 @@ def untold(call_line: Message, count: int) -> Message:
         ],
         meta=MessageMeta(instruction="held"),
     )
-
-
-# --- what was answered -----------------------------------------------------------------------
-
-
-def already_handled(config: ProcessorConfig, state: ProcessorState, line: Message) -> bool:
-    """Whether ``line`` is not to be answered: a person's ``/stop`` came after it, or (under
-    ``coalesce`` and ``interrupt``) a model call was shown it as one of a burst it answered.
-    Under ``queue`` every line is answered on its own, so a line set aside and replayed after
-    later lines were answered is still answered."""
-    if state.stopped is not None and state.stopped.covers(line):
-        return True
-    return (
-        config.while_busy != "queue" and state.answered is not None and state.answered.covers(line)
-    )
-
-
-def answered_through(answered: Progress | None, line: Message) -> int:
-    """The seq in the line's conversation up to which every line has been answered."""
-    if answered is not None and answered.conversation_id == line.conversation_id:
-        return answered.seq
-    return line.seq - 1
-
-
-def newest_wanted(context: Context, transcript: list[Message]) -> Message | None:
-    """The newest unanswered line the model answers: the one a burst's reply is in reply to."""
-    if context.config.while_busy == "queue" or not transcript:
-        return None
-    since = answered_through(context.state.answered, transcript[-1])
-    wanted = [
-        line
-        for line in transcript
-        if line.seq > since and line.role == "user" and wants_model_answer(context.config, line)
-    ]
-    if not wanted:
-        return None
-    # Answered as one: in reply to the newest, as near to people as its nearest (invariant 6).
-    target = wanted[-1].model_copy(deep=True)
-    target.meta.agent_hops = min(line.meta.agent_hops for line in wanted)
-    return target
 
 
 # --- the output ------------------------------------------------------------------------------

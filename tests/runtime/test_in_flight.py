@@ -10,11 +10,12 @@ import asyncio
 
 import pytest
 
-from services.processor.commands import is_person_line, is_stop_line
 from yoke.core.models import Message, MessageMeta, TextPart, ToolResultPart
 from yoke.runtime.in_flight import Arrival, InFlight, cancelled_here
+from yoke.runtime.while_busy import WhileBusyPolicy, is_person_line, is_stop_line
 
 CONVERSATION = "m1"
+INTERRUPT, QUEUE = WhileBusyPolicy("interrupt"), WhileBusyPolicy("queue")
 
 
 def line(seq: int, conversation: str = CONVERSATION) -> Arrival:
@@ -28,9 +29,7 @@ async def forever() -> None:
 async def test_a_newer_line_interrupts_an_interruptible_call_and_the_step_knows_it() -> None:
     registry = InFlight()
     task = asyncio.ensure_future(forever())
-    with registry.track(
-        CONVERSATION, task, trigger_seq=3, covered_seq=5, interruptible=True
-    ) as call:
+    with registry.track(CONVERSATION, task, trigger_seq=3, covered_seq=5, policy=INTERRUPT) as call:
         assert not registry.interrupt(line(5))  # shown to the model already (or redelivered)
         assert not registry.interrupt(line(9, "m2"))  # another conversation
         assert registry.interrupt(line(6))
@@ -45,7 +44,7 @@ async def test_a_newer_line_interrupts_an_interruptible_call_and_the_step_knows_
 async def test_a_call_under_queue_or_coalesce_is_not_interrupted() -> None:
     registry = InFlight()
     task = asyncio.ensure_future(forever())
-    with registry.track(CONVERSATION, task, trigger_seq=3, covered_seq=3, interruptible=False):
+    with registry.track(CONVERSATION, task, trigger_seq=3, covered_seq=3, policy=QUEUE):
         assert not registry.interrupt(line(4))
         await asyncio.sleep(0)
         assert not task.done()
@@ -55,14 +54,14 @@ async def test_a_call_under_queue_or_coalesce_is_not_interrupted() -> None:
 async def test_a_stop_cancels_the_call_for_an_earlier_line_only() -> None:
     registry = InFlight()
     later = asyncio.ensure_future(forever())
-    with registry.track(CONVERSATION, later, trigger_seq=8, covered_seq=8, interruptible=True):
+    with registry.track(CONVERSATION, later, trigger_seq=8, covered_seq=8, policy=INTERRUPT):
         # A redelivered stop, older than the line being answered: it stops nothing again.
         assert not registry.stop(line(6))
         await asyncio.sleep(0)
         assert not later.done()
     later.cancel()
     earlier = asyncio.ensure_future(forever())
-    with registry.track(CONVERSATION, earlier, trigger_seq=9, covered_seq=12, interruptible=False):
+    with registry.track(CONVERSATION, earlier, trigger_seq=9, covered_seq=12, policy=QUEUE):
         assert registry.stop(line(10))  # whatever whileBusy says
         with pytest.raises(asyncio.CancelledError):
             await earlier
@@ -76,9 +75,7 @@ async def test_a_stop_seen_before_the_call_starts_cancels_it_at_once() -> None:
     registry = InFlight()
     registry.stop(line(5))
     task = asyncio.ensure_future(forever())
-    with registry.track(
-        CONVERSATION, task, trigger_seq=4, covered_seq=4, interruptible=False
-    ) as call:
+    with registry.track(CONVERSATION, task, trigger_seq=4, covered_seq=4, policy=QUEUE) as call:
         with pytest.raises(asyncio.CancelledError):
             await task
         assert call.cancelled == ("stop", line(5))
@@ -87,9 +84,7 @@ async def test_a_stop_seen_before_the_call_starts_cancels_it_at_once() -> None:
 async def test_an_answer_being_posted_is_not_cancelled() -> None:
     registry = InFlight()
     task = asyncio.ensure_future(asyncio.sleep(0, result="the answer"))
-    with registry.track(
-        CONVERSATION, task, trigger_seq=2, covered_seq=2, interruptible=True
-    ) as call:
+    with registry.track(CONVERSATION, task, trigger_seq=2, covered_seq=2, policy=INTERRUPT) as call:
         assert await task == "the answer"
         assert call.settle()
         assert not registry.interrupt(line(3))
@@ -105,7 +100,7 @@ async def test_the_step_itself_cancelled_is_not_taken_for_an_interrupt() -> None
 
     async def step() -> None:
         task = asyncio.ensure_future(forever())
-        with registry.track(CONVERSATION, task, trigger_seq=1, covered_seq=1, interruptible=True):
+        with registry.track(CONVERSATION, task, trigger_seq=1, covered_seq=1, policy=INTERRUPT):
             try:
                 await task
             except asyncio.CancelledError:
@@ -129,21 +124,19 @@ async def test_a_line_arriving_before_the_call_is_registered_still_interrupts_it
     registry.interrupt(line(7))  # the lane is busy, no call yet
     covering = asyncio.ensure_future(forever())
     # A step whose prompt holds it (its own, say) is not cancelled by it.
-    with registry.track(CONVERSATION, covering, trigger_seq=6, covered_seq=7, interruptible=True):
+    with registry.track(CONVERSATION, covering, trigger_seq=6, covered_seq=7, policy=INTERRUPT):
         await asyncio.sleep(0)
         assert not covering.done()
     covering.cancel()
     registry.interrupt(line(9))
     task = asyncio.ensure_future(forever())
-    with registry.track(
-        CONVERSATION, task, trigger_seq=8, covered_seq=8, interruptible=True
-    ) as call:
+    with registry.track(CONVERSATION, task, trigger_seq=8, covered_seq=8, policy=INTERRUPT) as call:
         with pytest.raises(asyncio.CancelledError):
             await task
         assert call.cancelled == ("interrupt", line(9))
     registry.interrupt(line(11))
     queued = asyncio.ensure_future(forever())
-    with registry.track(CONVERSATION, queued, trigger_seq=10, covered_seq=10, interruptible=False):
+    with registry.track(CONVERSATION, queued, trigger_seq=10, covered_seq=10, policy=QUEUE):
         await asyncio.sleep(0)
         assert not queued.done()  # under queue and coalesce nothing interrupts
     queued.cancel()

@@ -3,20 +3,16 @@
 A line that arrives for a conversation whose step is running waits in that conversation's lane
 (docs/architecture.md, invariant 3): FIFO means the step in flight cannot learn of it from the
 store or its own delivery. So the processor's look at each delivery that arrives for a busy
-lane, before it queues there (``Service.on_arrival``), tells this registry about the line, and
-the registry acts at once:
+lane, before it queues there (``Service.on_arrival``), hands the line to this registry
+(:meth:`InFlight.arrive`), which does at once what the join's
+:class:`~yoke.runtime.while_busy.WhileBusyPolicy` says the line does: interrupt the model call
+in flight (:meth:`InFlight.interrupt`), or stop the agent (:meth:`InFlight.stop`: remembered, so
+that the steps of the earlier lines still queued behind the call answer nothing,
+:meth:`InFlight.stop_after`).
 
-- under ``whileBusy: interrupt``, a person's line newer than everything the model call in flight
-  was shown cancels that call (:meth:`InFlight.interrupt`);
-- a person's ``/stop`` cancels the call in flight for any earlier line, whatever the join's
-  ``whileBusy``, and is remembered (:meth:`InFlight.stop`), so that the steps of the earlier
-  lines still queued behind the call answer nothing (:meth:`InFlight.stop_after`).
-
-Both decide by ``seq``, never by the order deliveries arrive in: a redelivered line is older
-than the call in flight (at-least-once delivery, invariant 4), so it cancels nothing and stops
-nothing twice. Nothing here is stored: after a restart the deliveries come back in order, and
-the registry sees them again as they arrive. It holds one entry per conversation with a call in
-flight and a bounded number of stops (invariant 14).
+Nothing here is stored: after a restart the deliveries come back in order, and the registry
+sees them again as they arrive. It holds one entry per conversation with a call in flight and a
+bounded number of stops (invariant 14).
 """
 
 from __future__ import annotations
@@ -29,6 +25,8 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from yoke.core.lru import LRUCache
+from yoke.core.models import Message
+from yoke.runtime.while_busy import WhileBusyPolicy, line_kind
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +60,11 @@ class ModelCall:
     """One step's model call while it runs: what it was shown, and whether it may still go."""
 
     conversation_id: str
-    # The step's trigger, and the newest line of its prompt (past the trigger under whileBusy
-    # coalesce and interrupt, which answer every unanswered line up to the newest).
+    # The step's trigger, and the newest line of its prompt (past the trigger when it answers
+    # a burst), and the join's policy, which says what an arriving line does to it.
     trigger_seq: int
     covered_seq: int
-    interruptible: bool
+    policy: WhileBusyPolicy
     task: Cancellable
     cancelled: tuple[CancelReason, Arrival] | None = None
     # Its answer is being posted: too late to cancel (a line that arrives now is answered next).
@@ -107,21 +105,22 @@ class InFlight:
         *,
         trigger_seq: int,
         covered_seq: int,
-        interruptible: bool,
+        policy: WhileBusyPolicy,
     ) -> Iterator[ModelCall]:
         """Register ``task`` (the model call) as the conversation's call in flight while inside.
 
-        A stop for a later line, or a person's line the prompt does not hold, that arrived
-        while the step was getting ready (its lane busy, no call registered yet) cancels it at
-        once. A line remembered so is never stale: the step that answers it reads past it.
+        What arrived while the step was getting ready (its lane busy, no call registered yet)
+        is put to ``policy`` now: a stop for a later line, or a person's line that interrupts a
+        call whose prompt does not hold it, cancels it at once. A line remembered so is never
+        stale: the step that answers it reads past it.
         """
-        call = ModelCall(conversation_id, trigger_seq, covered_seq, interruptible, task)
+        call = ModelCall(conversation_id, trigger_seq, covered_seq, policy, task)
         self._calls[conversation_id] = call
         stop = self.stop_after(conversation_id, trigger_seq)
         early = self._early.pop(conversation_id, None)
         if stop is not None:
             call._cancel("stop", stop)
-        elif interruptible and early is not None and early.seq > covered_seq:
+        elif early is not None and policy.on_arrival("person", early.seq, call) == "interrupts":
             call._cancel("interrupt", early)
         try:
             yield call
@@ -132,15 +131,26 @@ class InFlight:
     def call_in(self, conversation_id: str) -> ModelCall | None:
         return self._calls.get(conversation_id)
 
+    def arrive(self, line: Message) -> bool:
+        """A line arrived for a busy lane: do what the policy of the call in flight says it
+        does (a person's line or ``/stop``; nothing else is even remembered). Whether a model
+        call was cancelled."""
+        kind = line_kind(line)
+        if kind == "other":
+            return False
+        arrival = Arrival(line.conversation_id, line.seq, line.id, line.author_actor_id)
+        return self.stop(arrival) if kind == "stop" else self.interrupt(arrival)
+
     def interrupt(self, arrival: Arrival) -> bool:
-        """A person's line arrived: cancel the interruptible call that has not seen it."""
+        """A person's line arrived: cancel the call in flight if its policy says the line
+        interrupts it; with none yet, remember the line for the call to come."""
         call = self._calls.get(arrival.conversation_id)
         if call is None:
             known = self._early.get(arrival.conversation_id)
             if known is None or known.seq < arrival.seq:
                 self._early[arrival.conversation_id] = arrival
             return False
-        if not call.interruptible or arrival.seq <= call.covered_seq:
+        if call.policy.on_arrival("person", arrival.seq, call) != "interrupts":
             return False
         cancelled = call._cancel("interrupt", arrival)
         if cancelled:
@@ -156,7 +166,7 @@ class InFlight:
         if known is None or known.seq < arrival.seq:
             self._stops[arrival.conversation_id] = arrival
         call = self._calls.get(arrival.conversation_id)
-        if call is None or call.trigger_seq >= arrival.seq:
+        if call is None or call.policy.on_arrival("stop", arrival.seq, call) != "stops":
             return False
         cancelled = call._cancel("stop", arrival)
         if cancelled:
