@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser env services services-stop run test lint bench chaos cluster clean monitoring monitoring-stop tracing tracing-build tracing-stop compose-check conformance-mcp conformance-mcp-install
+.PHONY: install browser env services services-stop run test lint docs bench chaos cluster clean monitoring monitoring-stop tracing tracing-build tracing-stop compose-check conformance-mcp conformance-mcp-install
 
 install: $(STAMP)
 
@@ -91,6 +91,13 @@ lint: install
 	$(VENV)/bin/ruff format --check shared services tests deploy bench
 	$(VENV)/bin/mypy --strict shared/yoke services bench
 	$(VENV)/bin/lint-imports
+
+# The documentation site (mkdocs.yml: docs/ and the API reference from the SDK's docstrings) into
+# site/, git-ignored. --strict: a broken link, a missing anchor or a page left out of the nav fails.
+# (Never --quiet: it drops the warnings before --strict counts them, and the build passes.)
+docs: install
+	@NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+	@echo "[docs] the site is in $(CURDIR)/site: open site/index.html"
 
 bench: services
 	@$(PY) -m bench
