@@ -17,7 +17,8 @@ from bench import compare, report
 from bench.report import Figures
 
 RESULTS = Path(__file__).resolve().parent / "results.json"
-README = Path(__file__).resolve().parents[1] / "README.md"
+# The documentation page with the figures (the README itself once held them; the name stayed).
+README = Path(__file__).resolve().parents[1] / "docs" / "bench.md"
 BEGIN = "<!-- make bench writes what follows, up to the end marker (bench/readme.py) -->"
 END = "<!-- end of make bench's figures -->"
 # The phases a run may leave out, as the report names them.

@@ -1,5 +1,5 @@
-"""The README's benchmark figures are what ``make bench`` wrote (bench/readme.py), never quoted
-by hand: the section between its markers is the one ``bench/results.json`` renders to."""
+"""The benchmark figures in docs/bench.md are what ``make bench`` wrote (bench/readme.py), never
+quoted by hand: the section between its markers is the one ``bench/results.json`` renders to."""
 
 from __future__ import annotations
 
@@ -15,8 +15,12 @@ def results() -> report.Figures:
     return figures
 
 
-def test_the_readmes_figures_are_those_of_bench_results_json() -> None:
-    text = (ROOT / "README.md").read_text()
+def test_the_figures_page_is_where_a_run_writes() -> None:
+    assert readme.README == ROOT / "docs" / "bench.md"
+
+
+def test_the_pages_figures_are_those_of_bench_results_json() -> None:
+    text = readme.README.read_text()
 
     assert text.count(readme.BEGIN) == 1 and text.count(readme.END) == 1
     assert readme.section(results()) in text

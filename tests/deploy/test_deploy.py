@@ -274,7 +274,7 @@ def test_docker_compose_accepts_the_file_where_it_exists(tmp_path: Path) -> None
         assert set(SERVICES) <= set(load("docker-compose.yml")["services"])
 
 
-# --- secure by default (README, "Security") ---------------------------------------------------
+# --- secure by default (docs/security.md) -----------------------------------------------------
 
 
 def test_no_port_is_published_beyond_loopback_unless_env_says_so(tmp_path: Path) -> None:

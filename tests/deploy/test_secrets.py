@@ -1,4 +1,4 @@
-"""Secrets stay secret and the services run with least privilege (README, "Security").
+"""Secrets stay secret and the services run with least privilege (docs/security.md).
 
 The services' RabbitMQ user is made by the code compose's ``rabbitmq-init`` runs
 (``yoke.bus.provisioning`` importing ``deploy/rabbitmq/definitions.json`` with passwords from the

@@ -145,7 +145,7 @@ async def test_a_delivery_is_signed_and_names_its_line(
     await received(receiver, "/signed", 1)
 
     request = receiver.delivered("/signed")[0]
-    # What the README tells a receiver to compute: "<X-Yoke-Timestamp>." + the raw body.
+    # What docs/using.md tells a receiver to compute: "<X-Yoke-Timestamp>." + the raw body.
     stamp = request.headers["x-yoke-timestamp"]
     signed = stamp.encode() + b"." + request.body
     expected = "sha256=" + hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()

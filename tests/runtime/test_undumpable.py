@@ -58,7 +58,7 @@ def read_by_own_child(marked: bool) -> dict[str, object]:
         argv = ["-c", PARENT, "marked" if marked else "plain", str(copies[HARDENING])]
         if os.geteuid() == 0:
             python = python_for("nobody")
-            assert python is not None, "no Python 3.11+ that nobody can run (README: Security)"
+            assert python is not None, "no Python 3.11+ that nobody can run (docs/security.md)"
             done = subprocess.run(
                 [python, *argv],
                 user="nobody",
