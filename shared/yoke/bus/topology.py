@@ -84,6 +84,10 @@ COPIED_HEADER = "yoke-copied"
 # The version of the join configuration the processor stepped with (not bound on): whoever reads
 # the configuration for such a line reads it once per version (yoke.runtime.join_config).
 CONFIG_VERSION_HEADER = "yoke-config-version"
+# On an agent's forum line: the head of the monologue it was forwarded from, sealed under the
+# mesh's key (yoke.runtime.head_hints), for whoever writes in that monologue next. Bridges are
+# delivered it too and can read nothing of it; the line's own meta says nothing of the monologue.
+HEAD_HEADER = "x-yoke-head"
 
 # One binding of a service's route exchange: header values an event must all carry.
 Interest = dict[str, str]

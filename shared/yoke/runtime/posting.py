@@ -17,6 +17,7 @@ from yoke.bus.broker import Bus
 from yoke.core.ids import derive_id
 from yoke.core.metrics import MESSAGES_POSTED, OUTBOX_REPUBLISHED
 from yoke.core.models import Envelope, EventPayload, Message, MessagePosted
+from yoke.runtime.head_hints import HeadHints
 from yoke.runtime.tails import Tails
 from yoke.store.database import Store
 from yoke.store.outbox import OutboxSweep
@@ -33,6 +34,8 @@ class Poster:
         self.service = service
         # A processor's conversation tails (yoke.runtime.tails): what it writes joins them.
         self.tails: Tails | None = None
+        # The mesh's key for the monologue-head hint of agents' forum lines (loaded by Service).
+        self.head_hints = HeadHints()
 
     async def post(self, message: Message, *, route: Mapping[str, str] | None = None) -> Message:
         """Store ``message`` under the next seq and publish it; idempotent by message id.
@@ -114,16 +117,29 @@ class Poster:
         """Publish a stored message's event, with the headers the services route on (and
         ``route``, what its writer adds: see :data:`topology.GUARDED_HEADER`); ``confirm``:
         the outbox counts it published now (else its caller says when)."""
-        payload = MessagePosted.of(message)
         kind = await self.store.conversation_kind(message.conversation_id)
+        headers = {**topology.posted_headers(message, kind), **(route or {})}
+        if kind == topology.PUBLIC_KIND and message.role == "agent":
+            # Bridges are delivered this very event: what it says of the monologue the line was
+            # forwarded from goes only sealed, for the mesh (yoke.runtime.head_hints).
+            headers.update(self.head_hint(message))
+            message = message.seen_outside()
+        payload = MessagePosted.of(message)
         # The event id derives from the message: a republished event is recognisably the same.
         await self.bus.publish_event(
-            Envelope.wrap(derive_id("posted", message.id), payload),
-            payload.key,
-            {**topology.posted_headers(message, kind), **(route or {})},
+            Envelope.wrap(derive_id("posted", message.id), payload), payload.key, headers
         )
         if confirm:
             self.store.outbox.confirmed(message.id)
+
+    def head_hint(self, line: Message) -> dict[str, str]:
+        """The sealed head of the monologue an agent's forum line was forwarded from (its stored
+        ``sourceConversationId`` and ``sourceSeq``), when this process has the mesh's key."""
+        meta = line.meta
+        if not (meta.source_conversation_id and meta.source_seq):
+            return {}
+        sealed = self.head_hints.seal(line.id, meta.source_conversation_id, meta.source_seq)
+        return {topology.HEAD_HEADER: sealed} if sealed else {}
 
     def outbox_sweep(self) -> OutboxSweep:
         """What republishes the events a crash left unconfirmed (see :mod:`yoke.store.outbox`)."""

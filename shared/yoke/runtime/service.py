@@ -245,6 +245,7 @@ class Service:
         await self.store.ping()
         await self.store.ensure_indexes()
         await self.retention.ensure_indexes()
+        await self.poster.head_hints.load(self.store)
         await self.bus.connect()
         if health:
             port = self.settings.metrics_port_for(self.name)
@@ -449,9 +450,14 @@ class Service:
         if isinstance(payload, MessagePosted):
             # What this process learns of a conversation's head saves it a lookup when it writes.
             self.store.observe_seq(payload.conversation_id, payload.seq)
+            # Where its writer writes next, or (an agent's forum line) the monologue it came
+            # from, whose head only the mesh may learn: sealed in a header.
             meta = payload.message.meta
-            if meta.source_conversation_id and meta.source_seq:  # egress writes there next
+            if meta.source_conversation_id and meta.source_seq:
                 self.store.observe_seq(meta.source_conversation_id, meta.source_seq)
+            hint = (message.headers or {}).get(topology.HEAD_HEADER)
+            if hint is not None and (head := self.poster.head_hints.open(payload.message_id, hint)):
+                self.store.observe_seq(*head)
             if tracing.enabled():
                 tracing.annotate(
                     {
