@@ -9,7 +9,7 @@ the AMQP door (:mod:`bench.gateway`), streaming (:mod:`bench.streaming`), tool r
 by a worker and over MCP (:mod:`bench.tool_rounds`), throughput (also with one and with two
 processor replicas), growth, isolation and scale. The table is printed and written to
 ``bench/results.json``, and so is the before/after table against ``bench/baseline.json``
-(:mod:`bench.compare`); both go into the README too (:mod:`bench.readme`).
+(:mod:`bench.compare`); both go into docs/bench.md too (:mod:`bench.readme`).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         default=RESULTS,
         help=f"where to write the figures as JSON (default {RESULTS}, which also rewrites"
-        " the README's figures section)",
+        " docs/bench.md's figures section)",
     )
     parser.add_argument(
         "--baseline",

@@ -247,10 +247,11 @@ def compare(today: Figures, baseline: Figures | None) -> list[Figures]:
 
 
 def render(rows: list[Figures], source: str) -> str:
-    """The rows as a Markdown table (it pastes into a commit message or the README as is)."""
+    """The rows as a Markdown table (it pastes into a commit message or the docs as is)."""
     verdicts = {True: "pass", False: "miss", None: "n/a"}
     lines = [
         f"Before and after (baseline: {source})",
+        "",
         "| measure | baseline | today | target | result |",
         "|---|---|---|---|---|",
     ]

@@ -1,6 +1,6 @@
-"""The README's benchmark figures, written by ``make bench`` rather than quoted by hand.
+"""The benchmark figures of docs/bench.md, written by ``make bench`` rather than quoted by hand.
 
-A run that writes ``bench/results.json`` (the default ``--results``) also rewrites the README's
+A run that writes ``bench/results.json`` (the default ``--results``) also rewrites docs/bench.md's
 text between :data:`BEGIN` and :data:`END`: how it ran, its report as it printed it, and its
 before/after table. ``python -m bench.readme`` writes that text again from
 ``bench/results.json``, for when how it is shown changes; it measures nothing.

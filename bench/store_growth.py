@@ -1,4 +1,4 @@
-"""How much the store grows per 1,000 echo turns, collection by collection (README, "Retention").
+"""How much the store grows per 1,000 echo turns, collection by collection (docs/operations.md).
 
     .venv/bin/python -m bench.store_growth --turns 1000 --forums 10
 

@@ -28,7 +28,7 @@ from yoke.core.models import (
 )
 from yoke.core.slash import STOP
 
-# The line a person types in a forum to stop every agent there (see the README);
+# The line a person types in a forum to stop every agent there (see docs/using.md);
 # ``yoke stop`` and the gateway's stop route submit exactly this for the person named.
 STOP_LINE = STOP
 

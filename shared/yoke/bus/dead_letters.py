@@ -74,7 +74,7 @@ async def declare_dead_letter_queue(
     except ChannelPreconditionFailed as error:
         log.warning(
             "%s was declared without this bound (%s): used as it is; bound it with the policy "
-            "%s (README, Operating it)",
+            "%s (docs/operations.md)",
             topology.DEAD_LETTER_QUEUE,
             error,
             topology.DEAD_LETTERS_POLICY,

@@ -30,7 +30,7 @@ def refusals_as_errors() -> Iterator[None]:
     except ChannelAccessRefused as error:
         raise CommandError(
             f"RabbitMQ refused: {error} (the user in YOKE_AMQP_URL may not do this; "
-            "posting needs a bridge's user, compose's publisher: see the README)"
+            "posting needs a bridge's user, compose's publisher: see docs/security.md)"
         ) from error
 
 

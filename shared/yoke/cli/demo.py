@@ -64,7 +64,7 @@ async def main() -> None:
     print(
         "\n[demo] the mesh is up with an echo agent in forum 'demo'. In another terminal:\n"
         f"    .venv/bin/yoke chat --forum {DEMO_FORUM_ID} --as you\n"
-        "[demo] to give the join a configuration (follow-up, guardian: see the README):\n"
+        "[demo] to give the join a configuration (follow-up, guardian: see docs/using.md):\n"
         f"    .venv/bin/yoke join --agent {DEMO_AGENT_ID} --forum {DEMO_FORUM_ID} "
         "--config join.json\n"
         "[demo] Ctrl-C stops the services.\n",

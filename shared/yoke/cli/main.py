@@ -376,7 +376,7 @@ def parser() -> argparse.ArgumentParser:
     joining.add_argument(
         "--config",
         metavar="FILE.json",
-        help="the join's whole configuration (see the README); joining again replaces it",
+        help="the join's whole configuration (see docs/using.md); joining again replaces it",
     )
     joining.add_argument(
         "--follow-up-after",

@@ -1,4 +1,4 @@
-"""Keep a process's secrets out of reach of the programs it starts (README, "Security").
+"""Keep a process's secrets out of reach of the programs it starts (docs/security.md).
 
 A stdio MCP server is a child of the processor and, unless the processor runs as root (then
 :mod:`yoke.tools.stdio_user` starts it as an unprivileged user), runs as the same user: the

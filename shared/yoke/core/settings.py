@@ -20,7 +20,7 @@ SERVICES = {
 
 
 class Settings(BaseSettings):
-    """``YOKE_*`` environment variables with the defaults the README promises."""
+    """``YOKE_*`` environment variables with the defaults docs/configuration.md promises."""
 
     model_config = SettingsConfigDict(env_prefix="YOKE_", extra="ignore")
 
