@@ -224,13 +224,22 @@ def backticked(text: str) -> list[str]:
 
 @functools.cache
 def repo_files() -> tuple[str, ...]:
-    listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
+    """The repository's files (git's list; a copy without git: every file but caches)."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        skipped = {".git", ".venv", ".local", "build", "site", "__pycache__", "yoke_mesh.egg-info"}
+        listed = [
+            str(path.relative_to(ROOT))
+            for path in ROOT.rglob("*")
+            if path.is_file() and not skipped & set(path.relative_to(ROOT).parts)
+        ]
     return tuple(listed)
 
 
