@@ -136,7 +136,7 @@ BodyModel = TypeVar("BodyModel", bound=WireModel)
 
 def json_body(model: type[WireModel]) -> dict[str, Any]:
     """A route's required JSON body in the OpenAPI document (routes parse it themselves, with
-    :func:`parse_body`, to answer bad input as the AMQP door does)."""
+    :func:`json_request`, to answer bad input as the AMQP door does)."""
     return {
         "requestBody": {
             "required": True,
@@ -145,10 +145,9 @@ def json_body(model: type[WireModel]) -> dict[str, Any]:
     }
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request's JSON body: refused (413) past ``limit`` bytes before it is all read, 408
-    when it does not arrive within the header timeout (a slow body holds a connection as a
-    slow head would), 415 when it is not ``application/json``."""
+async def json_request(request: Request, limit: int, model: type[BodyModel]) -> BodyModel:
+    """The request's body as ``model``: read as every door reads one (:func:`bodies.read_body`:
+    413, 408), then 415 unless it is ``application/json``, then :func:`parse_body`'s 400s."""
     timeout = gateway(request).settings.gateway_header_timeout_seconds
     body = await bodies.read_body(request, limit, timeout)
     media_type, _, parameters = request.headers.get("content-type", "").partition(";")
@@ -157,7 +156,7 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise ApiError(
             415, "unsupported_media_type", "the body must be JSON: Content-Type application/json"
         )
-    return bytes(body)
+    return parse_body(body, model)
 
 
 def _no_constants(name: str) -> object:
@@ -239,7 +238,7 @@ async def post_message(
 ) -> JSONResponse:
     state = gateway(request)
     max_text = state.settings.max_text_bytes
-    post = parse_body(await read_body(request, max_text * 2 + 4096), PostMessage)
+    post = await json_request(request, max_text * 2 + 4096, PostMessage)
     size = len(post.text.encode())
     if size > max_text:
         raise ApiError(413, "too_large", f"text is {size} bytes; the limit is {max_text}")
@@ -318,7 +317,7 @@ async def stop_agents(
         Header(alias="Idempotency-Key", description="As for posting a line."),
     ] = None,
 ) -> JSONResponse:
-    stop = parse_body(await read_body(request, 16384), PostStop)
+    stop = await json_request(request, 16384, PostStop)
     check_idempotency_key(request, idempotency_key)
     author = person(token, stop.author)
     return accepted(
@@ -426,7 +425,7 @@ async def decide_approval(
     ],
 ) -> JSONResponse:
     state = gateway(request)
-    decision = parse_body(await read_body(request, MAX_REASON_CHARS * 8 + 4096), PostDecision)
+    decision = await json_request(request, MAX_REASON_CHARS * 8 + 4096, PostDecision)
     if await forum_of_call(state.store, call_id) != forum.id:
         raise ApiError(404, "unknown_call", f"no call {call_id!r} waits for a decision here")
     by = decision.by or PostAuthor(external_id=token.id, display_name=token.id)
