@@ -243,7 +243,9 @@ async def post_message(
     if size > max_text:
         raise ApiError(413, "too_large", f"text is {size} bytes; the limit is {max_text}")
     check_idempotency_key(request, idempotency_key)
-    return await submit_line(state, forum, token, post.author, post.text, idempotency_key)
+    author = person(token, post.author)
+    command = submitting.line_command(token, forum.id, author, post.text, idempotency_key)
+    return accepted(await submitting.submit_line(state, command))
 
 
 def check_idempotency_key(request: Request, idempotency_key: str | None) -> None:
@@ -261,21 +263,6 @@ def check_idempotency_key(request: Request, idempotency_key: str | None) -> None
             "invalid_idempotency_key",
             f"Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY_CHARS} characters of visible ASCII",
         )
-
-
-async def submit_line(
-    state: Gateway,
-    forum: Conversation,
-    token: Token,
-    author: PostAuthor,
-    text: str,
-    idempotency_key: str | None,
-) -> JSONResponse:
-    """One line in the forum as the token's person ``author``: 202 with its id, or the door's
-    refusal as an error (the REST door's lines; every door builds its commands with
-    :func:`submitting.line_command`)."""
-    command = submitting.line_command(token, forum.id, person(token, author), text, idempotency_key)
-    return accepted(await submitting.submit_line(state, command))
 
 
 def person(token: Token, author: PostAuthor) -> CommandAuthor:

@@ -1,6 +1,7 @@
 """How the gateway hands a command to the mesh: published on ``yoke.commands`` through its
 :class:`~yoke.client.Client`, bounded in time, and the door's answer or refusal in HTTP terms.
-Every line the gateway submits (the REST API's, the MCP and A2A doors') comes through here."""
+Every line the gateway submits (the REST API's, the MCP and A2A doors', a stop) is made by
+:func:`line_command` and submitted by :func:`submit_line`."""
 
 from __future__ import annotations
 
