@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from services.gateway.deps import Gateway, unavailable
 from services.gateway.limits import REFUSALS
 from services.gateway.stream import BindTimeout
-from services.gateway.submitting import line_command, stop_forum, submit_line
+from services.gateway.submitting import line_command, submit_line
 from yoke.core.models import (
     AgentDelta,
     ApprovalRequested,
@@ -134,22 +134,6 @@ async def post_line(
     if line is None:  # accepted means stored: only a store that lost it comes here
         raise unavailable("the line was accepted but cannot be read back; try again")
     return line
-
-
-async def stop_turn(
-    state: Gateway,
-    token: Token,
-    door: CallerDoor,
-    agent: PublishedAgent,
-    key: str,
-    idempotency_key: str | None = None,
-) -> None:
-    """``/stop`` in the caller's forum (kept for its ``key``), as its caller: every agent
-    there stops (as a person's ``/stop`` would); once per ``idempotency_key``."""
-    kept = KeptForum(door=door, agent=agent.id, key=key)
-    forum_id = kept_forum_id(token, door, agent, key)
-    author = caller_author(token, door)
-    await stop_forum(state, token, forum_id, author, idempotency_key, kept)
 
 
 def caller_author(token: Token, door: CallerDoor) -> CommandAuthor:

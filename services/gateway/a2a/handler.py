@@ -44,17 +44,12 @@ from services.gateway.a2a.executor import DOOR, MeshExecutor, Turn, line_key, me
 from services.gateway.a2a.push import MeshPushConfigStore
 from services.gateway.a2a.task_store import MeshTaskStore, TaskRecord
 from services.gateway.a2a.turns import is_terminal, state_name
-from services.gateway.calling import (
-    Answered,
-    kept_forum_id,
-    post_line,
-    stop_turn,
-    turn_outcome,
-)
+from services.gateway.calling import Answered, caller_author, kept_forum_id, post_line, turn_outcome
 from services.gateway.deps import ApiError
+from services.gateway.submitting import stop_forum
 from yoke.core.ids import derive_id, submitted_line_id
+from yoke.core.models import KeptForum, unstorable
 from yoke.core.models import Message as Line
-from yoke.core.models import unstorable
 
 # What a kept forum's key may be (yoke.core.models.KeptForum): an A2A contextId is one.
 MAX_CONTEXT_ID_CHARS = 128
@@ -285,8 +280,14 @@ class MeshRequestHandler(DefaultRequestHandlerV2):
             try:
                 # One stop however many cancels of the task come at once (or are retried).
                 once = derive_id("a2a-cancel", record.id)
-                await stop_turn(
-                    caller.state, caller.token, DOOR, caller.agent, record.context_id, once
+                key = record.context_id
+                await stop_forum(
+                    caller.state,
+                    caller.token,
+                    kept_forum_id(caller.token, DOOR, caller.agent, key),
+                    caller_author(caller.token, DOOR),
+                    once,
+                    KeptForum(door=DOOR, agent=caller.agent.id, key=key),
                 )
             except ApiError as refused:
                 raise refusal(refused) from refused
