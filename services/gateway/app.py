@@ -609,7 +609,7 @@ async def stream(
 
 async def problems(state: Gateway) -> list[str]:
     """Why this gateway cannot serve (empty when it can): ``/healthz`` lists them."""
-    found = [*state.hub.problems(), *state.extras["webhooks"].problems()]
+    found = [*state.hub.problems(), *state.webhooks.problems()]
     if not state.client.connected:
         found.append("command connection down")
     try:
@@ -669,8 +669,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await client.__aenter__()
         hub = Hub(settings.amqp_url)
         await hub.start()
-        app.state.gateway = Gateway(settings, store, client, hub)
-        webhooks = app.state.gateway.extras["webhooks"] = WebhookWorker(settings, store)
+        webhooks = WebhookWorker(settings, store)
+        app.state.gateway = Gateway(settings, store, client, hub, webhooks)
         await webhooks.start()
         log.info("gateway serving on port %d", settings.gateway_port)
         try:

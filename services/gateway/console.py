@@ -40,15 +40,12 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined, Template
 from services.gateway.deps import (
     ApiError,
     ForumDep,
-    Gateway,
     TokenDep,
     gateway,
     require_monologue_reader,
 )
-from services.gateway.tool_calls import ToolCallStates
 from yoke.bus.dead_letters import list_dead_letters
 from yoke.core.models import CallerDoor, Participant
-from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.chain import chain_of
 from yoke.runtime.instances import INGESTION, PROCESSOR
 from yoke.runtime.joins import participant_id
@@ -98,8 +95,6 @@ DEAD_LETTERS_SHOWN = 200
 # A compacted-away monologue is looked for among this many of its forum's joins at most.
 MAX_JOINS_SEARCHED = 1000
 DEAD_LETTER_READ_SECONDS = 10.0
-# Where the process keeps its ToolCallStates (Gateway.extras).
-TOOL_CALL_STATES = "console.tool_call_states"
 # Actors named to any token that may read a conversation they wrote in: the mesh's own
 # (tool results, nudges, steering), who are nobody's secret.
 OPEN_KINDS = ("system",)
@@ -292,15 +287,6 @@ async def join_of_monologue(store: Store, monologue_id: str) -> tuple[str, str] 
     return None
 
 
-def tool_call_states(state: Gateway) -> ToolCallStates:
-    """One per process: its catalog copy is shared by every console (a few seconds stale)."""
-    found = state.extras.get(TOOL_CALL_STATES)
-    if not isinstance(found, ToolCallStates):
-        found = ToolCallStates(state.store, ToolCatalog(state.store))
-        state.extras[TOOL_CALL_STATES] = found
-    return found
-
-
 @router.get("/console/api/monologues/{monologueId}/messages")
 async def monologue_messages(
     request: Request,
@@ -327,7 +313,7 @@ async def monologue_messages(
     head = await store.last_seq(monologue_id)
     start = max(0, head - limit) if after is None else after
     lines = await store.history(monologue_id, after_seq=start, up_to_seq=min(start + limit, head))
-    calls = await tool_call_states(state).views(monologue_id, forum_id, agent_actor_id, lines)
+    calls = await state.tool_call_states.views(monologue_id, forum_id, agent_actor_id, lines)
     return JSONResponse(
         {
             "forumId": forum_id,

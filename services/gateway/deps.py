@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -18,9 +18,12 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.gateway.limits import REFUSALS, TOKEN_PATTERN, UnknownSecrets
 from services.gateway.stream import Hub
+from services.gateway.tool_calls import ToolCallStates
+from services.gateway.webhooks import WebhookWorker
 from yoke.client import Client
 from yoke.core.models import Conversation, WireModel
 from yoke.core.settings import Settings
+from yoke.runtime.catalog_store import ToolCatalog
 from yoke.store.database import Store
 from yoke.store.tokens import Token, find_token, hash_secret
 from yoke.store.tokens import collection as token_collection
@@ -66,14 +69,20 @@ class Gateway:
     store: Store
     client: Client
     hub: Hub
-    # Anything a router wires in at start-up (say, the webhook worker) keeps its objects here.
-    extras: dict[str, Any] = field(default_factory=dict)
+    # Delivers webhooks; the A2A door adds its task pushes to it, the MCP door a retention rule.
+    webhooks: WebhookWorker
     # Secrets found to be no token's lately: a flood of one bad token is one store read.
     unknown_secrets: UnknownSecrets = field(default_factory=UnknownSecrets)
     # Streams open on this process, by token name (YOKE_GATEWAY_STREAMS_PER_TOKEN).
     streams_by_token: dict[str, int] = field(default_factory=dict)
     # Their tokens, looked up again now and then (a revoked one ends them).
     token_watch: TokenWatch = field(default_factory=lambda: TokenWatch())
+    # Where each tool call stands, for the console: one per process, so every console shares
+    # its catalog copy (a few seconds stale).
+    tool_call_states: ToolCallStates = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tool_call_states = ToolCallStates(self.store, ToolCatalog(self.store))
 
 
 class ErrorBody(WireModel):

@@ -638,7 +638,7 @@ def mount(app: FastAPI, settings: Settings) -> McpDoor:
             gateway = app.state.gateway
             # Made before any traffic (FerretDB can hang making one lazily under load).
             await owed_answers.ensure_indexes(gateway.store)
-            gateway.extras["webhooks"].retention.add(owed_answers.retention_rule())
+            gateway.webhooks.retention.add(owed_answers.retention_rule())
             door.collect_limit = LineLimit(gateway.store, settings.token_lines_per_minute)
             async with door.running():
                 yield state

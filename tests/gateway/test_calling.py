@@ -24,6 +24,7 @@ from services.gateway.calling import (
 )
 from services.gateway.deps import Gateway
 from services.gateway.stream import Hub
+from services.gateway.webhooks import WebhookWorker
 from tests.support.mesh import Mesh
 from yoke.client import Client
 from yoke.core.ids import new_id
@@ -44,8 +45,10 @@ async def gateway(
     settings = Settings(amqp_url=amqp_url, mongodb_url=module_mongodb_url)
     hub = Hub(amqp_url)
     await hub.start()
+    webhooks = WebhookWorker(settings, store)  # never started: nothing here delivers
     async with Client(amqp_url, queue_prefix="yoke.gateway.replies.") as client:
-        yield Gateway(settings, store, client, hub)
+        yield Gateway(settings, store, client, hub, webhooks)
+    await webhooks.stop()
     await hub.close()
 
 

@@ -33,7 +33,6 @@ from services.gateway.a2a.event_stream import MeshEventStream
 from services.gateway.a2a.executor import MeshExecutor
 from services.gateway.a2a.handler import MeshRequestHandler
 from services.gateway.deps import Gateway
-from services.gateway.webhooks import WebhookWorker
 
 __all__ = ["mount"]
 
@@ -71,7 +70,7 @@ async def start(door: Door, state: Gateway) -> MeshRequestHandler:
     )
     assert isinstance(route, Route)
     door.serve(route.endpoint)
-    webhooks: WebhookWorker = state.extras["webhooks"]
+    webhooks = state.webhooks
     webhooks.sources.append(pushes.subscriptions)
     webhooks.runner_for = push.runner_for(tasks)
     for rule in (task_store.retention_rule(settings), push.retention_rule(state.store, settings)):
