@@ -157,30 +157,54 @@ async def test_a_stream_its_client_closes_unbinds_its_forum(
     app, url = gateway_app
     state: Gateway = app.state.gateway
     store = Store(mongodb_url)
-    try:
-        forum_id, secret = await _forum_with_token(store, "closed stream", "closed-stream")
-    finally:
-        await store.close()
+    bus = Bus(amqp_url, name="test-close")
+    await bus.connect()
     parts = urlsplit(amqp_url)
     vhost = parts.path[1:]
     bindings_path = f"/api/queues/{vhost}/{quote(state.hub.queue_name, safe='')}/bindings"
 
-    async def forum_keys() -> list[str]:
+    async def forum_keys(forum_id: str) -> list[str]:
         async with httpx.AsyncClient(
             base_url=servers[2], auth=(parts.username or "guest", parts.password or "guest")
         ) as api:
             found = (await api.get(bindings_path)).json()
         return [b["routing_key"] for b in found if forum_id in b["routing_key"]]
 
-    for _ in range(3):
-        async with (
-            httpx.AsyncClient(base_url=url, timeout=30) as http,
-            _stream(http, forum_id, secret) as response,
-        ):
-            assert (await anext(response.aiter_bytes())).startswith(b"retry:")
-            assert len(await forum_keys()) == len(stream_module.STREAMED_EVENTS)
+    try:
+        forum_id, secret = await _forum_with_token(store, "closed stream", "closed-stream")
+        poster = Poster(store, bus, "test")
+        for turn in range(3):
+            async with (
+                httpx.AsyncClient(base_url=url, timeout=30) as http,
+                _stream(http, forum_id, secret) as response,
+            ):
+                # Held until the block ends: an iterator dropped after its first chunk closes
+                # the connection as it is collected (httpx's stream), and the gateway then
+                # unbinds while the bindings below are read as those of an open stream.
+                chunks = response.aiter_bytes()
+                assert (await anext(chunks)).startswith(b"retry:")
+                text = f"line {turn} of the closed stream"
+                await poster.post(
+                    Message(
+                        id=new_id(),
+                        conversation_id=forum_id,
+                        author_actor_id="someone",
+                        parts=[TextPart(text=text)],
+                    )
+                )
+                received = b""
+                async with asyncio.timeout(30):
+                    async for chunk in chunks:
+                        received += chunk
+                        if text.encode() in received:
+                            break
+                # The stream is open (it has just sent the line): its forum is bound.
+                assert len(await forum_keys(forum_id)) == len(stream_module.STREAMED_EVENTS)
+    finally:
+        await bus.close()
+        await store.close()
 
     async def unbound() -> bool:
-        return state.hub.watching(forum_id) == 0 and not await forum_keys()
+        return state.hub.watching(forum_id) == 0 and not await forum_keys(forum_id)
 
     await eventually(unbound, timeout=15, what="the closed streams to unbind their forum")
