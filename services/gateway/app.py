@@ -40,7 +40,6 @@ from services.gateway.deps import (
     REQUESTS,
     RETRY_AFTER_SECONDS,
     STREAMS,
-    TOKEN_CHECK_SECONDS,
     ApiError,
     ErrorBody,
     ForumDep,
@@ -49,6 +48,7 @@ from services.gateway.deps import (
     gateway,
     hold_stream,
     unavailable,
+    while_token_in_force,
 )
 from services.gateway.limits import MAX_HEADER_BYTES, REFUSALS, gateway_protocol
 from services.gateway.stream import BindTimeout, ForumStream, Hub
@@ -77,7 +77,7 @@ from yoke.core.settings import Settings
 from yoke.runtime.calls.approvals import PendingApproval, pending_approvals
 from yoke.runtime.calls.records import TOOL_CALL_DECISIONS_COLLECTION, TOOL_CALLS_COLLECTION
 from yoke.store.database import Store
-from yoke.store.tokens import Token, ensure_token_indexes, token_in_force
+from yoke.store.tokens import Token, ensure_token_indexes
 
 log = logging.getLogger(__name__)
 
@@ -576,18 +576,13 @@ async def stream(
     async def events() -> AsyncIterator[bytes]:
         STREAMS.inc()
         try:
-            checked = time.monotonic()
-            async with contextlib.aclosing(forum_stream.events()) as chunks:
-                async for chunk in chunks:
-                    # A revoked token reads nothing more (``yoke token revoke`` takes effect at
-                    # once): its stream ends before the next chunk once a check finds it gone.
-                    # Not through deps.while_token_in_force, as the A2A door's streams are: with
-                    # it, a closed stream's forum was twice found bound to four of its five
-                    # events in fresh-clone runs (test_gateway_stream), a cause not yet found.
-                    if time.monotonic() - checked >= TOKEN_CHECK_SECONDS:
-                        if not await token_in_force(state.store, token):
-                            return
-                        checked = time.monotonic()
+            async with (
+                contextlib.aclosing(forum_stream.events()) as chunks,
+                # A revoked token reads nothing more (``yoke token revoke`` takes effect at
+                # once): its stream ends within the token re-check interval, idle or not.
+                contextlib.aclosing(while_token_in_force(chunks, state, token)) as watched,
+            ):
+                async for chunk in watched:
                     yield chunk
         except Exception:
             # Starlette skips the background task when the body raises (the store away), which

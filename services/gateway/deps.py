@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, TypeVar
 
@@ -270,11 +270,10 @@ class TokenWatch:
 
 async def while_token_in_force(
     chunks: AsyncIterator[Chunk], state: Gateway, token: Token
-) -> AsyncIterator[Chunk]:
-    """``chunks`` until they end or ``token`` is found revoked: the A2A door's streams read
-    through this, so ``yoke token revoke`` ends them within the token re-check interval
-    (:class:`TokenWatch`), also while they have nothing to send (the REST stream checks before
-    each chunk: services/gateway/app.py says why).
+) -> AsyncGenerator[Chunk]:
+    """``chunks`` until they end or ``token`` is found revoked: every stream (the REST API's,
+    the A2A door's) reads through this, so ``yoke token revoke`` ends it within the token
+    re-check interval (:class:`TokenWatch`), also while it has nothing to send.
 
     When the token is found gone while the stream waits for its next chunk, that wait is
     cancelled (in the stream's own task, so whatever the chunks hold is closed where it was
