@@ -245,7 +245,13 @@ class Hub:
                 # Waited for, never cancelled: a cancelled AMQP call closes the whole channel
                 # (aiormq), and every forum's stream would wait for it to be restored.
                 binding = asyncio.ensure_future(self._bind(forum_id, bind=True))
-                done, _ = await asyncio.wait({binding}, timeout=bind_timeout)
+                try:
+                    done, _ = await asyncio.wait({binding}, timeout=bind_timeout)
+                except asyncio.CancelledError:
+                    # The stream went (its client, a revoked token) while the bind ran on:
+                    # what it binds would stay, with nobody to unbind it.
+                    self._unbind_later(forum_id, binding)
+                    raise
                 if not done:
                     self._unbind_later(forum_id, binding)
                     raise BindTimeout(
@@ -264,9 +270,9 @@ class Hub:
                     await self._unbind_quietly(forum_id)
 
     def _unbind_later(self, forum_id: str, binding: asyncio.Future[None]) -> None:
-        """Undo a bind that took too long, in the background, once it is done (its bindings
-        would wake nobody, but they would stay for ever); under the forum's lock, so a new
-        stream's bind comes after."""
+        """Undo a bind its stream stopped waiting for (too slow, or the stream went), in the
+        background, once it is done (its bindings would wake nobody, but they would stay for
+        ever); under the forum's lock, so a new stream's bind comes after."""
 
         async def unbind() -> None:
             # Outside the lock: another stream of the forum tries its own bind meanwhile, and

@@ -208,3 +208,45 @@ async def test_a_stream_its_client_closes_unbinds_its_forum(
         return state.hub.watching(forum_id) == 0 and not await forum_keys(forum_id)
 
     await eventually(unbound, timeout=15, what="the closed streams to unbind their forum")
+
+
+async def test_a_subscribe_cancelled_while_it_binds_leaves_its_forum_unbound() -> None:
+    """A stream cancelled while its forum's bind is under way (an A2A caller that goes while
+    its turn's stream opens) must not leave the bindings that bind makes: the bind is never
+    cancelled (an AMQP call cut short closes the channel), so it is undone once it is done."""
+    hub = stream_module.Hub("amqp://unused")
+    bound: set[str] = set()
+    release, late_bind_done = asyncio.Event(), asyncio.Event()
+
+    async def slow_bind(forum_id: str, *, bind: bool) -> None:
+        if bind:
+            await release.wait()
+            bound.add(forum_id)
+            late_bind_done.set()
+        else:
+            bound.discard(forum_id)
+
+    hub._bind = slow_bind  # type: ignore[method-assign]
+
+    async def open_stream() -> None:
+        async with hub.subscribe("forum-1", bind_timeout=30):
+            raise AssertionError("the subscription opened though its stream was cancelled")
+
+    opening = asyncio.create_task(open_stream())
+
+    async def binding() -> bool:
+        return "forum-1" in hub._binding
+
+    await eventually(binding, timeout=5, what="the subscribe to wait for its bind")
+    opening.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await opening
+    release.set()  # the bind the cancelled stream started completes after it went
+    async with asyncio.timeout(5):
+        await late_bind_done.wait()
+
+    async def unbound() -> bool:
+        return not hub._binding and "forum-1" not in bound
+
+    await eventually(unbound, timeout=5, what="the late bind to be undone")
+    assert hub.watching("forum-1") == 0
