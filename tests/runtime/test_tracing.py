@@ -149,9 +149,11 @@ def test_on_spans_go_through_a_bounded_queue_that_never_holds_the_process_up(
     assert found["headers"] == {"traceparent": f"00-{trace_id}-{span_id}-01"}
     assert found["kept"] == f"00-{trace_id}-{span_id}-01"
     assert found["exemplar"] == {"trace_id": trace_id, "span_id": span_id}
-    # 21 spans into a queue of 5 that nothing empties (the collector never answers): the
-    # overflow is counted, and neither the spans nor the stop waited for the collector.
-    assert found["queue_full"] == 16
+    # 21 spans into a queue of 5 that the collector never empties: the overflow is counted, and
+    # neither the spans nor the stop waited for the collector. The SDK's worker wakes as the queue
+    # reaches a batch (5) and may take one batch out before the loop ends (when the machine lets
+    # it run); it then waits on the silent collector, so at most 5 queued + 5 taken are not lost.
+    assert 21 - 5 - 5 <= found["queue_full"] <= 21 - 5
     assert float(found["spent"]) < 1.0  # type: ignore[arg-type]
     assert float(found["stopping"]) < 3.0  # type: ignore[arg-type]
 
