@@ -8,10 +8,9 @@ writes in that monologue next, and learns its head from the line instead of from
 :data:`topology.HEAD_HEADER`, encrypted and authenticated under a key of the mesh's own, kept in
 the store (which no outsider reads) and loaded by each process as it starts.
 
-The cipher is HMAC-SHA256 as a keyed pseudo-random function: a keystream per line (the forum
-line's id is the nonce: each line is sealed once, and a republish seals the same bytes again),
-then a tag over the ciphertext. A hint that does not open (another key, or none loaded yet) is
-no hint: it only ever saves an insert, never decides one.
+The seal is AES-256-GCM (``cryptography``), its associated data the forum line's id: a hint
+opens only for the line it was sealed for. A hint that does not open (another key, or none
+loaded yet) is no hint: it only ever saves an insert, never decides one.
 """
 
 from __future__ import annotations
@@ -19,17 +18,18 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
-import hmac
+import os
 import secrets
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from pymongo.errors import DuplicateKeyError
 
 from yoke.store.database import Store
 
 KEYS = "mesh_keys"
 KEY_ID = "monologue-head"
-TAG_BYTES = 16
-BLOCK_BYTES = 32  # an HMAC-SHA256 digest
+NONCE_BYTES = 12
 SEQ_BYTES = 8  # a fixed width: the sealed length says nothing of how far the monologue is
 
 
@@ -61,8 +61,8 @@ class HeadHints:
         if self._key is None or not 0 < seq < 1 << (8 * SEQ_BYTES):
             return None
         plain = seq.to_bytes(SEQ_BYTES, "big") + monologue_id.encode()
-        cipher = _xor(plain, _keystream(self._key, line_id, len(plain)))
-        sealed = _tag(self._key, line_id, cipher) + cipher
+        nonce = os.urandom(NONCE_BYTES)
+        sealed = nonce + AESGCM(self._key).encrypt(nonce, plain, line_id.encode())
         return base64.urlsafe_b64encode(sealed).decode()
 
     def open(self, line_id: str, hint: object) -> tuple[str, int] | None:
@@ -71,32 +71,11 @@ class HeadHints:
             return None
         try:
             sealed = base64.urlsafe_b64decode(hint.encode())
-        except (binascii.Error, ValueError):
-            return None
-        tag, cipher = sealed[:TAG_BYTES], sealed[TAG_BYTES:]
-        if len(cipher) <= SEQ_BYTES or not hmac.compare_digest(
-            tag, _tag(self._key, line_id, cipher)
-        ):
-            return None
-        plain = _xor(cipher, _keystream(self._key, line_id, len(cipher)))
-        try:
+            nonce, cipher = sealed[:NONCE_BYTES], sealed[NONCE_BYTES:]
+            plain = AESGCM(self._key).decrypt(nonce, cipher, line_id.encode())
             monologue_id = plain[SEQ_BYTES:].decode()
-        except UnicodeDecodeError:
+        except (binascii.Error, ValueError, InvalidTag, UnicodeDecodeError):
+            return None
+        if len(plain) <= SEQ_BYTES:
             return None
         return monologue_id, int.from_bytes(plain[:SEQ_BYTES], "big")
-
-
-def _keystream(key: bytes, nonce: str, length: int) -> bytes:
-    blocks = -(-length // BLOCK_BYTES)
-    return b"".join(
-        hmac.digest(key, b"stream\x1f" + nonce.encode() + b"\x1f" + str(i).encode(), "sha256")
-        for i in range(blocks)
-    )[:length]
-
-
-def _tag(key: bytes, nonce: str, cipher: bytes) -> bytes:
-    return hmac.digest(key, b"tag\x1f" + nonce.encode() + b"\x1f" + cipher, "sha256")[:TAG_BYTES]
-
-
-def _xor(data: bytes, stream: bytes) -> bytes:
-    return bytes(a ^ b for a, b in zip(data, stream, strict=True))
