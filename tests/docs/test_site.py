@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.support.processes import ROOT
@@ -87,41 +88,36 @@ def small_site(tmp_path: Path, nav: list[str], pages: dict[str, str]) -> Path:
     return path
 
 
-def test_a_broken_link_fails_the_build(tmp_path: Path) -> None:
-    config = small_site(
-        tmp_path,
-        ["index.md", "other.md"],
-        {"index.md": "# Home\n\n[gone](missing.md), [there](other.md)\n", "other.md": "# Other\n"},
-    )
-
-    done = build(config, tmp_path / "site")
-
-    assert done.returncode != 0
-    assert "missing.md" in done.stderr
-
-
-def test_a_broken_anchor_fails_the_build(tmp_path: Path) -> None:
-    config = small_site(
-        tmp_path,
-        ["index.md", "other.md"],
-        {"index.md": "# Home\n\n[there](other.md#nowhere)\n", "other.md": "# Other\n"},
-    )
-
-    done = build(config, tmp_path / "site")
-
-    assert done.returncode != 0
-    assert "nowhere" in done.stderr
-
-
-def test_a_page_left_out_of_the_nav_fails_the_build(tmp_path: Path) -> None:
-    config = small_site(
-        tmp_path, ["index.md"], {"index.md": "# Home\n", "forgotten.md": "# Forgotten\n"}
-    )
-
-    done = build(config, tmp_path / "site")
+@pytest.mark.parametrize(
+    ("nav", "pages", "named"),
+    [
+        pytest.param(
+            ["index.md", "other.md"],
+            {"index.md": "# Home\n\n[gone](missing.md), [there](other.md)\n", "other.md": "# O\n"},
+            "missing.md",
+            id="a broken link",
+        ),
+        pytest.param(
+            ["index.md", "other.md"],
+            {"index.md": "# Home\n\n[there](other.md#nowhere)\n", "other.md": "# Other\n"},
+            "nowhere",
+            id="a broken anchor",
+        ),
+        pytest.param(
+            ["index.md"],
+            {"index.md": "# Home\n", "forgotten.md": "# Forgotten\n"},
+            "forgotten.md",
+            id="a page left out of the nav",
+        ),
+    ],
+)
+def test_a_fault_in_the_site_fails_the_build_naming_it(
+    tmp_path: Path, nav: list[str], pages: dict[str, str], named: str
+) -> None:
+    done = build(small_site(tmp_path, nav, pages), tmp_path / "site")
 
     assert done.returncode != 0
-    assert "forgotten.md" in done.stderr
+    assert named in done.stderr
 
 
 def test_the_small_site_builds_when_nothing_is_wrong(tmp_path: Path) -> None:
