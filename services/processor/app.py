@@ -63,8 +63,9 @@ def register(service: Service) -> None:
     processor = Processor(
         dispatch=dispatch, open_calls=open_calls, in_flight=InFlight(), tails=tails
     )
-    # An approved call runs in its conversation's lane, on the replica owning that shard.
-    service.on_event(ToolCallApproved, processor.run_approved_call)
+    # An approved call runs in its conversation's lane, on the replica owning that shard (its
+    # result line wakes the step after it).
+    service.on_event(ToolCallApproved, dispatch.run_approved)
     service.on_arrival(processor.notice_arrival)
     # Monologue lines that start a step: user lines, and the agent's tool calls. Its plain text
     # lines go to egress only (the runtime moves the watermark past them as it writes them).

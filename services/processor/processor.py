@@ -34,7 +34,6 @@ from yoke.core.models import (
     Envelope,
     Message,
     MessagePosted,
-    ToolCallApproved,
     ToolCallPart,
     ToolResultPart,
 )
@@ -269,7 +268,3 @@ class Processor:
             payload = envelope.parse()
             assert isinstance(payload, MessagePosted)
             self.in_flight.arrive(payload.message)
-
-    async def run_approved_call(self, event: ToolCallApproved) -> None:
-        """``tool.call.approved``: run the call now (its result line wakes the step after it)."""
-        await self.rounds.run_approved_call(event)

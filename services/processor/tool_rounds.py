@@ -23,7 +23,6 @@ from yoke.core.ids import SYSTEM_ACTOR_ID
 from yoke.core.metrics import DOOM_LOOPS, tool_label
 from yoke.core.models import (
     Message,
-    ToolCallApproved,
     ToolCallPart,
     ToolResultPart,
     call_signature,
@@ -162,10 +161,6 @@ class ToolRounds:
                 meta=meta,
             )
         )
-
-    async def run_approved_call(self, event: ToolCallApproved) -> None:
-        """``tool.call.approved``: run the call now (its result line wakes the step after it)."""
-        await self.dispatch.run_approved(event.call_id)
 
     async def results_on_their_way(self, context: Context, transcript: list[Message]) -> bool:
         """Whether the trigger landed while a tool round was pending, and its results will come.

@@ -33,7 +33,7 @@ from typing import Protocol
 from yoke.bus.broker import Bus
 from yoke.core import tracing
 from yoke.core.metrics import TOOL_CALLS, tool_label
-from yoke.core.models import ToolCallPart, ToolCallRequest, ToolResultPart
+from yoke.core.models import ToolCallApproved, ToolCallPart, ToolCallRequest, ToolResultPart
 from yoke.runtime.calls.approvals import Approvals
 from yoke.runtime.calls.records import CallEnd, OpenCall
 from yoke.runtime.calls.repository import OpenCalls
@@ -220,10 +220,10 @@ class ToolDispatch:
         )
         await self.approvals.request(awaiting)
 
-    async def run_approved(self, call_id: str) -> None:
-        """Run a call a person approved (``tool.call.approved``), in the lane of its
-        conversation: a built-in, plugin or MCP call in the background here (its result line
-        comes when it ends), a worker's published to its queue.
+    async def run_approved(self, event: ToolCallApproved) -> None:
+        """Run a call a person approved: the processor's handler of ``tool.call.approved``, in
+        the lane of its conversation; a built-in, plugin or MCP call in the background here (its
+        result line comes when it ends), a worker's published to its queue.
 
         Resumable, and once per call (invariant 15): redelivered after the call was marked
         approved, a worker's call is published again (a worker may see a call again after a
@@ -231,6 +231,7 @@ class ToolDispatch:
         in-process or MCP call was cut short by a crash: it ends with an error result, never
         run again. A call that ended meanwhile (a stop) or was not approved is left alone.
         Its ``execute_tool`` span links to the step that asked for the call."""
+        call_id = event.call_id
         call = await self.open_calls.get(call_id)
         if call is None or call.state == "running":
             return
