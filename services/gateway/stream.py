@@ -262,22 +262,26 @@ class Hub:
         try:
             yield subscriber
         finally:
-            async with self._forum_lock(forum_id):
-                watchers = self._subscribers.get(forum_id, set())
-                watchers.discard(subscriber)
-                if not watchers:
-                    self._subscribers.pop(forum_id, None)
-                    await self._unbind_quietly(forum_id)
+            # Left at once, with no await a cancel could cut; the unbind (when it was the
+            # forum's last stream) in the background: the stream is often cancelled as it
+            # leaves (an A2A turn's follower once the end reached it, an MCP call at its
+            # deadline), and an unbind cut short would leave the forum bound for ever.
+            watchers = self._subscribers.get(forum_id, set())
+            watchers.discard(subscriber)
+            if not watchers:
+                self._subscribers.pop(forum_id, None)
+                self._unbind_later(forum_id)
 
-    def _unbind_later(self, forum_id: str, binding: asyncio.Future[None]) -> None:
-        """Undo a bind its stream stopped waiting for (too slow, or the stream went), in the
-        background, once it is done (its bindings would wake nobody, but they would stay for
-        ever); under the forum's lock, so a new stream's bind comes after."""
+    def _unbind_later(self, forum_id: str, binding: asyncio.Future[None] | None = None) -> None:
+        """Unbind the forum in the background, once ``binding`` (a bind its stream stopped
+        waiting for: too slow, or the stream went) is done, unless a stream watches it by then;
+        under the forum's lock, so a new stream's bind comes after."""
 
         async def unbind() -> None:
             # Outside the lock: another stream of the forum tries its own bind meanwhile, and
             # answers at its own bound.
-            await asyncio.gather(binding, return_exceptions=True)
+            if binding is not None:
+                await asyncio.gather(binding, return_exceptions=True)
             async with self._forum_lock(forum_id):
                 if not self._subscribers.get(forum_id):
                     await self._unbind_quietly(forum_id)

@@ -250,3 +250,80 @@ async def test_a_subscribe_cancelled_while_it_binds_leaves_its_forum_unbound() -
 
     await eventually(unbound, timeout=5, what="the late bind to be undone")
     assert hub.watching("forum-1") == 0
+
+
+async def test_a_stream_cancelled_while_its_forum_unbinds_leaves_its_forum_unbound() -> None:
+    """The last stream of a forum leaving is cancelled as it unbinds (an A2A turn's follower is
+    cancelled as soon as the turn's end has reached it; an MCP call at its deadline): the
+    unbind must still finish, or the forum stays bound for as long as the gateway runs."""
+    hub = stream_module.Hub("amqp://unused")
+    bound: set[str] = set()
+    unbinding, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_unbind(forum_id: str, *, bind: bool) -> None:
+        if bind:
+            bound.add(forum_id)
+            return
+        unbinding.set()
+        await release.wait()
+        bound.discard(forum_id)
+
+    hub._bind = slow_unbind  # type: ignore[method-assign]
+    opened = asyncio.Event()
+
+    async def stream() -> None:
+        async with hub.subscribe("forum-1"):
+            opened.set()
+
+    following = asyncio.create_task(stream())
+    async with asyncio.timeout(5):
+        await opened.wait()
+        await unbinding.wait()  # the stream has ended and its forum is being unbound
+    following.cancel()  # (before: its leave was still unbinding, and the cancel cut it)
+    with contextlib.suppress(asyncio.CancelledError):
+        await following
+    release.set()
+
+    async def unbound() -> bool:
+        return not hub._binding and "forum-1" not in bound
+
+    await eventually(unbound, timeout=5, what="the forum's unbind to finish")
+    assert hub.watching("forum-1") == 0
+
+
+async def test_a_stream_cancelled_while_it_waits_to_leave_is_forgotten_and_unbinds() -> None:
+    """A stream cancelled while it waits for its forum's lock to leave (another stream of the
+    forum is binding) is still removed from the forum's watchers, and the forum unbound."""
+    hub = stream_module.Hub("amqp://unused")
+    bound: set[str] = set()
+    release = asyncio.Event()
+
+    async def bind(forum_id: str, *, bind: bool) -> None:
+        if bind:
+            bound.add(forum_id)
+        else:
+            bound.discard(forum_id)
+
+    hub._bind = bind  # type: ignore[method-assign]
+    opened = asyncio.Event()
+
+    async def stream() -> None:
+        async with hub.subscribe("forum-1"):
+            opened.set()
+            await release.wait()
+
+    following = asyncio.create_task(stream())
+    async with asyncio.timeout(5):
+        await opened.wait()
+    async with hub._forum_lock("forum-1"):  # the lock is held (another stream's bind)
+        release.set()
+        await asyncio.sleep(0)  # the stream ends and waits for the lock to leave
+        await asyncio.sleep(0)
+        following.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await following
+
+    async def unbound() -> bool:
+        return hub.watching("forum-1") == 0 and "forum-1" not in bound and not hub._binding
+
+    await eventually(unbound, timeout=5, what="the cancelled stream to leave and unbind")
