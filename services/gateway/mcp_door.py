@@ -72,7 +72,14 @@ from starlette.types import Receive, Scope, Send
 
 from services.gateway import calling, mcp_tracing, owed_answers
 from services.gateway.bodies import read_body
-from services.gateway.deps import ApiError, Gateway, gateway, hold_stream, require_token
+from services.gateway.deps import (
+    ApiError,
+    Gateway,
+    gateway,
+    hold_stream,
+    require_token,
+    while_token_in_force,
+)
 from yoke.core.errors import describe_validation_error, is_transient
 from yoke.core.json_limits import MAX_BODY_DEPTH, nesting_depth
 from yoke.core.models import Message, check_storable
@@ -352,7 +359,7 @@ class McpDoor:
                 line = await calling.post_line(state, token, DOOR, agent, key, message)
         except ApiError as error:
             return _refused_line(error)
-        return await self._follow(state, agent, key, line, owner, Progress(ctx))
+        return await self._follow(state, token, agent, key, line, Progress(ctx))
 
     async def _collect(
         self, state: Gateway, forum_id: str, owner: str, handover: Handover
@@ -402,15 +409,18 @@ class McpDoor:
     async def _follow(
         self,
         state: Gateway,
+        token: Token,
         agent: PublishedAgent,
         key: str,
         line: Message,
-        owner: str,
         progress: Progress,
     ) -> tuple[Outcome, CallToolResult]:
         """Follow ``line``'s turn to its end or the deadline; on the deadline (or a caller that
-        went) the answer is owed to the conversation, and a later call collects it."""
+        went) the answer is owed to the conversation, and a later call collects it. A token
+        revoked meanwhile ends the call at once (as it ends the token's streams), owed nothing:
+        no call of that token will come to collect it."""
         forum_id = line.conversation_id
+        owner = _owner(token)
         limit = self.settings.mcp_owed_answers_per_token
 
         async def owe() -> None:
@@ -419,10 +429,12 @@ class McpDoor:
         ended: calling.Answered | calling.Failed | None = None
         try:
             # anyio's deadline, as the SDK's task groups are anyio's.
-            with anyio.move_on_after(self.settings.mcp_call_timeout_seconds):
+            with anyio.move_on_after(self.settings.mcp_call_timeout_seconds) as deadline:
                 # Read to its end (it stops after the outcome), or cut short by an exception
-                # that passes through it: its subscription is closed either way.
-                async for event in calling.follow_turn(state, forum_id, line):
+                # that passes through it or by the token's revocation: its subscription is
+                # closed either way.
+                turn = calling.follow_turn(state, forum_id, line)
+                async for event in while_token_in_force(turn, state, token):
                     if isinstance(event, calling.Delta):
                         if event.text:  # a draft's last delta says only that it ended
                             await progress.send(event.text)
@@ -438,6 +450,9 @@ class McpDoor:
             with anyio.CancelScope(shield=True):
                 await owe()
             raise
+        if ended is None and not deadline.cancelled_caught:
+            # follow_turn, given no deadline, ends only with the outcome: the watch ended it.
+            return "refused", _error("this token was revoked while the call waited")
         if ended is None:
             await owe()
             seconds = self.settings.mcp_call_timeout_seconds

@@ -40,7 +40,7 @@ from yoke.runtime.joins import create_agent, create_forum, join_conversation
 from yoke.runtime.posting import Poster
 from yoke.store.database import Store
 from yoke.store.publishing import PublishedAgent, publish_agent, unpublish_agent
-from yoke.store.tokens import create_token
+from yoke.store.tokens import create_token, revoke_token
 
 pytestmark = pytest.mark.slow
 
@@ -207,6 +207,26 @@ async def test_past_the_deadline_the_answer_names_the_conversation_and_a_call_th
     lines = await store.history(forum_id, after_seq=0, up_to_seq=await store.last_seq(forum_id))
     assert [line.text for line in lines if line.role == "user"] == ["take your time"]
     # Collected, it is owed no more: the conversation's next call sends its message.
+    assert await owed_in(store, forum_id) == []
+
+
+async def test_a_call_whose_token_is_revoked_ends_at_once_and_leaves_nothing_owed(
+    gateway_url: str, agents: Agents, store: Store
+) -> None:
+    """``yoke token revoke`` ends a waiting call as it ends the token's streams: refused, not
+    answered "still working" at its deadline with the answer owed to a token that is gone."""
+    slow = await agents.publish(model=SLOW_MODEL)
+    caller = await agents.caller(slow.id)
+    forum_id = kept_forum_id(caller.token, "mcp", slow, "revoked")
+    async with mcp_session(gateway_url, caller.secret) as session:
+        calling = asyncio.create_task(
+            session.call_tool(slow.id, {"message": "wait for me", "conversation": "revoked"})
+        )
+        await user_lines(store, forum_id, 1)
+        assert await revoke_token(store, caller.token.id)
+        result = await calling
+    assert result.is_error, result
+    assert "revoked" in " ".join(text_of(result))
     assert await owed_in(store, forum_id) == []
 
 
