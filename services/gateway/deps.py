@@ -271,10 +271,10 @@ class TokenWatch:
 async def while_token_in_force(
     chunks: AsyncIterator[Chunk], state: Gateway, token: Token
 ) -> AsyncGenerator[Chunk]:
-    """``chunks`` until they end or ``token`` is found revoked: every open-ended stream (the
-    REST API's, the A2A door's) reads through this, so ``yoke token revoke`` ends it within the
-    token re-check interval (:class:`TokenWatch`), also while it has nothing to send. (An MCP
-    call's progress is not one: it ends by its deadline, ``YOKE_MCP_CALL_TIMEOUT_SECONDS``.)
+    """``chunks`` until they end or ``token`` is found revoked: every stream (the REST API's,
+    the A2A door's) and every MCP call waiting for its answer reads through this, so ``yoke
+    token revoke`` ends it within the token re-check interval (:class:`TokenWatch`), also while
+    it has nothing to send.
 
     When the token is found gone while the stream waits for its next chunk, that wait is
     cancelled (in the stream's own task, so whatever the chunks hold is closed where it was
