@@ -173,6 +173,10 @@ async def joined_participants(
     return participants[:cap], len(documents) > cap
 
 
+# What a token without --can-read-monologues is not shown of a forum's agents.
+MONOLOGUE_KEYS = frozenset({"monologueId", "monologues"})
+
+
 async def agents_of(store: Store, forum_id: str, cap: int) -> tuple[list[dict[str, Any]], bool]:
     """The forum's agents with their active monologue and the monologues before it (at most
     ``cap``, newest join first), and whether some were cut."""
@@ -204,6 +208,12 @@ async def forum_info(request: Request, forum: ForumDep, token: TokenDep) -> JSON
     agents' monologues (else the view offers none)."""
     state = gateway(request)
     agents, cut = await agents_of(state.store, forum.id, state.settings.console_max_agents)
+    if not token.can_read_monologues:
+        # Their monologues are the agents' private working: not even their ids.
+        agents = [
+            {key: value for key, value in agent.items() if key not in MONOLOGUE_KEYS}
+            for agent in agents
+        ]
     return JSONResponse(
         {
             "forum": forum.to_wire(),

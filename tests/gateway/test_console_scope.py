@@ -235,7 +235,11 @@ async def test_only_a_token_made_to_read_monologues_sees_an_agents_private_worki
             gateway_url, "/console/api/names", secret, ids=agent.id, conversation=join.monologue_id
         )
         assert names.status_code == 403, names.text
-        assert (await get(gateway_url, info, secret)).json()["canReadMonologues"] is False
+        seen = (await get(gateway_url, info, secret)).json()
+        assert seen["canReadMonologues"] is False
+        # The agent is named, its monologue not (nor the ones before it): nothing to open.
+        assert [agent_seen["agentActorId"] for agent_seen in seen["agents"]] == [agent.id]
+        assert join.monologue_id not in json.dumps(seen)
         forum_lines = await get(gateway_url, f"/v1/forums/{forum.id}/messages", secret)
         assert forum_lines.status_code == 200  # the forum itself, as before
     letters = await get(gateway_url, "/console/api/dead-letters", everywhere)
@@ -251,7 +255,9 @@ async def test_only_a_token_made_to_read_monologues_sees_an_agents_private_worki
     allowed = await get(gateway_url, monologue, reader)
     assert allowed.status_code == 200, allowed.text
     assert allowed.json()["forumId"] == forum.id
-    assert (await get(gateway_url, info, reader)).json()["canReadMonologues"] is True
+    seen = (await get(gateway_url, info, reader)).json()
+    assert seen["canReadMonologues"] is True
+    assert [agent_seen["monologueId"] for agent_seen in seen["agents"]] == [join.monologue_id]
 
     code, out, err = await run_yoke(env, "token", "list")
     assert code == 0, err
