@@ -162,13 +162,16 @@ def outcome_of(line: Message, candidate: Message) -> TurnEvent | None:
     return Failed(candidate.text, reason)
 
 
-async def turn_outcome(store: Store, forum_id: str, line: Message) -> Outcome | None:
+async def turn_outcome(
+    store: Store, forum_id: str, line: Message, *, through: int | None = None
+) -> Outcome | None:
     """How ``line``'s turn ended (None while it runs), from the store alone: the same from any
     gateway, after any restart. A head lookup and bounded range reads: the lines after
     ``line`` a window at a time (its end is the first that ends it), at most
     :data:`OUTCOME_WINDOWS` of them, then the newest window (a caller that flooded its own
-    conversation still learns that its turn ended)."""
-    head = await store.last_seq(forum_id)
+    conversation still learns that its turn ended). ``through``: only an end at or before that
+    seq counts (a push's cursor), read in place of the head."""
+    head = await store.last_seq(forum_id) if through is None else through
     after = line.seq
     for _ in range(OUTCOME_WINDOWS):
         if after >= head:

@@ -53,7 +53,7 @@ from services.gateway.a2a.caller import caller_of
 from services.gateway.a2a.task_store import COLLECTION as TASKS
 from services.gateway.a2a.task_store import MeshTaskStore, TaskRecord
 from services.gateway.a2a.turns import agent_message, final_status, status_event, waiting_text
-from services.gateway.calling import OUTCOME_LINES, Answered, Failed, Waiting, outcome_of
+from services.gateway.calling import Answered, Failed, Waiting, outcome_of, turn_outcome
 from services.gateway.webhooks import SubscriptionRunner, WebhookWorker
 from yoke.core.ages import day_bucket
 from yoke.core.ids import derive_id
@@ -422,16 +422,14 @@ class TaskPushRunner(SubscriptionRunner):
         cursor = await self.worker.store.db[CURSORS].find_one({"_id": self.subscription.id})
         if cursor is None:
             return False
-        upto = int(cursor.get("seq", 0))
-        followed = follows[1]
-        if upto <= followed.seq:
-            return False
-        passed = await self.worker.store.history(
+        # However far after its line the end came (turn_outcome reads window after window).
+        ended = await turn_outcome(
+            self.worker.store,
             self.subscription.forum_id,
-            after_seq=followed.seq,
-            up_to_seq=min(upto, followed.seq + OUTCOME_LINES),
+            follows[1],
+            through=int(cursor.get("seq", 0)),
         )
-        return any(isinstance(outcome_of(followed, line), Answered | Failed) for line in passed)
+        return ended is not None
 
 
 def runner_for(
