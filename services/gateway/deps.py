@@ -21,6 +21,7 @@ from services.gateway.stream import Hub
 from services.gateway.tool_calls import ToolCallStates
 from services.gateway.webhooks import WebhookWorker
 from yoke.client import Client
+from yoke.core.metrics import STORE_ORIGIN
 from yoke.core.models import Conversation, WireModel
 from yoke.core.settings import Settings
 from yoke.runtime.catalog_store import ToolCatalog
@@ -57,6 +58,8 @@ for _reason in A2A_BAD_REQUEST_REASONS.values():
 RETRY_AFTER_SECONDS = 5
 # An open stream looks its token up again this often, idle or not (a revoked one ends it).
 TOKEN_CHECK_SECONDS = 1.0
+# The origin of the token watch's store reads in yoke_store_operations.
+TOKEN_WATCH_ORIGIN = "token-watch"
 
 Chunk = TypeVar("Chunk")
 
@@ -248,9 +251,13 @@ class TokenWatch:
         return unwatch
 
     async def _look(self, store: Store) -> None:
+        # Its reads are told apart from what requests cost (yoke_store_operations' origin).
+        STORE_ORIGIN.set(TOKEN_WATCH_ORIGIN)
         while self._watched:
             await asyncio.sleep(self.every)
             keys = list(self._watched)
+            if not keys:  # every stream and call ended meanwhile: nothing to look up
+                break
             try:
                 found = {
                     document["_id"]: document.get("hash")

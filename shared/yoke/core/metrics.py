@@ -43,7 +43,8 @@ STORE_OPERATIONS = Counter(
     "yoke_store_operations",
     "MongoDB commands sent, by service, command and origin (delivery: while handling a "
     "delivery; ownership: replica beats and live-set reads; outbox: writer beats and the "
-    "dead-writer sweep; background: the rest, start-up, health).",
+    "dead-writer sweep; token-watch: the gateway's look-ups of its open streams' tokens; "
+    "background: the rest, start-up, health).",
     ["service", "command", "origin"],
 )
 STORE_DOCUMENTS_READ = Counter(
