@@ -196,9 +196,10 @@ class Message(Document):
         return "\n".join(part.text for part in self.parts if isinstance(part, TextPart))
 
     def seen_outside(self) -> Message:
-        """The line as a reader outside the mesh gets it (the gateway's pages, stream and
-        webhooks): an agent's forum line without what it says of the monologue it was
-        forwarded from (that monologue's id, its seq, the monologue line that caused it)."""
+        """The line as a reader outside the mesh gets it (its event on ``yoke.forum``, which
+        bridges read, and the gateway's pages, stream and webhooks): an agent's forum line
+        without what it says of the monologue it was forwarded from (that monologue's id, its
+        seq, the monologue line that caused it)."""
         if self.role != "agent":
             return self
         meta = self.meta.model_copy(
