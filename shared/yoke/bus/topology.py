@@ -40,6 +40,8 @@ SUBMIT_COMMAND = "conversation.message.submit"
 TOOL_RESULT_COMMAND = "tool.result.submit"
 # A person's decision on a call that waits for approval (keyed by its callId too).
 APPROVAL_COMMAND = "tool.approval.submit"
+# A claim, cancel or timeout of an escalation (keyed by its forum, the conversationId).
+ESCALATION_COMMAND = "escalation.submit"
 
 # Tool workers: each worker tool NAME has the queue yoke.tool.NAME (quorum, competing consumers,
 # declared by the mesh only) and a RabbitMQ user (tool_user: tool-NAME on the default vhost,

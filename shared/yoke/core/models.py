@@ -131,6 +131,9 @@ class ForumNotice(WireModel):
     # Why (the processor's notice reason: "failed", "approval", "stopped", ...): a caller of a
     # published agent tells a turn that waits ("approval") from one that ended.
     reason: str | None = None
+    # An id the forum line is derived from instead of the monologue notice's: the notices of
+    # one event that every agent of the forum writes (a takeover) are one forum line.
+    once_for: str | None = None
 
 
 class MessageMeta(WireModel):
@@ -164,6 +167,10 @@ class MessageMeta(WireModel):
     # or will never be (a stop): whoever waits for a line's answer waits for the first agent
     # line in reply to it or covering it.
     covers_seq: int | None = Field(default=None, ge=1)
+    # On a person's ``/takeover`` line that claims an escalation: the escalation it claims.
+    escalation_id: str | None = None
+    # On a ``/handback`` line: the ``/takeover`` line whose hold it ends.
+    ends_hold: str | None = None
 
 
 class Usage(WireModel):
@@ -358,6 +365,61 @@ class ToolCallApproved(WireModel):
         return self.conversation_id
 
 
+EscalationUrgency = Literal["low", "normal", "high"]
+EscalationOutcome = Literal["handed_back", "timed_out", "canceled"]
+
+
+class EscalationOpened(WireModel):
+    """An agent asked for a person (its ``handoff`` tool): on ``yoke.forum`` for a helpdesk or
+    bridge to pick up; the agent says nothing in the forum until the escalation ends."""
+
+    TYPE: ClassVar[str] = "escalation.opened"
+
+    escalation_id: str
+    forum_id: str
+    agent_actor_id: str
+    reason: str
+    urgency: EscalationUrgency = "normal"
+    opened_at: datetime
+    # When it ends with the join's fallback unless someone claims it first.
+    deadline: datetime
+
+    @property
+    def key(self) -> str:
+        return self.forum_id
+
+
+class EscalationClaimed(WireModel):
+    """A person claimed an escalation: they hold the forum (a takeover) from now on."""
+
+    TYPE: ClassVar[str] = "escalation.claimed"
+
+    escalation_id: str
+    forum_id: str
+    by: CommandAuthor
+    claimed_at: datetime
+
+    @property
+    def key(self) -> str:
+        return self.forum_id
+
+
+class EscalationEnded(WireModel):
+    """An escalation is over: its holder handed the forum back, nobody claimed it in time, or
+    it was canceled."""
+
+    TYPE: ClassVar[str] = "escalation.ended"
+
+    escalation_id: str
+    forum_id: str
+    outcome: EscalationOutcome
+    ended_at: datetime
+
+    @property
+    def key(self) -> str:
+        return self.forum_id
+
+
 EventPayload = (
     MessagePosted
     | AgentForumJoined
@@ -367,6 +429,9 @@ EventPayload = (
     | ApprovalRequested
     | ApprovalDecided
     | ToolCallApproved
+    | EscalationOpened
+    | EscalationClaimed
+    | EscalationEnded
 )
 EVENT_TYPES: dict[str, type[EventPayload]] = {
     model.TYPE: model
@@ -379,6 +444,9 @@ EVENT_TYPES: dict[str, type[EventPayload]] = {
         ApprovalRequested,
         ApprovalDecided,
         ToolCallApproved,
+        EscalationOpened,
+        EscalationClaimed,
+        EscalationEnded,
     )
 }
 
@@ -544,6 +612,10 @@ class SubmitMessage(WireModel):
     idempotency_key: CommandKey
     meta: dict[str, JsonValue] | None = None
     kept: KeptForum | None = None
+    # On a ``/takeover`` or ``/handback`` line from the mesh's own user (the CLI) or the HTTP
+    # gateway (a token made with ``--can-take-over``): its author may hold any forum. Ignored
+    # from anyone else, whose holds the join's ``takeoverBy`` allows.
+    hold_granted: bool = False
 
     @field_validator("meta")
     @classmethod
@@ -583,6 +655,13 @@ RejectCode = Literal[
     "not_allowed",
     "already_decided",
     "not_awaiting_approval",
+    # /takeover into a forum someone holds; /handback of a forum nobody holds
+    "held",
+    "not_held",
+    # escalation.submit only (see SubmitEscalation)
+    "unknown_escalation",
+    "already_claimed",
+    "escalation_ended",
 ]
 
 
@@ -648,5 +727,22 @@ class SubmitApproval(WireModel):
     by: CommandAuthor
 
 
-# ApprovalDecided names CommandAuthor, defined with the commands below it.
+EscalationAction = Literal["claim", "cancel", "timeout"]
+
+
+class SubmitEscalation(WireModel):
+    """``escalation.submit``: claim an escalation (its claimer takes the forum over), cancel
+    it, or end it at its deadline (the follow-up service). Keyed by the forum
+    (``conversationId``), so it is decided in that forum's lane at the door; taken only from
+    the mesh's own user (the CLI, the follow-up service) and the HTTP gateway."""
+
+    conversation_id: CommandId
+    escalation_id: CommandId
+    action: EscalationAction
+    # Who claims or cancels (absent for a timeout).
+    by: CommandAuthor | None = None
+
+
+# ApprovalDecided and EscalationClaimed name CommandAuthor, defined with the commands below.
 ApprovalDecided.model_rebuild()
+EscalationClaimed.model_rebuild()

@@ -13,6 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 STOP = "/stop"  # the line a stop submits, and the command's name
+# A person holds the forum (its agents post nothing there) until someone hands it back
+# (docs/people-take-over.md); the door decides who may type them.
+TAKEOVER = "/takeover"
+HANDBACK = "/handback"
+HOLD_COMMANDS = (TAKEOVER, HANDBACK)
 
 
 @dataclass(frozen=True)
@@ -33,3 +38,9 @@ def slash_command(text: str) -> SlashCommand | None:
 def is_stop(text: str) -> bool:
     command = slash_command(text)
     return command is not None and command.name == STOP
+
+
+def hold_command(text: str) -> SlashCommand | None:
+    """The ``/takeover`` or ``/handback`` that ``text`` is, or None."""
+    command = slash_command(text)
+    return command if command is not None and command.name in HOLD_COMMANDS else None

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import time
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
 from yoke.core.models import Message, WireModel
 from yoke.llm.base import ScriptedOutput
 from yoke.runtime.join_config import (
+    DEFAULT_HANDOFF_SECONDS,
+    AfterHandback,
     ApprovalConfig,
+    HandoffFallback,
     JoinConfig,
     WhileBusy,
     load_versioned_join_config,
@@ -73,6 +76,12 @@ class ProcessorConfig(WireModel):
     approval: ApprovalConfig | None = None
     # What ``/model NAME`` may switch to besides ``model`` (the join's ``allowedModels``).
     allowed_models: list[str] = Field(default_factory=list)
+    # A held forum handed back (docs/people-take-over.md): speak first, or wait.
+    after_handback: AfterHandback = "wait"
+    # The built-in handoff tool offered, how long its escalation waits, and what ends it then.
+    handoff: bool = False
+    handoff_timeout_seconds: float = DEFAULT_HANDOFF_SECONDS
+    handoff_fallback: HandoffFallback = "resume"
 
     def allowed(self) -> list[str]:
         """The models this join may run: its own, then those it allows."""
@@ -115,6 +124,10 @@ JOIN_TUNABLES = (
     "while_busy",
     "approval",
     "allowed_models",
+    "after_handback",
+    "handoff",
+    "handoff_timeout_seconds",
+    "handoff_fallback",
 )
 
 
@@ -187,6 +200,36 @@ class WaitTold(WireModel):
 WAIT_TOLD_AGAIN_SECONDS = 300.0
 
 
+class HoldMark(Progress):
+    """The forum is held (docs/people-take-over.md): from this monologue line on the agent
+    steps on nothing. ``person``: someone took it over (``line_id``, the forum's ``/takeover``);
+    ``escalation``: the agent asked for a person and waits for the escalation to end."""
+
+    kind: Literal["person", "escalation"]
+    by: str  # who holds it (a person's name; the agent's own for an escalation)
+    line_id: str | None = None
+    escalation_id: str | None = None
+
+
+class HeldSpan(WireModel):
+    """Monologue lines said while the forum was held: shown to the model as what happened, not
+    as lines to answer one by one."""
+
+    conversation_id: str
+    from_seq: int
+    to_seq: int
+    by: str
+
+    def holds(self, line: Message) -> bool:
+        return (
+            line.conversation_id == self.conversation_id
+            and self.from_seq <= line.seq <= self.to_seq
+        )
+
+
+MAX_HELD_SPANS = 20
+
+
 class ProcessorState(WireModel):
     """What the processor's lane saves after a step (one writer: the lane)."""
 
@@ -206,6 +249,10 @@ class ProcessorState(WireModel):
     # Set by a round's step, cleared once its results are answered (or it is found lost).
     open_round: RoundMark | None = None
     wait_told: WaitTold | None = None
+    # The forum is held: the agent steps on nothing until it is handed back.
+    held: HoldMark | None = None
+    # The last holds' lines, for the prompt (the newest MAX_HELD_SPANS).
+    held_spans: list[HeldSpan] = Field(default_factory=list, max_length=MAX_HELD_SPANS)
 
 
 class IngestionConfig(WireModel):

@@ -130,6 +130,14 @@ class ApprovalConfig(StrictWireModel):
 # model call in flight.
 WhileBusy = Literal["queue", "coalesce", "interrupt"]
 
+# Once people hand a held forum back (docs/people-take-over.md): the agent waits for the next
+# line, or speaks first with a summary of what was said meanwhile.
+AfterHandback = Literal["wait", "summarize"]
+# What ends an escalation nobody claimed in time: the agent resumes, told that nobody came, or
+# the forum is told so and the agent waits for the next line.
+HandoffFallback = Literal["resume", "notice"]
+DEFAULT_HANDOFF_SECONDS = 900.0
+
 
 GuardianPolicy = Annotated[RulePolicy | NoProgressPolicy | LlmPolicy, Field(discriminator="kind")]
 
@@ -170,6 +178,17 @@ class JoinConfig(StrictWireModel):
     follow_up: FollowUpConfig | None = None
     guardian: GuardianConfig | None = None
     approval: ApprovalConfig | None = None
+    # People (external ids as the door names them: cli:ana, a bridge's person, a token's) who
+    # may type /takeover and /handback in the forum; the CLI and tokens made with
+    # --can-take-over may anyway.
+    takeover_by: list[Annotated[str, Field(min_length=1, max_length=400)]] | None = Field(
+        default=None, max_length=100
+    )
+    after_handback: AfterHandback | None = None
+    # The built-in handoff tool: the agent may ask for a person (an escalation).
+    handoff: bool | None = None
+    handoff_timeout_seconds: float | None = Field(default=None, gt=0, le=30 * 86400)
+    handoff_fallback: HandoffFallback | None = None
     # The replies of the ``fixture-script`` model, in order (tests and demos).
     script: list[ScriptedOutput] | None = Field(default=None, max_length=1000)
 
