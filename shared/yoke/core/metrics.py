@@ -181,6 +181,37 @@ PENDING_APPROVALS = Gauge(
     "Calls waiting for a person's decision, as stored (the processor replica that sweeps the "
     "open calls reports it, the others 0: aggregate with max).",
 )
+# People take over (docs/people-take-over.md).
+HOLDS = Counter(
+    "yoke_forum_holds",
+    "Takeovers and hand-backs the door carried out, by what (takeover, handback).",
+    ["what"],
+)
+FORUMS_HELD = Gauge(
+    "yoke_forums_held",
+    "Forums a person holds, as stored (the follow-up replica that sweeps escalations reports "
+    "it, the others 0: aggregate with max).",
+)
+ESCALATIONS_OPEN = Gauge(
+    "yoke_escalations_open",
+    "Escalations waiting for a person to claim them, as stored (reported like yoke_forums_held).",
+)
+ESCALATION_OLDEST_OPEN_SECONDS = Gauge(
+    "yoke_escalation_oldest_open_seconds",
+    "Age of the oldest unclaimed escalation (0 when none), as stored (reported like "
+    "yoke_forums_held).",
+)
+ESCALATIONS_OPENED = Counter("yoke_escalations_opened", "Escalations agents opened (handoff).")
+ESCALATIONS_ENDED = Counter(
+    "yoke_escalations_ended",
+    "Escalations by how they ended: claimed (a person took over), timed_out, canceled.",
+    ["outcome"],
+)
+ESCALATION_CLAIM_SECONDS = Histogram(
+    "yoke_escalation_claim_seconds",
+    "From an escalation's opening to its claim.",
+    buckets=(5, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 4 * 3600, 86400),
+)
 DOOM_LOOPS = Counter(
     "yoke_doom_loops", "Tool calls refused as a repeat of the same call.", ["tool"]
 )
@@ -308,6 +339,8 @@ PROCESSOR_NOTICES = ("budget", "provider", "doom_loop", "approval", "unpriced", 
 APPROVAL_DECISIONS = ("approve", "reject", "expired", "stopped")
 GUARDIAN_NOTICES = ("guardian",)
 CANCEL_REASONS = ("interrupt", "stop")
+ESCALATION_ENDS = ("claimed", "timed_out", "canceled")
+HOLD_CHANGES = ("takeover", "handback")
 TRACE_DROP_REASONS = ("queue_full", "export_failed", "held_full")
 MODEL_SERVICES = frozenset({"processor", "guardian"})
 
@@ -338,6 +371,11 @@ def initialize(service: str, prices: Iterable[str] = ()) -> None:
     if service in ("processor", "ingestion"):  # the reaper decides expiries, the door the rest
         for decision in APPROVAL_DECISIONS:
             APPROVALS_DECIDED.labels(decision)
+    if service == "ingestion":  # the door carries out holds and escalations' decisions
+        for what in HOLD_CHANGES:
+            HOLDS.labels(what)
+        for outcome in ESCALATION_ENDS:
+            ESCALATIONS_ENDED.labels(outcome)
     if service == "guardian":
         for reason in GUARDIAN_NOTICES:
             NOTICES.labels(reason)
