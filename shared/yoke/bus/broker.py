@@ -29,7 +29,7 @@ from yoke.bus import amqp_nodes, topology
 from yoke.bus.dead_letters import declare_dead_letter_queue
 from yoke.core import tracing
 from yoke.core.errors import Transient
-from yoke.core.models import Envelope
+from yoke.core.models import Envelope, EventPayload
 
 log = logging.getLogger(__name__)
 
@@ -415,6 +415,13 @@ class Bus:
             message_id=envelope.id,
             headers=_event_headers(envelope, key, headers),
             expiration=expiration,
+        )
+
+    async def publish_forum_event(self, event_id: str, payload: EventPayload) -> None:
+        """A domain event routed like a forum's lines (yoke-kind forum, keyed by its forum): it
+        reaches ``yoke.forum``, what bridges and the gateway's streams read, as well."""
+        await self.publish_event(
+            Envelope.wrap(event_id, payload), payload.key, {topology.KIND_HEADER: "forum"}
         )
 
     async def publish_hint(

@@ -28,7 +28,6 @@ from typing import Any
 
 from pydantic import Field, JsonValue
 
-from yoke.bus import topology
 from yoke.core import tracing
 from yoke.core.ids import derive_id
 from yoke.core.metrics import APPROVAL_SECONDS, APPROVALS_DECIDED, APPROVALS_REQUESTED, tool_label
@@ -261,9 +260,7 @@ class Approvals:
 
     async def _publish_forum(self, payload: EventPayload, event_id: str) -> None:
         """On ``yoke.forum`` (yoke-kind forum, keyed by the forum), like the forum's lines."""
-        await self.open_calls.poster.bus.publish_event(
-            Envelope.wrap(event_id, payload), payload.key, {topology.KIND_HEADER: "forum"}
-        )
+        await self.open_calls.poster.bus.publish_forum_event(event_id, payload)
 
 
 def _name(by: CommandAuthor | None) -> str:
