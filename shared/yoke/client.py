@@ -20,9 +20,11 @@ from yoke.core.ids import new_id
 from yoke.core.models import (
     CommandAuthor,
     Envelope,
+    EscalationAction,
     Message,
     MessagePosted,
     SubmitApproval,
+    SubmitEscalation,
     SubmitMessage,
     SubmitReply,
 )
@@ -106,13 +108,17 @@ class Client:
         display_name: str,
         idempotency_key: str | None = None,
         reply_timeout: float = 30.0,
+        hold_granted: bool = False,
     ) -> SubmitReply:
-        """Publish ``conversation.message.submit`` and wait for the door's answer."""
+        """Publish ``conversation.message.submit`` and wait for the door's answer
+        (``hold_granted``: a ``/takeover`` or ``/handback`` the door takes from the mesh's own
+        users whoever the person is)."""
         command = SubmitMessage(
             conversation_id=forum_id,
             author=CommandAuthor(external_id=external_id, display_name=display_name),
             text=text,
             idempotency_key=idempotency_key or new_id(),
+            hold_granted=hold_granted,
         )
         return await self.submit_raw(
             command.model_dump_json(exclude_none=True).encode(), reply_timeout
@@ -185,6 +191,30 @@ class Client:
             command.model_dump_json(exclude_none=True).encode(),
             reply_timeout,
             routing_key=topology.APPROVAL_COMMAND,
+            user_id=user_id,
+            publish_timeout=publish_timeout,
+        )
+
+    async def submit_escalation(
+        self,
+        forum_id: str,
+        escalation_id: str,
+        action: EscalationAction,
+        by: CommandAuthor | None = None,
+        *,
+        user_id: str | None = None,
+        reply_timeout: float = 30.0,
+        publish_timeout: float | None = None,
+    ) -> SubmitReply:
+        """Publish ``escalation.submit`` (claim, cancel or timeout) and wait for the door's
+        answer: the first decision stands, and a claim's answer names its ``/takeover`` line."""
+        command = SubmitEscalation(
+            conversation_id=forum_id, escalation_id=escalation_id, action=action, by=by
+        )
+        return await self.submit_raw(
+            command.model_dump_json(exclude_none=True).encode(),
+            reply_timeout,
+            routing_key=topology.ESCALATION_COMMAND,
             user_id=user_id,
             publish_timeout=publish_timeout,
         )

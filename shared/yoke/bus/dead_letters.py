@@ -276,7 +276,12 @@ def replay_target(headers: Mapping[str, object], routing_key: str) -> tuple[str,
 
 
 _COMMANDS = frozenset(
-    {topology.SUBMIT_COMMAND, topology.TOOL_RESULT_COMMAND, topology.APPROVAL_COMMAND}
+    {
+        topology.SUBMIT_COMMAND,
+        topology.TOOL_RESULT_COMMAND,
+        topology.APPROVAL_COMMAND,
+        topology.ESCALATION_COMMAND,
+    }
 )
 
 
