@@ -3,17 +3,31 @@
 Forum lines of joins that have follow-up arrive as ``conversation.message.posted`` (routed by
 ``topology.FOLLOWED_HEADER``: other joins' lines cost this service nothing); the scheduler, the
 service's background work, fires what is due while the service consumes (its nudges need the
-broker).
+broker). Beside it, one replica ends the escalations nobody claimed in time (``escalations``).
 """
 
 from __future__ import annotations
 
+from services.followup.escalations import LiveSet, sweep_escalations
 from services.followup.scheduler import FollowUps, decision_rule
 from yoke.core.models import MessagePosted
 from yoke.runtime.service import Service
 
 # The scheduler's name in the log and in /healthz ("follow-up scheduler stopped: ...").
 SCHEDULER = "follow-up scheduler"
+ESCALATION_SWEEP = "escalation sweep"
+
+
+def live_followups(service: Service) -> LiveSet:
+    """This replica and the live ones (its shards' owners), among whom one sweeps."""
+
+    def found() -> tuple[str, list[str]] | None:
+        ownership = service.ownership
+        if ownership is None or not ownership.live:
+            return None
+        return ownership.id, ownership.live
+
+    return found
 
 
 def register(service: Service) -> None:
@@ -28,3 +42,9 @@ def register(service: Service) -> None:
         where=[{"kind": "forum", "type": "message", "followed": "yes"}],
     )
     service.background(SCHEDULER, lambda: followups.run(service.stopping))
+    service.background(
+        ESCALATION_SWEEP,
+        lambda: sweep_escalations(
+            service.store, service.settings.amqp_url, live_followups(service), service.stopping
+        ),
+    )
