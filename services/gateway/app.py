@@ -7,7 +7,9 @@ streams a forum's events from ``yoke.events``. It never writes a message itself.
 Routes: ``/v1/forums/{forumId}/messages`` (POST, GET), ``/v1/forums/{forumId}/stream`` (SSE),
 ``/v1/forums/{forumId}/stop`` (the line ``/stop``), ``/v1/forums/{forumId}/approvals`` (GET, and
 POST ``/{callId}``: ``tool.approval.submit``, for tokens made with ``--can-approve``),
-``/openapi.json``; ``/healthz`` and ``/metrics`` need no token.
+``/v1/forums/{forumId}/takeover`` and ``/handback`` and ``/v1/escalations`` (for tokens made with
+``--can-take-over``: :mod:`services.gateway.holds`), ``/openapi.json``; ``/healthz`` and
+``/metrics`` need no token.
 """
 
 from __future__ import annotations
@@ -16,25 +18,29 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import re
 import signal
 import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BeforeValidator, Field, ValidationError
+from pydantic import BeforeValidator, Field
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
-from services.gateway import a2a, bodies, console, mcp_door, submitting
+from services.gateway import a2a, bodies, console, holds, mcp_door, submitting
+from services.gateway.bodies import (
+    check_idempotency_key,
+    json_body,
+    json_request,
+)
 from services.gateway.deps import (
     REQUEST_SECONDS,
     REQUESTS,
@@ -52,13 +58,13 @@ from services.gateway.deps import (
 )
 from services.gateway.limits import MAX_HEADER_BYTES, REFUSALS, gateway_protocol
 from services.gateway.stream import BindTimeout, ForumStream, Hub
+from services.gateway.submitting import Accepted, accepted
 from services.gateway.webhooks import WebhookWorker
 from yoke.bus.amqp_nodes import amqp_user
 from yoke.client import Client
 from yoke.core import tracing
-from yoke.core.errors import EXIT_MISCONFIGURED, describe_validation_error, is_transient
+from yoke.core.errors import EXIT_MISCONFIGURED, is_transient
 from yoke.core.hardening import make_undumpable
-from yoke.core.json_limits import MAX_BODY_DEPTH, nesting_depth
 from yoke.core.logs import configure_logging
 from yoke.core.metrics import exposition
 from yoke.core.models import (
@@ -67,10 +73,8 @@ from yoke.core.models import (
     CommandAuthor,
     Conversation,
     Message,
-    SubmitReply,
     WireModel,
     check_storable,
-    unstorable,
 )
 from yoke.core.redact import redact
 from yoke.core.settings import Settings
@@ -83,14 +87,10 @@ log = logging.getLogger(__name__)
 
 # An external id as a caller sends it; namespaced by its token's name before it goes on.
 MAX_EXTERNAL_ID_CHARS = 128
-MAX_IDEMPOTENCY_KEY_CHARS = 128
 MAX_PAGE = 1000
 # Above any seq a store can hold (BSON's int64), and short enough to parse in constant time.
 MAX_SEQ = 2**62
 SEQ_PATTERN = re.compile(r"[0-9]{1,18}")
-# An Idempotency-Key is visible ASCII and spaces: header bytes past ASCII mean different
-# characters to different clients.
-IDEMPOTENCY_KEY_PATTERN = re.compile(r"[\x20-\x7e]+")
 # Lines a page reads from the store at once, counted against YOKE_GATEWAY_MAX_RESPONSE_BYTES.
 PAGE_READ_LINES = 100
 
@@ -111,11 +111,6 @@ class PostMessage(WireModel):
     text: Annotated[str, Field(min_length=1), BeforeValidator(check_storable)]
 
 
-class Accepted(WireModel):
-    message_id: str
-    duplicate: bool
-
-
 class MessagesPage(WireModel):
     messages: list[Message]
 
@@ -131,83 +126,6 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 api = APIRouter(prefix="/v1")
-BodyModel = TypeVar("BodyModel", bound=WireModel)
-
-
-def json_body(model: type[WireModel]) -> dict[str, Any]:
-    """A route's required JSON body in the OpenAPI document (routes parse it themselves, with
-    :func:`json_request`, to answer bad input as the AMQP door does)."""
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": model.model_json_schema(by_alias=True)}},
-        }
-    }
-
-
-async def json_request(request: Request, limit: int, model: type[BodyModel]) -> BodyModel:
-    """The request's body as ``model``: read as every door reads one (:func:`bodies.read_body`:
-    413, 408), then 415 unless it is ``application/json``, then :func:`parse_body`'s 400s."""
-    timeout = gateway(request).settings.gateway_header_timeout_seconds
-    body = await bodies.read_body(request, limit, timeout)
-    media_type, _, parameters = request.headers.get("content-type", "").partition(";")
-    charset = parameters.strip().lower().removeprefix("charset=").strip('"')
-    if media_type.strip().lower() != "application/json" or charset not in ("", "utf-8"):
-        raise ApiError(
-            415, "unsupported_media_type", "the body must be JSON: Content-Type application/json"
-        )
-    return parse_body(body, model)
-
-
-def _no_constants(name: str) -> object:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite(text: str) -> float:
-    number = float(text)
-    if not math.isfinite(number):
-        raise ValueError(f"{text[:20]} is out of a number's range")
-    return number
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    found: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in found:
-            raise ValueError(f"key {key[:40]!r} appears twice")
-        found[key] = value
-    return found
-
-
-def parse_body(body: bytes, model: type[BodyModel]) -> BodyModel:
-    """A JSON object body as ``model``, or a 400 naming what is wrong with it: as strict as the
-    AMQP door (UTF-8, depth, no NaN or Infinity), and stricter where JSON is ambiguous (a key
-    twice, a number past a float's range)."""
-    try:
-        text = body.decode()
-    except UnicodeDecodeError as error:
-        raise ApiError(
-            400, "invalid_body", f"body is not valid UTF-8 ({error.reason} at byte {error.start})"
-        ) from error
-    if nesting_depth(body) > MAX_BODY_DEPTH:
-        raise ApiError(
-            400, "invalid_body", f"body is nested too deeply (more than {MAX_BODY_DEPTH} levels)"
-        )
-    try:
-        data = json.loads(
-            text,
-            parse_constant=_no_constants,
-            parse_float=_finite,
-            object_pairs_hook=_unique_keys,
-        )
-    except ValueError as error:
-        raise ApiError(400, "invalid_body", f"body is not valid JSON: {error}") from error
-    if not isinstance(data, dict):
-        raise ApiError(400, "invalid_body", "body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as error:
-        raise ApiError(400, "invalid_body", describe_validation_error(error)) from error
 
 
 @api.post(
@@ -248,34 +166,11 @@ async def post_message(
     return accepted(await submitting.submit_line(state, command))
 
 
-def check_idempotency_key(request: Request, idempotency_key: str | None) -> None:
-    """One key of 1-128 visible ASCII characters (or none): two keys, or bytes past ASCII,
-    would mean different lines to different readers of the same request."""
-    if len(request.headers.getlist("idempotency-key")) > 1:
-        raise ApiError(400, "invalid_idempotency_key", "send one Idempotency-Key, not several")
-    if idempotency_key is not None and (
-        not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS
-        or not IDEMPOTENCY_KEY_PATTERN.fullmatch(idempotency_key)
-        or unstorable(idempotency_key)
-    ):
-        raise ApiError(
-            400,
-            "invalid_idempotency_key",
-            f"Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY_CHARS} characters of visible ASCII",
-        )
-
-
 def person(token: Token, author: PostAuthor) -> CommandAuthor:
     """One of the token's people, as the door knows them (their id in its namespace)."""
     return CommandAuthor(
         external_id=token.namespaced(author.external_id), display_name=author.display_name
     )
-
-
-def accepted(reply: SubmitReply) -> JSONResponse:
-    assert reply.message_id is not None
-    body = Accepted(message_id=reply.message_id, duplicate=bool(reply.duplicate))
-    return JSONResponse(body.to_wire(), status_code=202)
 
 
 class PostStop(WireModel):
@@ -523,7 +418,9 @@ def _page(encoded: list[bytes]) -> bytes:
             "inReplyTo, index, text, end?}; no `id:`, not replayed after a reconnect), and "
             "`approval` (a tool call waiting for a decision, then its decision: `type` "
             "tool.approval.requested or tool.approval.decided; the request's `input` only for a "
-            "token made with --can-approve; no `id:`).",
+            "token made with --can-approve; no `id:`), and `escalation.opened`, "
+            "`escalation.claimed`, `escalation.ended` (an agent asked for a person, someone "
+            "claimed it, it is over; no `id:`, not replayed: GET /v1/escalations lists them).",
             "content": {"text/event-stream": {}},
         },
     },
@@ -756,6 +653,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return Response(body, media_type=content_type)
 
     app.include_router(api)
+    app.include_router(holds.router)
     app.include_router(console.router)
     mcp_door.mount(app, settings)
     a2a.mount(app)

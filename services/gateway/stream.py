@@ -9,13 +9,17 @@ while the forum is quiet. Every read is a bounded range by seq (invariant 11).
 Only forum events reach the queue: it is bound on ``yoke.forum`` (what bridges read) by routing
 key to the forum ids being watched
 (``conversation.message.posted.<forum>``, ``agent.activity.<forum>``, ``agent.delta.<forum>``,
-``tool.approval.requested.<forum>``, ``tool.approval.decided.<forum>``), so a monologue's lines
-can never appear on a forum's stream.
+``tool.approval.requested.<forum>``, ``tool.approval.decided.<forum>``,
+``escalation.opened|claimed|ended.<forum>``), so a monologue's lines can never appear on a
+forum's stream.
 
 Approvals (``tool.approval.requested``, ``tool.approval.decided``) are passed on as they come,
 as ``approval`` events: like drafts they are not replayed (``GET .../approvals`` is what waits),
 and a stream whose token may not decide gets each request without the tool's ``input`` (the one
-piece of a monologue that leaves the mesh goes to the forum's approvers only).
+piece of a monologue that leaves the mesh goes to the forum's approvers only). Escalations
+(``escalation.opened``, ``escalation.claimed``, ``escalation.ended``) are passed on the same way,
+each as an event of its own name: what the agent asked a person for and who came, never its
+call or monologue (``GET /v1/escalations`` is what is open).
 
 Drafts (``agent.delta``) are passed on as they come, never stored or replayed: a stream that
 opens mid-answer sends the deltas from then on, and then the line. A slow client's deltas are
@@ -53,6 +57,9 @@ from yoke.core.models import (
     ApprovalDecided,
     ApprovalRequested,
     Envelope,
+    EscalationClaimed,
+    EscalationEnded,
+    EscalationOpened,
     Message,
     MessagePosted,
 )
@@ -87,7 +94,15 @@ DELTAS_DROPPED = Counter(
     "agent.delta events not sent to a stream whose client read too slowly",
 )
 
-StreamItem = MessagePosted | AgentActivity | AgentDelta | ApprovalRequested | ApprovalDecided
+EscalationEvent = EscalationOpened | EscalationClaimed | EscalationEnded
+StreamItem = (
+    MessagePosted
+    | AgentActivity
+    | AgentDelta
+    | ApprovalRequested
+    | ApprovalDecided
+    | EscalationEvent
+)
 # The events a stream's queue is bound to, per forum.
 STREAMED_EVENTS = (
     MessagePosted.TYPE,
@@ -95,6 +110,9 @@ STREAMED_EVENTS = (
     AgentDelta.TYPE,
     ApprovalRequested.TYPE,
     ApprovalDecided.TYPE,
+    EscalationOpened.TYPE,
+    EscalationClaimed.TYPE,
+    EscalationEnded.TYPE,
 )
 
 
@@ -320,7 +338,10 @@ class Hub:
             return
         if isinstance(payload, MessagePosted):
             forum_id = payload.conversation_id
-        elif isinstance(payload, AgentActivity | AgentDelta | ApprovalRequested | ApprovalDecided):
+        elif isinstance(
+            payload,
+            AgentActivity | AgentDelta | ApprovalRequested | ApprovalDecided | EscalationEvent,
+        ):
             forum_id = payload.forum_id
         else:
             return
@@ -370,6 +391,13 @@ def approval_event(approval: ApprovalRequested | ApprovalDecided, *, with_input:
     if not with_input:
         body.pop("input", None)
     return sse("approval", json.dumps(body, separators=(",", ":")))
+
+
+def escalation_event(escalation: EscalationEvent) -> bytes:
+    """An event named by its type (``escalation.opened``, ``.claimed``, ``.ended``); no id, as
+    for approvals. Its payload names the agent, its reason and who claimed: nothing of the
+    monologue the agent asked from."""
+    return sse(escalation.TYPE, json.dumps(escalation.to_wire(), separators=(",", ":")))
 
 
 class ForumStream:
@@ -425,6 +453,8 @@ class ForumStream:
                 yield delta_event(item)
             elif isinstance(item, ApprovalRequested | ApprovalDecided):
                 yield approval_event(item, with_input=self.approver)
+            elif isinstance(item, EscalationEvent):
+                yield escalation_event(item)
             elif item.seq == self.cursor + 1:
                 yield message_event(item.message)
                 self.cursor = item.seq

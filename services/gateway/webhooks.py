@@ -22,6 +22,12 @@ lost wake-up costs at most one poll interval and a restart resumes where the cur
   The operator's own webhooks (``yoke webhook add``) are the operator's word and go out as set.
 - **Isolation.** Each subscription runs as its own task with its own request timeout: a
   receiver that hangs holds up only its own subscription.
+- **Escalations.** ``escalation.opened|claimed|ended`` of a subscription's forum are POSTed
+  too, each as ``{"event": <its type>, "escalation": ...}`` with a delivery id of its own, when
+  the process holding the subscription hears them: wake-ups, not lines, so they come beside
+  the lines (not in their order), a few tries each (:data:`EVENT_TRIES`), never dead-lettered,
+  and one the holder did not hear (a broker reconnect, a lease changing hands) is not sent:
+  ``GET /v1/escalations`` is what is open. Operator's webhooks only (not a task's push).
 - **One replica per subscription** (docs/architecture.md, invariant 8). Replicas hold subscriptions
   by leases made of unique inserts, one document per time bucket of ``YOKE_WEBHOOK_LEASE_SECONDS``:
   the holder of the current bucket claims the next one ahead of time, so nobody else can; others
@@ -36,7 +42,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import aio_pika
@@ -50,7 +58,16 @@ from yoke.bus.broker import Bus, ensure_forum_exchange
 from yoke.core.ages import BUCKET_FIELD, hour_bucket
 from yoke.core.ids import derive_id, new_id
 from yoke.core.metrics import LATENCY_BUCKETS
-from yoke.core.models import Envelope, Message, MessagePosted, utcnow
+from yoke.core.models import (
+    Envelope,
+    EscalationClaimed,
+    EscalationEnded,
+    EscalationOpened,
+    Message,
+    MessagePosted,
+    WireModel,
+    utcnow,
+)
 from yoke.core.outbound import RefusedRequest, guard_for, guarded_client
 from yoke.core.redact import redact
 from yoke.core.settings import Settings
@@ -122,6 +139,20 @@ ROUTE_EXCHANGE = "yoke.gateway.webhooks.route"
 ERROR_CHARS = 300
 # Longest a stopping process spends handing its subscriptions over (the store may be away).
 RELEASE_SECONDS = 5.0
+# Escalation events waiting to be POSTed to one subscription (past it the oldest goes), and
+# the tries each gets, one per step of its runner.
+EVENT_BACKLOG = 100
+EVENT_TRIES = 3
+EscalationEvent = EscalationOpened | EscalationClaimed | EscalationEnded
+ESCALATION_EVENTS = (EscalationOpened.TYPE, EscalationClaimed.TYPE, EscalationEnded.TYPE)
+EVENT_DELIVERIES = Counter(
+    "yoke_webhook_event_deliveries",
+    "Escalation events POSTed to webhooks, by outcome: delivered (2xx), retried (tried again "
+    "at the runner's next step), dropped (past its tries, or the backlog).",
+    ["outcome"],
+)
+for _outcome in ("delivered", "retried", "dropped"):
+    EVENT_DELIVERIES.labels(_outcome)
 # Longest wait of a runner whose steps keep failing (the store away, say): from REFRESH_SECONDS.
 STEP_BACKOFF_CAP_SECONDS = 60.0
 
@@ -213,6 +244,23 @@ class Leases:
             return found is not None and found.get("holder") == self.holder
 
 
+class EventDelivery(WireModel):
+    """The body of an escalation event's POST."""
+
+    delivery_id: str
+    subscription_id: str
+    forum_id: str
+    event: str  # escalation.opened, escalation.claimed or escalation.ended
+    escalation: dict[str, object]
+
+
+@dataclass
+class WaitingEvent:
+    delivery_id: str
+    body: bytes
+    tries: int = 0
+
+
 class SubscriptionRunner:
     """Delivers one subscription while this process holds it."""
 
@@ -220,12 +268,59 @@ class SubscriptionRunner:
         self.worker = worker
         self.subscription = subscription
         self.woken = asyncio.Event()
+        # Escalation events heard for its forum, to be POSTed at its next step.
+        self.events: deque[WaitingEvent] = deque()
         # Subscriptions never change: a URL nothing can be delivered to is found once.
         self.url_problem = url_problem(subscription.url)
         self._url_reported = False
 
     def wake(self) -> None:
         self.woken.set()
+
+    def wants_events(self) -> bool:
+        """Whether escalation events are POSTed to it: the operator's webhooks, not a task's
+        push (which reports one task's turn)."""
+        return self.subscription.task_id is None
+
+    def offer_event(self, event_id: str, payload: EscalationEvent) -> None:
+        """An escalation event of its forum, to be POSTed at its next step (signed as a line
+        is, its delivery id derived from the event's)."""
+        delivery = derive_id("webhook-event", self.subscription.id, event_id)
+        if any(waiting.delivery_id == delivery for waiting in self.events):
+            return  # the event came twice
+        body = EventDelivery(
+            delivery_id=delivery,
+            subscription_id=self.subscription.id,
+            forum_id=self.subscription.forum_id,
+            event=payload.TYPE,
+            escalation=payload.to_wire(),
+        )
+        if len(self.events) >= EVENT_BACKLOG:
+            self.events.popleft()
+            EVENT_DELIVERIES.labels("dropped").inc()
+        self.events.append(WaitingEvent(delivery, body.model_dump_json().encode()))
+        self.wake()
+
+    async def _send_events(self) -> None:
+        """Each waiting event once; one that fails waits for the next step, up to its tries."""
+        for waiting in [self.events.popleft() for _ in range(len(self.events))]:
+            if self.worker.stopping.is_set():
+                return
+            status, error, _ = await self._post(waiting.delivery_id, waiting.body)
+            waiting.tries += 1
+            if status is not None and 200 <= status < 300:
+                EVENT_DELIVERIES.labels("delivered").inc()
+            elif waiting.tries < EVENT_TRIES and (status is None or status >= 500):
+                EVENT_DELIVERIES.labels("retried").inc()
+                self.events.append(waiting)
+            else:
+                EVENT_DELIVERIES.labels("dropped").inc()
+                log.warning(
+                    "webhook %s: escalation event %s not delivered: %s",
+                    self.subscription.id,
+                    waiting.delivery_id,
+                    error,
+                )
 
     async def run(self) -> None:
         failures = 0
@@ -263,6 +358,9 @@ class SubscriptionRunner:
             await self._report_bad_url(cursor, self.url_problem)
             await self._pause(POLL_SECONDS)
             return
+        if self.events:
+            self.woken.clear()
+            await self._send_events()
         if cursor.retry_at is not None:
             wait = (cursor.retry_at - utcnow()).total_seconds()
             if wait > 0:
@@ -272,7 +370,9 @@ class SubscriptionRunner:
         self.woken.clear()
         head = await worker.store.last_seq(subscription.forum_id)
         if cursor.seq >= head:
-            await self._pause(POLL_SECONDS, wakeable=True)
+            # An escalation event to try again is tried after a backoff, not a whole poll.
+            wait = worker.settings.webhook_backoff_seconds if self.events else POLL_SECONDS
+            await self._pause(wait, wakeable=True)
             return
         lines = await worker.store.history(
             subscription.forum_id,
@@ -348,13 +448,10 @@ class SubscriptionRunner:
             .encode()
         )
 
-    async def _deliver(self, cursor: Cursor, line: Message) -> bool:
-        """POST one line; True when the cursor moved past it (delivered, refused, dead)."""
-        worker = self.worker
+    async def _post(self, delivery: str, body: bytes) -> tuple[int | None, str, bool]:
+        """One signed POST of ``body``: its status (None: no answer), what went wrong, and
+        whether it was refused before it was sent (an outsider's URL to an inside address)."""
         subscription = self.subscription
-        settings = worker.settings
-        delivery = delivery_id(subscription.id, line.id)
-        body = self.body(delivery, line)
         # Signed with the body: a receiver refuses a copy captured and sent again later.
         timestamp = str(int(time.time()))
         headers = {
@@ -365,10 +462,9 @@ class SubscriptionRunner:
             SIGNATURE_HEADER: sign(subscription.secret, body, timestamp),
             DELIVERY_HEADER: delivery,
         }
-        started = time.perf_counter()
         status: int | None = None
         forbidden = False
-        timeout = settings.webhook_timeout_seconds
+        timeout = self.worker.settings.webhook_timeout_seconds
         try:
             # The whole exchange is bounded (not each read), and the answer's body is not read.
             async with (
@@ -386,6 +482,16 @@ class SubscriptionRunner:
             error = f"not sent: {one_line(str(refused))}"[:ERROR_CHARS]
         except httpx.HTTPError as failure:
             error = one_line(f"{type(failure).__name__}: {failure}")[:ERROR_CHARS]
+        return status, error, forbidden
+
+    async def _deliver(self, cursor: Cursor, line: Message) -> bool:
+        """POST one line; True when the cursor moved past it (delivered, refused, dead)."""
+        worker = self.worker
+        subscription = self.subscription
+        settings = worker.settings
+        delivery = delivery_id(subscription.id, line.id)
+        started = time.perf_counter()
+        status, error, forbidden = await self._post(delivery, self.body(delivery, line))
         elapsed = time.perf_counter() - started
         now = utcnow()
         if status is not None and 200 <= status < 300:
@@ -552,6 +658,9 @@ class WebhookWorker:
         )
         wanted = topology.interest(MessagePosted.TYPE, kind="forum", role="agent")
         await queue.bind(route, routing_key="", arguments={"x-match": "all", **wanted})
+        for event_type in ESCALATION_EVENTS:
+            wanted = topology.interest(event_type, kind="forum")
+            await queue.bind(route, routing_key="", arguments={"x-match": "all", **wanted})
         await queue.consume(self._on_event, no_ack=True)
         await self.refresh()
         self._keeper = asyncio.create_task(self._keep())
@@ -592,6 +701,10 @@ class WebhookWorker:
             self.store.observe_seq(payload.conversation_id, payload.seq)
             for runner in self._by_forum.get(payload.conversation_id, []):
                 runner.wake()
+        elif isinstance(payload, EscalationOpened | EscalationClaimed | EscalationEnded):
+            for runner in self._by_forum.get(payload.forum_id, []):
+                if runner.wants_events() and self.leases.holds(runner.subscription.id):
+                    runner.offer_event(message.message_id or payload.escalation_id, payload)
 
     async def _keep(self) -> None:
         interval = min(REFRESH_SECONDS, self.settings.webhook_lease_seconds / 4)

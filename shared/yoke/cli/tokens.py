@@ -43,6 +43,7 @@ async def _create(store: Store, args: argparse.Namespace) -> None:
         forums or None,
         can_approve=args.can_approve,
         can_read_monologues=args.can_read_monologues,
+        can_take_over=args.can_take_over,
         can_call=args.can_call,
     )
     if token.forums:
@@ -54,6 +55,7 @@ async def _create(store: Store, args: argparse.Namespace) -> None:
         for right, has in (
             ("decide approvals", token.can_approve),
             ("read the agents' monologues", token.can_read_monologues),
+            ("take its forums over and claim their escalations", token.can_take_over),
             (f"call {', '.join(token.can_call)}", bool(token.can_call)),
         )
         if has
@@ -69,6 +71,7 @@ async def _list(store: Store, args: argparse.Namespace) -> None:
             "forums": token.forums,
             "canApprove": token.can_approve,
             "canReadMonologues": token.can_read_monologues,
+            "canTakeOver": token.can_take_over,
             "canCall": token.can_call,
             "createdAt": token.created_at,
         }
@@ -99,7 +102,7 @@ def _names(value: str) -> list[str]:
 
 def register(commands: Any) -> None:
     """``yoke token create --name NAME [--forum ID ...] [--can-approve]
-    [--can-read-monologues] [--can-call NAME[,NAME]]``, ``yoke token list``,
+    [--can-read-monologues] [--can-take-over] [--can-call NAME[,NAME]]``, ``yoke token list``,
     ``yoke token revoke NAME``."""
     token = commands.add_parser("token", help="the HTTP gateway's tokens").add_subparsers(
         dest="sub", required=True
@@ -126,6 +129,12 @@ def register(commands: Any) -> None:
         "monologue view: their private working, tool inputs and outputs, notices)",
     )
     create.add_argument(
+        "--can-take-over",
+        action="store_true",
+        help="its callers may take its forums over from their agents (/takeover, /handback) "
+        "and claim or cancel their escalations (GET /v1/escalations)",
+    )
+    create.add_argument(
         "--can-call",
         type=_names,
         default=[],
@@ -135,7 +144,7 @@ def register(commands: Any) -> None:
     )
     help = (
         "one JSON line per token: name, forums (null: all), canApprove, canReadMonologues, "
-        "canCall, createdAt"
+        "canTakeOver, canCall, createdAt"
     )
     token.add_parser("list", help=help, description=help).set_defaults(handler=token_list)
     help = "delete a token: it stops working at once"

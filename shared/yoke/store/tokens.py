@@ -10,8 +10,10 @@ before namespaces were random keep their name as namespace. Deciding a tool call
 is a right of its own (``can_approve``): a token that only posts lines, say a website's,
 cannot also let an agent's tool run. So is reading what an agent keeps to itself, its
 monologues (``can_read_monologues``): such a token reads its forums, never the agents' private
-working there. Calling a published agent (:mod:`yoke.store.publishing`) through the MCP and A2A
-doors is a right per name (``can_call``). A right absent from a stored token is a right it has not
+working there. Taking a forum over from its agents (``/takeover``, ``/handback``) and claiming
+or canceling the escalations of its forums is one more (``can_take_over``). Calling a
+published agent (:mod:`yoke.store.publishing`) through the MCP and A2A doors is a right per
+name (``can_call``). A right absent from a stored token is a right it has not
 (stored before it existed, it never gains it).
 """
 
@@ -41,13 +43,15 @@ class TokenError(Exception):
 
 class Token(Document):
     """A stored token: its name (``id``), the secret's hash, its forums (None: all, unless it
-    may call agents), and whether its callers may decide approvals and read the agents'
-    monologues in those forums."""
+    may call agents), and whether its callers may decide approvals, read the agents'
+    monologues and take the forums over in those forums."""
 
     hash: str
     forums: list[str] | None = None
     can_approve: bool = False
     can_read_monologues: bool = False
+    # Take its forums over (a hold) and claim or cancel their escalations.
+    can_take_over: bool = False
     # Published agents' names its callers may call through the MCP and A2A doors.
     can_call: list[str] = Field(default_factory=list)
     created_at: datetime = Field(default_factory=utcnow)
@@ -106,6 +110,7 @@ async def create_token(
     *,
     can_approve: bool = False,
     can_read_monologues: bool = False,
+    can_take_over: bool = False,
     can_call: list[str] | None = None,
 ) -> tuple[Token, str]:
     """A new token and its secret (the only time the secret exists outside the caller)."""
@@ -122,6 +127,7 @@ async def create_token(
         forums=sorted(set(forums)) if forums else None,
         can_approve=can_approve,
         can_read_monologues=can_read_monologues,
+        can_take_over=can_take_over,
         can_call=sorted(set(can_call or [])),
         namespace=new_namespace(name),
     )
