@@ -196,10 +196,11 @@ async def sweep_escalations(
             async with Client(amqp_url, queue_prefix=REPLY_QUEUE_PREFIX) as client:
 
                 async def submit(command: SubmitEscalation) -> SubmitReply:
-                    return await client.submit_raw(
-                        command.model_dump_json(exclude_none=True).encode(),
-                        REPLY_SECONDS,
-                        routing_key=topology.ESCALATION_COMMAND,
+                    return await client.submit_escalation(
+                        command.conversation_id,
+                        command.escalation_id,
+                        command.action,
+                        reply_timeout=REPLY_SECONDS,
                         publish_timeout=REPLY_SECONDS,
                     )
 
