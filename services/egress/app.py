@@ -14,7 +14,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from yoke.bus import topology
 from yoke.bus.consumer import key_from_header
 from yoke.core import tracing
-from yoke.core.ids import forwarded_line_id
+from yoke.core.ids import derive_id, forwarded_line_id
 from yoke.core.lru import LRUCache
 from yoke.core.models import (
     AgentForumJoined,
@@ -160,7 +160,10 @@ class Egress:
             return
         await self.service.poster.post(
             Message(
-                id=forwarded_line_id(notice.id),
+                # One forum line for one event's notices, however many agents write them.
+                id=derive_id("forum-notice", told.once_for)
+                if told.once_for
+                else forwarded_line_id(notice.id),
                 conversation_id=join.forum_id,
                 author_actor_id=told.agent_actor_id,
                 participant_id=join.forum_participant_id,

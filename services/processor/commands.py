@@ -91,12 +91,45 @@ async def name_of(context: Context, actor_id: str) -> CommandAuthor:
 
 
 async def carry_out_stop(context: Context, trigger: Message, open_calls: OpenCalls) -> None:
-    """A person's ``/stop``: the model call in flight was dropped as it arrived
-    (:meth:`~yoke.runtime.in_flight.InFlight.arrive`) and the earlier lines' steps answered
-    nothing; here the open tool calls end ``stopped by NAME``, the rounds already written but
-    not yet run are marked to end likewise, and one notice tells the forum. Repeated on a
+    """A person's ``/stop``: :func:`halt`, and one notice tells the forum. Repeated on a
     redelivery, it changes nothing: the ends are unique inserts, the notice's id derives from
     the stop."""
+    by, ended = await halt(context, trigger, open_calls)
+    STOPS.inc()
+    NOTICES.labels("stopped").inc()
+    log.info(
+        "stopped by a person: %d open tool call(s) ended",
+        ended,
+        extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
+    )
+    meta = carried_meta(context, trigger)
+    meta.forum_notice = ForumNotice(
+        agent_actor_id=context.config.agent_actor_id,
+        text=f"Stopped, as {by.display_name} asked: I will not answer the earlier messages.",
+        reason="stopped",
+    )
+    meta.covers_seq = meta.source_seq  # the lines before the stop end unanswered
+    await context.post(
+        Message(
+            id=context.effect_id("notice", "stopped"),
+            conversation_id=trigger.conversation_id,
+            author_actor_id=SYSTEM_ACTOR_ID,
+            role="user",
+            type="notice",
+            parts=[TextPart(text=f"stopped by {by.display_name}: {ended} open tool call(s) ended")],
+            meta=meta,
+        )
+    )
+
+
+async def halt(
+    context: Context, trigger: Message, open_calls: OpenCalls
+) -> tuple[CommandAuthor, int]:
+    """What a person's ``/stop`` and ``/takeover`` both do to the agent: the model call in
+    flight was dropped as the line arrived (:meth:`~yoke.runtime.in_flight.InFlight.arrive`)
+    and the earlier lines' steps answer nothing; here the open tool calls end ``stopped by
+    NAME`` and the rounds already written but not yet run are marked to end likewise. Who
+    halted it, and how many open calls ended."""
     state, conversation = context.state, trigger.conversation_id
     by = await name_of(context, trigger.meta.source_actor_id or trigger.author_actor_id)
     head = min(
@@ -122,28 +155,4 @@ async def carry_out_stop(context: Context, trigger: Message, open_calls: OpenCal
         by,
         agent_actor_id=context.config.agent_actor_id,
     )
-    STOPS.inc()
-    NOTICES.labels("stopped").inc()
-    log.info(
-        "stopped by a person: %d open tool call(s) ended",
-        ended,
-        extra={"conversationId": conversation, "messageId": trigger.id},
-    )
-    meta = carried_meta(context, trigger)
-    meta.forum_notice = ForumNotice(
-        agent_actor_id=context.config.agent_actor_id,
-        text=f"Stopped, as {by.display_name} asked: I will not answer the earlier messages.",
-        reason="stopped",
-    )
-    meta.covers_seq = meta.source_seq  # the lines before the stop end unanswered
-    await context.post(
-        Message(
-            id=context.effect_id("notice", "stopped"),
-            conversation_id=conversation,
-            author_actor_id=SYSTEM_ACTOR_ID,
-            role="user",
-            type="notice",
-            parts=[TextPart(text=f"stopped by {by.display_name}: {ended} open tool call(s) ended")],
-            meta=meta,
-        )
-    )
+    return by, ended

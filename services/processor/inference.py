@@ -27,9 +27,12 @@ from yoke.llm.providers import provider_for
 from yoke.runtime.budgets import budget_spent, charge, count_usage, unpriced_under_budget
 from yoke.runtime.catalog_store import ToolCatalog
 from yoke.runtime.drafts import Draft
+from yoke.runtime.escalations import HANDOFF_SPEC, HANDOFF_TOOL
+from yoke.runtime.holds import fold_held
 from yoke.runtime.in_flight import InFlight, ModelCall, cancelled_here
-from yoke.runtime.instances import Progress
+from yoke.runtime.instances import ProcessorConfig, Progress
 from yoke.runtime.while_busy import WhileBusyPolicy
+from yoke.tools.base import ToolSpec
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,15 @@ class Inference:
     def __init__(self, in_flight: InFlight, catalog: ToolCatalog) -> None:
         self.in_flight = in_flight
         self.catalog = catalog
+
+    async def offered(self, config: ProcessorConfig) -> dict[str, ToolSpec]:
+        """The tools the model is shown: the join's, and ``handoff`` when the join offers it."""
+        tools: dict[str, ToolSpec] = {}
+        if config.tools:
+            tools.update(await self.catalog.resolve(config.tools))
+        if config.handoff:
+            tools[HANDOFF_TOOL] = HANDOFF_SPEC
+        return tools
 
     async def infer_once(
         self,
@@ -124,8 +136,9 @@ class Inference:
 
         async def ask() -> InferenceResult:
             request = InferenceRequest(
-                transcript=transcript,
-                tools=await self.catalog.resolve(config.tools) if config.tools else {},
+                # People's lines said while the forum was held are in the handback line.
+                transcript=fold_held(transcript, state.held_spans),
+                tools=await self.offered(config),
                 call_id_prefix=context.effect_id("call"),
                 instructions=config.instructions,
                 names=await display_names(context, transcript),

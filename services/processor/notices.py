@@ -31,6 +31,11 @@ FORUM_NOTICES: Mapping[str, str] = {
     "failed": "I could not answer that: something went wrong on my side, and it was set aside "
     "for an operator.",
     "approval": "I will answer once a person decides whether I may use {tools}.",
+    "held": "{name} has taken over this conversation; I will not answer here until it is "
+    "handed back.",
+    "handed_back": "{name} handed this conversation back to me.",
+    "handoff": "I have asked a person to join.",
+    "nobody_came": "No one could join right now. I am here again: write to me when you like.",
 }
 
 
@@ -49,14 +54,17 @@ async def post_notice(
     *,
     forum_text: str | None = None,
     covers: int | None = None,
+    once_for: str | None = None,
 ) -> None:
     """A line for operators in the monologue, never a trigger; egress tells the forum's people
     in plain words (:data:`FORUM_NOTICES`, or ``forum_text``), so nobody waits for an answer in
-    silence. A step that gives up on the lines it was shown settles them (``covers``)."""
+    silence. A step that gives up on the lines it was shown settles them (``covers``); the
+    notices every agent of the forum writes of one line are one forum line (``once_for``)."""
     NOTICES.labels(reason).inc()
     log.warning(text, extra={"conversationId": trigger.conversation_id, "messageId": trigger.id})
     meta = carried_meta(context, trigger)
     meta.forum_notice = forum_notice(context.config, reason, forum_text)
+    meta.forum_notice.once_for = once_for
     meta.covers_seq = covers
     await context.post(
         Message(

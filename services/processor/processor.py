@@ -14,7 +14,8 @@ What a line sent while a step is pending does is the join's
 busy"), asked as the line's delivery arrives (:meth:`Processor.notice_arrival`, through the
 process's :class:`InFlight`) and by each step here: which lines it answers, and in reply to
 which. A person's ``/stop`` drops the model call in flight, ends the open tool calls and leaves
-the earlier lines unanswered, whatever ``whileBusy`` says.
+the earlier lines unanswered, whatever ``whileBusy`` says; a person's ``/takeover`` does the same
+and holds the agent until ``/handback`` (:mod:`services.processor.holding`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 from aio_pika.abc import AbstractIncomingMessage
 
 from services.processor.commands import answer_slash_command, stopped_round
+from services.processor.holding import Holding
 from services.processor.inference import Inference
 from services.processor.notices import failure_meta, post_notice
 from services.processor.step import Context, is_step_trigger, step_window, with_recorded_round
@@ -90,7 +92,8 @@ class Processor:
         self.open_calls = open_calls
         self.in_flight = in_flight
         self.tails = tails
-        self.rounds = ToolRounds(dispatch, open_calls, tails)
+        self.holding = Holding(open_calls)
+        self.rounds = ToolRounds(dispatch, open_calls, tails, self.holding.hand_off)
         self.inference = Inference(in_flight, dispatch.catalog)
         self.definition = ActorDefinition(
             name=PROCESSOR,
@@ -138,6 +141,8 @@ class Processor:
             if trigger.role == "agent" and calls:
                 await end_round_stopped(context, trigger, calls, stop)
             return
+        if await self.holding.step(context, trigger, calls):
+            return  # a takeover or hand-back, or the forum is held (docs/people-take-over.md)
         if trigger.role == "agent":
             if calls:
                 await self.rounds.run(context, trigger, calls)

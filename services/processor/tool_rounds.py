@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 from services.processor.commands import name_of
 from services.processor.inference import activity
@@ -31,6 +32,7 @@ from yoke.core.models import (
 from yoke.runtime.calls.records import OpenCall, open_call_id, round_results_line_id
 from yoke.runtime.calls.repository import OpenCalls
 from yoke.runtime.dispatch import ToolDispatch, deadline_after
+from yoke.runtime.escalations import HANDOFF_TOOL
 from yoke.runtime.in_flight import Arrival
 from yoke.runtime.instances import WAIT_TOLD_AGAIN_SECONDS, RoundMark, WaitTold
 from yoke.runtime.rounds import call_ids, open_round, unanswered
@@ -67,15 +69,26 @@ def repeated_calls(
     }
 
 
+# What runs a round's ``handoff`` calls (services.processor.holding): their results, by call id.
+HandOff = Callable[[Context, Message, list[ToolCallPart]], Awaitable[dict[str, ToolResultPart]]]
+
+
 class ToolRounds:
     """The rounds of this process's steps: where their calls run (``dispatch``), where the
     calls that wait are found (``open_calls``), and the lines the loop guard reads
     (``tails``)."""
 
-    def __init__(self, dispatch: ToolDispatch, open_calls: OpenCalls, tails: Tails) -> None:
+    def __init__(
+        self,
+        dispatch: ToolDispatch,
+        open_calls: OpenCalls,
+        tails: Tails,
+        hand_off: HandOff | None = None,
+    ) -> None:
         self.dispatch = dispatch
         self.open_calls = open_calls
         self.tails = tails
+        self.hand_off = hand_off
 
     async def run(self, context: Context, trigger: Message, calls: list[ToolCallPart]) -> None:
         """The round of ``trigger``, reported to live views as the agent's ``tool`` activity."""
@@ -128,6 +141,13 @@ class ToolRounds:
                 trace_parent=asking,
             )
 
+        handoffs = [
+            call
+            for call in runnable
+            if call.name == HANDOFF_TOOL and context.config.handoff and self.hand_off is not None
+        ]
+        if handoffs:  # the mesh's own tool: it runs here, in the step (an escalation opens)
+            runnable = [call for call in runnable if call not in handoffs]
         results = await dispatch.run_round(
             runnable,
             context.config.tools,
@@ -136,6 +156,8 @@ class ToolRounds:
             make_open=make_open,
             approval=context.config.approval,
         )
+        if handoffs and self.hand_off is not None:
+            results.update(await self.hand_off(context, trigger, handoffs))
         for call in calls:
             if call.call_id in refused:
                 DOOM_LOOPS.labels(
@@ -225,10 +247,18 @@ class ToolRounds:
 
 
 async def end_round_stopped(
-    context: Context, trigger: Message, calls: list[ToolCallPart], stop: Arrival | None
+    context: Context,
+    trigger: Message,
+    calls: list[ToolCallPart],
+    stop: Arrival | None,
+    *,
+    by: str | None = None,
 ) -> None:
-    """Every call of a round a stop came before gets ``stopped by NAME``, none of them runs."""
-    if stop is not None:
+    """Every call of a round a stop (or a hold: ``by``) came before gets ``stopped by NAME``,
+    none of them runs."""
+    if by is not None:
+        pass
+    elif stop is not None:
         by = (await name_of(context, stop.actor_id)).display_name
     else:
         assert context.state.stopped is not None

@@ -335,7 +335,18 @@ DEAD_LETTER_REASONS = ("malformed", "failed")
 LLM_OUTCOMES = ("ok", "error", "retryable_error")
 TOOL_OUTCOMES = ("ok", "error")
 # Notice reasons: the processor's (services/processor: post_notice) and the guardian's.
-PROCESSOR_NOTICES = ("budget", "provider", "doom_loop", "approval", "unpriced", "model")
+PROCESSOR_NOTICES = (
+    "budget",
+    "provider",
+    "doom_loop",
+    "approval",
+    "unpriced",
+    "model",
+    "held",
+    "handed_back",
+    "handoff",
+    "nobody_came",
+)
 APPROVAL_DECISIONS = ("approve", "reject", "expired", "stopped")
 GUARDIAN_NOTICES = ("guardian",)
 CANCEL_REASONS = ("interrupt", "stop")

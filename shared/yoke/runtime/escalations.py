@@ -29,6 +29,8 @@ from yoke.core.models import (
 )
 from yoke.store.database import Store
 
+# The built-in tool an agent asks for a person with (offered when its join has ``handoff``).
+HANDOFF_TOOL = "handoff"
 ESCALATIONS = "escalations"
 ESCALATION_DECISIONS = "escalation_decisions"
 MAX_ESCALATION_REASON_CHARS = 500
@@ -181,3 +183,31 @@ class Escalations:
 
 def _utc(moment: datetime) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+class HandoffTool:
+    """The ``handoff`` tool as the model is shown it (run by the processor itself)."""
+
+    name = HANDOFF_TOOL
+    description = (
+        "Ask a person to join this conversation and take it over. Use it when people need a "
+        "human (they ask for one, or you cannot help). After calling it, say nothing more "
+        "here: a person takes over, or you are told that nobody came."
+    )
+
+    def json_schema(self) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "properties": {
+                "reason": {
+                    "type": "string",
+                    "description": "Why a person is needed, for whoever picks it up.",
+                    "maxLength": MAX_ESCALATION_REASON_CHARS,
+                },
+                "urgency": {"type": "string", "enum": ["low", "normal", "high"]},
+            },
+            "required": ["reason"],
+        }
+
+
+HANDOFF_SPEC = HandoffTool()

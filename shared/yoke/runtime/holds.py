@@ -14,9 +14,10 @@ from typing import Any
 
 from pydantic import Field
 
-from yoke.core.models import CommandAuthor, WireModel, utcnow
-from yoke.runtime.instances import INGESTION
+from yoke.core.models import CommandAuthor, Message, WireModel, utcnow
+from yoke.runtime.instances import INGESTION, HeldSpan
 from yoke.runtime.join_config import JOIN_CONFIGS
+from yoke.runtime.while_busy import is_person_line
 from yoke.store.database import Store
 
 FORUM_HOLDS = "forum_holds"
@@ -81,3 +82,15 @@ async def allowed_to_hold(store: Store, forum_id: str, external_id: str) -> bool
         return False
     cursor = store.db[JOIN_CONFIGS].find({"_id": {"$in": keys}}, {"takeoverBy": 1})
     return any(external_id in (doc.get("takeoverBy") or []) for doc in await cursor.to_list())
+
+
+def fold_held(transcript: list[Message], spans: list[HeldSpan]) -> list[Message]:
+    """The transcript without people's lines said while the forum was held: the ``handback``
+    instruction line says what they said, as what happened, not as lines to answer."""
+    if not spans:
+        return transcript
+    return [
+        line
+        for line in transcript
+        if not (is_person_line(line) and any(span.holds(line) for span in spans))
+    ]

@@ -26,7 +26,7 @@ from typing import Literal, Protocol, overload
 
 from yoke.core.ids import SYSTEM_ACTOR_ID
 from yoke.core.models import Message
-from yoke.core.slash import is_stop, slash_command
+from yoke.core.slash import TAKEOVER, is_stop, slash_command
 from yoke.llm.prompting import unanswered_last
 from yoke.runtime.instances import DEFAULT_HOP_CAP, ProcessorConfig, ProcessorState, Progress
 from yoke.runtime.join_config import WhileBusy
@@ -72,6 +72,11 @@ def is_stop_line(line: Message) -> bool:
     return is_person_line(line) and is_stop(line.text)
 
 
+def _is_takeover(text: str) -> bool:
+    command = slash_command(text)
+    return command is not None and command.name == TAKEOVER
+
+
 def is_slash_command(line: Message) -> bool:
     """A person's ``/command`` (:func:`yoke.core.slash.slash_command` decides what one is):
     answered by the processor itself, never by the model."""
@@ -83,8 +88,8 @@ def line_kind(line: Message) -> LineKind:
     slash commands wait their turn like an agent's lines."""
     if not is_person_line(line):
         return "other"
-    if is_stop(line.text):
-        return "stop"
+    if is_stop(line.text) or _is_takeover(line.text):
+        return "stop"  # a takeover stops the agent as a stop does, then holds the forum
     return "other" if is_slash_command(line) else "person"
 
 
