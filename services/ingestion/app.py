@@ -4,6 +4,8 @@
   idempotency key, written to the forum as a human line (agentHops 0), answered on reply_to.
 - ``tool.result.submit``: a worker's answer to a call waiting in the store.
 - ``tool.approval.submit``: a person's decision on a call waiting for approval.
+- ``escalation.submit``: a claim, cancel or timeout of an escalation, in its forum's lane
+  (:mod:`services.ingestion.holds`, which also decides ``/takeover`` and ``/handback`` lines).
 - forum ``conversation.message.posted``: copied into each joined agent's active monologue,
   authored by the forum author's external shadow actor, with routing meta.
 """
@@ -19,8 +21,9 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, TypeVar
 
 from aio_pika.abc import AbstractIncomingMessage
-from pydantic import BeforeValidator, ValidationError
+from pydantic import BeforeValidator, JsonValue, ValidationError
 
+from services.ingestion.holds import EscalationDecisions, HoldDoor, HoldLine
 from yoke.bus import topology
 from yoke.bus.consumer import Malformed
 from yoke.bus.dead_letters import count_dropped_letters
@@ -34,15 +37,18 @@ from yoke.core.models import (
     MAX_ID_CHARS,
     Actor,
     AgentForumJoined,
+    CommandAuthor,
     KeptForum,
     Message,
     MessageMeta,
     SubmitApproval,
+    SubmitEscalation,
     SubmitMessage,
     SubmitReply,
     SubmitToolResult,
     TextPart,
 )
+from yoke.core.slash import hold_command
 from yoke.core.text import storable_input
 from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.runtime.calls.answers import WorkerAnswers
@@ -60,7 +66,7 @@ from yoke.store.rate_limit import LineLimit, slot_rule
 log = logging.getLogger(__name__)
 
 UNKEYED = "?unkeyed"
-Command = TypeVar("Command", SubmitMessage, SubmitToolResult, SubmitApproval)
+Command = TypeVar("Command", SubmitMessage, SubmitToolResult, SubmitApproval, SubmitEscalation)
 # A body past this is never parsed just to find its key (the door rejects it for its size).
 MAX_KEYED_BODY_BYTES = 1 << 20
 
@@ -244,6 +250,7 @@ class Door:
         # People's lines reach the follow-up service only in forums where a join has it.
         self.followed = FollowedForums(self.store)
         self.kept_forums = KeptForums(self.store, service.poster, settings.kept_forums_per_token)
+        self.holds = HoldDoor(self.store, service.poster, self.users)
 
     def key(self, message: AbstractIncomingMessage) -> str:
         return command_key(message, self.max_body_bytes)
@@ -353,33 +360,78 @@ class Door:
         refused = None if limited else await self.over_limit(user, key, message_id)
         if refused is not None:
             return refused
-        author = await self.store.save_actor(
-            Actor(
-                id=derive_id("human", external_id),
-                kind="human",
-                name=command.author.display_name,
-                external_id=external_id,
-            )
-        )
-        participant_id = await ensure_participant_id(self.store, forum.id, author.id)
         # The mesh sets its own meta (hops, routing, causality): a command's are dropped, so a
         # wrong type there cannot fail the write.
         extra = {k: v for k, v in (command.meta or {}).items() if k not in _MESH_META_KEYS}
-        followed = await self.followed.followed(forum.id)
+        return await self.post_line(
+            forum.id,
+            CommandAuthor(external_id=external_id, display_name=command.author.display_name),
+            command.text,
+            message_id,
+            user=user,
+            hold_granted=command.hold_granted,
+            extra=extra,
+            accepted=accepted,
+        )
+
+    async def post_line(
+        self,
+        forum_id: str,
+        author: CommandAuthor,
+        text: str,
+        message_id: str,
+        *,
+        user: str,
+        hold_granted: bool = False,
+        escalation_id: str | None = None,
+        extra: dict[str, JsonValue] | None = None,
+        accepted: Callable[[SubmitReply], Awaitable[None]] | None = None,
+    ) -> SubmitReply:
+        """A person's line written into the forum and copied, or why not: a ``/takeover`` or
+        ``/handback`` is decided first and its hold recorded as soon as it is stored
+        (:mod:`services.ingestion.holds`), before its submitter is answered."""
+        command = hold_command(text)
+        hold: HoldLine | None = None
+        if command is not None:
+            decided = await self.holds.decide(
+                forum_id,
+                command,
+                message_id,
+                author,
+                user,
+                hold_granted=hold_granted,
+                escalation_id=escalation_id,
+            )
+            if isinstance(decided, SubmitReply):
+                return decided
+            hold = decided
+        actor = await self.store.save_actor(
+            Actor(
+                id=derive_id("human", author.external_id),
+                kind="human",
+                name=author.display_name,
+                external_id=author.external_id,
+            )
+        )
+        participant_id = await ensure_participant_id(self.store, forum_id, actor.id)
+        followed = await self.followed.followed(forum_id)
+        meta = {**(extra or {}), "agentHops": 0, **(hold.meta() if hold is not None else {})}
 
         async def stored_first(line: Message, created: bool) -> None:
+            if hold is not None:
+                await self.holds.recorded(line, hold, created)
             if accepted is not None:
                 await accepted(accepted_reply(line, created))
 
         stored, created = await self.service.poster.post_and_take(
             Message(
                 id=message_id,
-                conversation_id=forum.id,
-                author_actor_id=author.id,
+                conversation_id=forum_id,
+                author_actor_id=actor.id,
                 participant_id=participant_id,
                 role="user",
-                parts=[TextPart(text=command.text)],
-                meta=MessageMeta.model_validate({**extra, "agentHops": 0}),
+                parts=[TextPart(text=text)],
+                meta=MessageMeta.model_validate(meta),
             ),
             self.copies.take,
             route={topology.FOLLOWED_HEADER: "yes"} if followed else None,
@@ -440,6 +492,7 @@ class CallDoor(ABC):
 
     what = "command"
     max_body_bytes = 16_384
+    key_attribute = "yoke.call_id"  # what the key is, on the accept span
 
     def __init__(self, service: Service) -> None:
         self.service = service
@@ -449,7 +502,7 @@ class CallDoor(ABC):
         return command_key(message, self.max_body_bytes, "callId")
 
     async def handle(self, message: AbstractIncomingMessage) -> None:
-        with tracing.span("accept", attributes=accept_attributes(message, "yoke.call_id")):
+        with tracing.span("accept", attributes=accept_attributes(message, self.key_attribute)):
             await self._handle(message)
 
     async def _handle(self, message: AbstractIncomingMessage) -> None:
@@ -550,6 +603,28 @@ class ApprovalDoor(CallDoor):
         if isinstance(decision, SubmitReply):
             return decision
         return await self.approvers.submit(decision, user)
+
+
+class EscalationDoor(CallDoor):
+    """Takes a claim, cancel or timeout of an escalation (``escalation.submit``), keyed by its
+    forum: decided in the forum's lane, where its /takeover line is written
+    (:class:`services.ingestion.holds.EscalationDecisions`)."""
+
+    what = "escalation decision"
+    key_attribute = tracing.FORUM_ID
+
+    def __init__(self, service: Service, door: Door) -> None:
+        super().__init__(service)
+        self.decisions = EscalationDecisions(door.holds, door)
+
+    def key(self, message: AbstractIncomingMessage) -> str:
+        return command_key(message, self.max_body_bytes)
+
+    async def submit(self, body: bytes, user: str | None) -> SubmitReply:
+        command = parse_command(body, self.max_body_bytes, SubmitEscalation)
+        if isinstance(command, SubmitReply):
+            return command
+        return await self.decisions.submit(command, user)
 
 
 def copies_line(config: IngestionConfig, state: IngestionState, message: Message) -> bool:
@@ -663,4 +738,8 @@ def register(service: Service) -> None:
     approvals = ApprovalDoor(service)
     service.on_intake(
         topology.COMMANDS_EXCHANGE, topology.APPROVAL_COMMAND, approvals.key, approvals.handle
+    )
+    escalations = EscalationDoor(service, door)
+    service.on_intake(
+        topology.COMMANDS_EXCHANGE, topology.ESCALATION_COMMAND, escalations.key, escalations.handle
     )
