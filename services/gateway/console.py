@@ -1,4 +1,5 @@
-"""The web console: forums, a live forum view, agents' monologues, and dead letters.
+"""The web console: forums, a live forum view, agents' monologues, the inbox of escalations,
+and dead letters.
 
 Pages are plain HTML (Jinja templates extending ``templates/base.html``, autoescaped) with
 nothing but the ids of their path in them; the data comes from the token-guarded JSON below and
@@ -22,6 +23,11 @@ stream's ``approval`` events) with the tool, its input and Approve / Reject (a r
 reject), and each decided one with its decision and who took it. The monologue view draws each
 tool call with its source, state and duration (``services/gateway/tool_calls.py``), and a gated
 call's decision, who and why, redrawn as the call ends.
+
+The forum view says who holds the forum (a person who took it over, docs/people-take-over.md)
+and, for a token made with ``--can-take-over``, offers Take over and Hand back (``POST
+/v1/.../takeover``, ``/handback``). The inbox lists the open escalations of the token's forums
+(``GET /v1/escalations``), each with Claim for such a token (``POST .../claim``).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from services.gateway.deps import (
 from yoke.bus.dead_letters import list_dead_letters
 from yoke.core.models import CallerDoor, Participant
 from yoke.runtime.chain import chain_of
+from yoke.runtime.holds import Holds
 from yoke.runtime.instances import INGESTION, PROCESSOR
 from yoke.runtime.joins import participant_id
 from yoke.store.database import Store
@@ -66,7 +73,7 @@ TEMPLATE_ENVIRONMENT = Environment(
     keep_trailing_newline=True,
     auto_reload=False,
 )
-PAGES = ("index", "forum", "dead_letters")
+PAGES = ("index", "forum", "inbox", "dead_letters")
 TEMPLATES: Mapping[str, Template] = {
     name: TEMPLATE_ENVIRONMENT.get_template(f"{name}.html") for name in PAGES
 }
@@ -118,6 +125,11 @@ async def index_page() -> HTMLResponse:
 @router.get("/forums/{forum_id}")
 async def forum_page(forum_id: str) -> HTMLResponse:
     return page("forum", forum_id=forum_id)
+
+
+@router.get("/inbox")
+async def inbox_page() -> HTMLResponse:
+    return page("inbox")
 
 
 @router.get("/dead-letters")
@@ -205,7 +217,8 @@ async def forum_info(request: Request, forum: ForumDep, token: TokenDep) -> JSON
     """A forum, its head seq and its agents (for the forum view and its monologue panel;
     ``agentsCut`` when there were more than ``YOKE_CONSOLE_MAX_AGENTS``), and whether the
     token may decide approvals (the view then lists them, with their buttons) and read the
-    agents' monologues (else the view offers none)."""
+    agents' monologues (else the view offers none); who holds the forum (``hold``: its holder's
+    name, since when and why), and whether the token may take it over and hand it back."""
     state = gateway(request)
     agents, cut = await agents_of(state.store, forum.id, state.settings.console_max_agents)
     if not token.can_read_monologues:
@@ -222,6 +235,37 @@ async def forum_info(request: Request, forum: ForumDep, token: TokenDep) -> JSON
             "agentsCut": cut,
             "canApprove": token.can_approve,
             "canReadMonologues": token.can_read_monologues,
+            "canTakeOver": token.can_take_over,
+            "hold": await hold_of(state.store, forum.id),
+        }
+    )
+
+
+async def hold_of(store: Store, forum_id: str) -> dict[str, Any] | None:
+    """Who holds the forum, as its readers see it in its lines already: the holder's name,
+    since when, why, and the escalation the hold claimed."""
+    hold = await Holds(store).get(forum_id)
+    if hold is None:
+        return None
+    shown = {
+        "holder": hold.holder.display_name,
+        "since": hold.since.isoformat(),
+        "reason": hold.reason,
+        "escalationId": hold.escalation_id,
+    }
+    return {key: value for key, value in shown.items() if value is not None}
+
+
+@router.get("/console/api/token")
+async def token_info(token: TokenDep) -> JSONResponse:
+    """The token's name and what it may do (the inbox offers Claim to a token that may)."""
+    return JSONResponse(
+        {
+            "name": token.id,
+            "allForums": token.all_forums,
+            "canApprove": token.can_approve,
+            "canReadMonologues": token.can_read_monologues,
+            "canTakeOver": token.can_take_over,
         }
     )
 

@@ -120,7 +120,9 @@ class EscalationView(WireModel):
 
     @classmethod
     def of(cls, escalation: Escalation) -> EscalationView:
-        return cls.model_validate(escalation.model_dump(include=set(cls.model_fields)))
+        return cls.model_validate(
+            escalation.model_dump(include=set(cls.model_fields), by_alias=False)
+        )
 
 
 class EscalationsPage(WireModel):

@@ -353,6 +353,62 @@ async function loadApprovals(base) {
 
 let canApprove = false;
 
+// --- holds: a person who took the forum over -------------------------------------------------
+
+let canTakeOver = false;
+
+// "Held by Ada since 10:02 (the customer asked for a person)", or that its agents answer.
+function showHold(hold) {
+  const section = $("hold-section");
+  section.dataset.held = hold ? "yes" : "no";
+  $("hold-status").textContent = hold
+    ? "Held by " + hold.holder + " since " + new Date(hold.since).toLocaleString() + (hold.reason ? " (" + hold.reason + ")" : "") + ": its agents say nothing here until it is handed back."
+    : "Nobody holds this forum: its agents answer here.";
+  $("takeover-button").hidden = Boolean(hold);
+  $("takeover-reason").hidden = Boolean(hold);
+  $("handback-button").hidden = !hold;
+  $("hold-actions").hidden = !canTakeOver;
+  section.hidden = false;
+}
+
+async function refreshHold(forumId) {
+  const info = await api("/console/api/forums/" + encodeURIComponent(forumId));
+  showHold(info.hold || null);
+}
+
+async function holdAction(base, route, body, buttons) {
+  for (const button of buttons) button.disabled = true;
+  try {
+    await api(base + "/" + route, {
+      method: "POST",
+      headers: { "Content-Type": "application/json", "Idempotency-Key": crypto.randomUUID() },
+      body: JSON.stringify(body),
+    });
+    status("");
+    await refreshHold(document.body.dataset.forumId);
+  } catch (error) {
+    status((route === "takeover" ? "Not taken over: " : "Not handed back: ") + error.message);
+  } finally {
+    for (const button of buttons) button.disabled = false;
+  }
+}
+
+function offerHoldActions(base) {
+  const buttons = [$("takeover-button"), $("handback-button")];
+  const who = () => $("post-name").value.trim() || sessionStorage.getItem(NAME_KEY) || undefined;
+  $("takeover-button").onclick = () => {
+    const reason = $("takeover-reason").value.trim();
+    holdAction(base, "takeover", { as: who(), reason: reason || undefined }, buttons);
+  };
+  $("handback-button").onclick = () => holdAction(base, "handback", { as: who() }, buttons);
+}
+
+// A /takeover or /handback line, or an escalation's event, may change who holds the forum.
+function changesHold(message) {
+  const text = (message.parts || []).filter((p) => p.type === "text").map((p) => p.text).join("").trim().toLowerCase();
+  return message.role === "user" && (text.startsWith("/takeover") || text.startsWith("/handback"));
+}
+
 // --- the token ---------------------------------------------------------------------------
 
 function askForToken(reason) {
@@ -411,6 +467,9 @@ async function forumPage() {
   $("forum-view").hidden = false;
   status("");
   canApprove = Boolean(info.canApprove);
+  canTakeOver = Boolean(info.canTakeOver);
+  showHold(info.hold || null);
+  offerHoldActions(base);
   const agentNames = new Map(info.agents.map((a) => [a.agentActorId, a.name]));
   for (const agent of info.agents) names.set(agent.agentActorId, agent.name);
   showAgents(info.agents, Boolean(info.canReadMonologues));
@@ -466,12 +525,15 @@ async function forumPage() {
           lineArrived(message);
           if (message.role === "agent") activity.delete(message.authorActorId);
           showActivity();
+          if (changesHold(message)) refreshHold(forumId).catch((error) => status(error.message));
         } else if (event === "delta") {
           showDelta(lines, JSON.parse(data));
         } else if (event === "approval") {
           const approval = JSON.parse(data);
           if (approval.agentActorId) await resolveNames([approval.agentActorId], approval.forumId || document.body.dataset.forumId);
           approvalEvent(base, approval);
+        } else if (event.startsWith("escalation.")) {
+          refreshHold(forumId).catch((error) => status(error.message));
         } else if (event === "activity") {
           const update = JSON.parse(data);
           activity.set(update.agentActorId, update.state);
@@ -582,6 +644,89 @@ function openMonologue(agent, monologueId) {
   poll();
 }
 
+// --- the inbox: escalations waiting for a person ----------------------------------------------
+
+const INBOX_POLL_MS = 5000;
+let inboxTimer = null;
+
+function showEscalation(escalation, mayClaim) {
+  const item = element("li", "escalation");
+  item.dataset.escalationId = escalation.id;
+  item.dataset.urgency = escalation.urgency;
+  item.dataset.state = escalation.state;
+  const head = element("div", "head");
+  const forum = element("a", "escalation-forum", "forum " + escalation.forumId.slice(0, 8));
+  forum.href = "/forums/" + encodeURIComponent(escalation.forumId);
+  head.append(element("span", "author", nameOf(escalation.agentActorId)), forum);
+  head.append(element("span", "tag", escalation.urgency + " urgency"));
+  head.append(element("span", "meta", "asked " + new Date(escalation.openedAt).toLocaleString()));
+  head.append(element("span", "meta", "until " + new Date(escalation.deadline).toLocaleString()));
+  item.append(head, element("div", "escalation-reason", escalation.reason));
+  if (mayClaim) {
+    const claim = element("button", "claim-button", "Claim");
+    claim.type = "button";
+    claim.onclick = () => claimEscalation(escalation, claim);
+    item.append(claim);
+  }
+  return item;
+}
+
+async function claimEscalation(escalation, button) {
+  const who = $("claim-as").value.trim() || sessionStorage.getItem(NAME_KEY);
+  if (!who) {
+    status("Say who claims it first (claim as).");
+    return;
+  }
+  sessionStorage.setItem(NAME_KEY, who);
+  button.disabled = true;
+  try {
+    await api("/v1/escalations/" + encodeURIComponent(escalation.id) + "/claim", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ as: who }),
+    });
+    status("Claimed: you hold the forum now.");
+    const item = $("escalations").querySelector('li.escalation[data-escalation-id="' + CSS.escape(escalation.id) + '"]');
+    if (item) {
+      item.dataset.state = "claimed";
+      button.replaceWith(element("a", "claimed-link", "claimed: open the forum"));
+      item.querySelector("a.claimed-link").href = "/forums/" + encodeURIComponent(escalation.forumId);
+    }
+  } catch (error) {
+    status("Not claimed: " + error.message);
+    button.disabled = false;
+  }
+}
+
+async function inboxPage() {
+  const me = await api("/console/api/token");
+  const mayClaim = Boolean(me.canTakeOver);
+  $("claim-as-row").hidden = !mayClaim;
+  $("claim-as").value = sessionStorage.getItem(NAME_KEY) || "";
+  $("inbox-section").hidden = false;
+  const load = async () => {
+    const body = await api("/v1/escalations?state=open");
+    for (const escalation of body.escalations) await resolveNames([escalation.agentActorId], escalation.forumId);
+    const list = $("escalations");
+    // Claimed here a moment ago: kept (with its link) until the page is left.
+    const claimed = [...list.querySelectorAll('li.escalation[data-state="claimed"]')];
+    list.replaceChildren(...claimed, ...body.escalations.map((e) => showEscalation(e, mayClaim)));
+    $("inbox-note").textContent = body.escalations.length ? "" : "Nobody is waiting for a person.";
+  };
+  const poll = async () => {
+    try {
+      await load();
+    } catch (error) {
+      if (error instanceof Unauthorized) return askForToken("That token was refused.");
+      status(error.message);
+    }
+    inboxTimer = setTimeout(poll, INBOX_POLL_MS);
+  };
+  if (inboxTimer) clearTimeout(inboxTimer);
+  await load();
+  inboxTimer = setTimeout(poll, INBOX_POLL_MS);
+}
+
 // --- dead letters ------------------------------------------------------------------------
 
 function row(cells) {
@@ -614,7 +759,7 @@ async function deadLettersPage() {
 
 function start() {
   const page = document.body.dataset.page;
-  const run = { index: indexPage, forum: forumPage, "dead-letters": deadLettersPage }[page];
+  const run = { index: indexPage, forum: forumPage, inbox: inboxPage, "dead-letters": deadLettersPage }[page];
   if (run) guarded(run);
 }
 
