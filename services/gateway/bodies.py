@@ -68,12 +68,12 @@ def client_gone(request: Request, received: int | None = None) -> ApiError:
     return ApiError(400, "client_disconnect", "the client went before its body had all come")
 
 
-def json_body(model: type[WireModel]) -> dict[str, Any]:
+def json_body(model: type[WireModel], *, required: bool = True) -> dict[str, Any]:
     """A route's required JSON body in the OpenAPI document (routes parse it themselves, with
     :func:`json_request`, to answer bad input as the AMQP door does)."""
     return {
         "requestBody": {
-            "required": True,
+            "required": required,
             "content": {"application/json": {"schema": model.model_json_schema(by_alias=True)}},
         }
     }

@@ -206,7 +206,7 @@ async def submit_hold(
     status_code=202,
     response_model=Accepted,
     responses=HOLD_RESPONSES,
-    openapi_extra=json_body(PostTakeover),
+    openapi_extra=json_body(PostTakeover, required=False),
     summary="Take a forum over from its agents, as one of your token's people",
     description="Submits the line `/takeover [reason]` for `as`: the forum's agents post "
     "nothing there until it is handed back. The answer is that line's id.",
@@ -228,7 +228,7 @@ async def take_over(
     status_code=202,
     response_model=Accepted,
     responses=HOLD_RESPONSES,
-    openapi_extra=json_body(PostHandback),
+    openapi_extra=json_body(PostHandback, required=False),
     summary="Hand a forum you took over back to its agents",
     description="Submits the line `/handback` for `as`: the forum's agents answer again.",
 )
@@ -354,7 +354,7 @@ async def claim(request: Request, token: TokenDep, escalation_id: EscalationId) 
     status_code=202,
     response_model=Decided,
     responses=DECISION_RESPONSES,
-    openapi_extra=json_body(PostCancel),
+    openapi_extra=json_body(PostCancel, required=False),
     summary="Cancel an open escalation: its agent goes on without a person",
 )
 async def cancel(request: Request, token: TokenDep, escalation_id: EscalationId) -> JSONResponse:
