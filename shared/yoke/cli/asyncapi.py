@@ -19,9 +19,13 @@ from yoke.core.models import (
     ApprovalDecided,
     ApprovalRequested,
     Envelope,
+    EscalationClaimed,
+    EscalationEnded,
+    EscalationOpened,
     MessagePosted,
     MonologueCompacted,
     SubmitApproval,
+    SubmitEscalation,
     SubmitMessage,
     SubmitReply,
     SubmitToolResult,
@@ -37,10 +41,14 @@ EVENTS = (
     AgentDelta,
     ApprovalRequested,
     ApprovalDecided,
+    EscalationOpened,
+    EscalationClaimed,
+    EscalationEnded,
 )
 # What yoke.forum carries (published with yoke-kind=forum): all an outside system may read.
 FORUM_EVENTS = (MessagePosted, AgentActivity)
 APPROVAL_EVENTS = (ApprovalRequested, ApprovalDecided)
+ESCALATION_EVENTS = (EscalationOpened, EscalationClaimed, EscalationEnded)
 
 
 def _key(event: type[BaseModel]) -> str:
@@ -54,6 +62,7 @@ def _component_schemas() -> dict[str, Any]:
         ToolCallRequest,
         SubmitToolResult,
         SubmitApproval,
+        SubmitEscalation,
         *EVENTS,
     ]
     _, definitions = models_json_schema(
@@ -141,6 +150,15 @@ def asyncapi_document() -> dict[str, Any]:
             "already_decided; others are not_allowed, missing_user_id, unknown_call, "
             "not_awaiting_approval.",
         ),
+        "submitEscalation": _message(
+            topology.ESCALATION_COMMAND,
+            "SubmitEscalation",
+            "Claim an escalation (its claimer takes the forum over), cancel it, or end it at its "
+            "deadline, keyed by the forum (conversationId). Taken only from the mesh's own user "
+            "(the CLI, the follow-up service) and the HTTP gateway. The first decision stands: "
+            "a later one is rejected already_claimed or escalation_ended; others are "
+            "not_allowed, unknown_escalation, held (the forum is held by someone else).",
+        ),
     }
     for event in EVENTS:
         key = _key(event)
@@ -168,6 +186,19 @@ def asyncapi_document() -> dict[str, Any]:
         "call: approve (the tool runs now), reject (its result is the error 'rejected by NAME: "
         "REASON'), expired (nobody decided by the deadline) or stopped (a stop in the forum); "
         "by as the deciding door named the person, absent for expired."
+    )
+    messages[_key(EscalationOpened)]["summary"] = (
+        f"Routing key {EscalationOpened.TYPE}.<forum id>. An agent asked for a person (its "
+        "handoff tool): claim it before deadline with "
+        f"{topology.ESCALATION_COMMAND}, or it ends with the join's fallback."
+    )
+    messages[_key(EscalationClaimed)]["summary"] = (
+        f"Routing key {EscalationClaimed.TYPE}.<forum id>. A person claimed the escalation: "
+        "they hold the forum (a takeover) until they hand it back."
+    )
+    messages[_key(EscalationEnded)]["summary"] = (
+        f"Routing key {EscalationEnded.TYPE}.<forum id>. The escalation is over: handed_back "
+        "(its claimer returned the forum), timed_out or canceled."
     )
     event_refs = {_key(e): {"$ref": f"#/components/messages/{_key(e)}"} for e in EVENTS}
     return {
@@ -267,6 +298,27 @@ def asyncapi_document() -> dict[str, Any]:
                 },
                 "bindings": _topic_binding(topology.FORUM_EXCHANGE),
             },
+            "forumEscalations": {
+                "address": "{eventType}.{forumId}",
+                "description": f"Topic exchange {topology.FORUM_EXCHANGE}: escalations in a "
+                "forum (escalation.opened|claimed|ended.<forum id>). Bind escalation.*.# to "
+                "pick up every forum's requests for a person (docs/people-take-over.md).",
+                "parameters": {"eventType": {}, "forumId": {}},
+                "messages": {
+                    _key(event): {"$ref": f"#/components/messages/{_key(event)}"}
+                    for event in ESCALATION_EVENTS
+                },
+                "bindings": _topic_binding(topology.FORUM_EXCHANGE),
+            },
+            "escalations": {
+                "address": topology.ESCALATION_COMMAND,
+                "description": f"Topic exchange {topology.COMMANDS_EXCHANGE}; keyed by the "
+                "forum (conversationId). Set reply_to for the door's answer.",
+                "messages": {
+                    "submitEscalation": {"$ref": "#/components/messages/submitEscalation"}
+                },
+                "bindings": _topic_binding(topology.COMMANDS_EXCHANGE),
+            },
             "approvals": {
                 "address": topology.APPROVAL_COMMAND,
                 "description": f"Topic exchange {topology.COMMANDS_EXCHANGE}; keyed by callId. "
@@ -316,7 +368,18 @@ def asyncapi_document() -> dict[str, Any]:
                 "summary": "A person approves or rejects a gated call; the first decision stands.",
                 "reply": {"channel": {"$ref": "#/channels/replies"}},
             },
+            "submitEscalation": {
+                "action": "receive",
+                "channel": {"$ref": "#/channels/escalations"},
+                "summary": "Claim, cancel or time out an escalation; the first decision stands.",
+                "reply": {"channel": {"$ref": "#/channels/replies"}},
+            },
             "publishForum": {"action": "send", "channel": {"$ref": "#/channels/forum"}},
+            "publishForumEscalations": {
+                "action": "send",
+                "channel": {"$ref": "#/channels/forumEscalations"},
+                "summary": "The mesh says when an agent asks for a person and how that ends.",
+            },
             "publishForumApprovals": {
                 "action": "send",
                 "channel": {"$ref": "#/channels/forumApprovals"},
