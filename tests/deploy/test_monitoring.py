@@ -12,6 +12,7 @@ tests, and one alert is checked live: a killed service's YokeServiceDown fires o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -41,9 +42,11 @@ from tests.support.webhook_receiver import Receiver
 from yoke.cli.monitoring import local_config
 from yoke.client import Client
 from yoke.core.ids import new_id
-from yoke.core.models import Message, TextPart
+from yoke.core.models import CommandAuthor, Message, TextPart
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.runtime.catalog_store import ToolCatalog
+from yoke.runtime.escalations import Escalation, Escalations
+from yoke.runtime.join_config import JoinConfig
 from yoke.runtime.joins import create_agent
 from yoke.store.database import Store
 from yoke.store.outbox import Outbox
@@ -96,6 +99,13 @@ FILLED_BY = {
     "Agents called from outside: MCP calls and A2A tasks": "the published echo agent, called "
     "once over MCP and sent one A2A task (mcp answered; a2a submitted, working, completed)",
     "Agents called from outside: latency p95 (s)": "the same MCP call and A2A task",
+    "Forums held": "the claimed escalation's forum, held until its hand-back",
+    "Escalations waiting for a person": "both handoffs, until one is claimed and one times out",
+    "Oldest unclaimed escalation (s)": "the same, as they wait",
+    "Time to claim an escalation p50 / p95 (s)": "the claim through the door",
+    "Escalations opened and ended by outcome (last hour)": "the two handoffs; the claim "
+    "(claimed) and the follow-up sweep's timeout (timed_out)",
+    "Takeovers and hand-backs (last hour)": "the claim's /takeover and the /handback",
 }
 # Panels a demo's echo agent must fill too: fixture models are recorded like any model.
 ECHO_PANELS = {"LLM latency p95 (s)", "LLM requests by outcome", "Tokens per second"}
@@ -156,6 +166,7 @@ def test_alert_rules_pass_promtool_and_every_alert_has_unit_tests() -> None:
         "YokeQueueBackingUp",
         "YokeOutboxUnpublished",
         "YokeModelFailing",
+        "YokeEscalationUnclaimed",
     } <= alerts
 
 
@@ -510,6 +521,63 @@ async def published_agent_called(store: Store, gateway: ServiceProcess) -> None:
             await caller.close()
 
 
+async def reported(processes: list[ServiceProcess], name: str, at_least: float) -> None:
+    """A follow-up replica reports ``name`` >= ``at_least`` (one sweeps; the other may stop)."""
+
+    async def reached() -> bool:
+        for process in processes:
+            with contextlib.suppress(httpx.HTTPError):
+                if sample(await process.metrics(), name) >= at_least:
+                    return True
+        return False
+
+    await eventually(reached, timeout=60, what=f"{name} >= {at_least}", interval=0.3)
+
+
+async def people_take_over(
+    store: Store, client: Client, new_join: JoinFactory, mesh: Mesh, replica: ServiceProcess
+) -> None:
+    """Two agents ask for a person (their handoff tool): one escalation is claimed once the
+    follow-up sweep reports it waiting, and handed back; nobody claims the other, whose
+    deadline the sweep ends."""
+    handoff = ScriptedOutput(tool_calls=[ScriptedCall(name="handoff", input={"reason": "help"})])
+    carry_on = ScriptedOutput(text="nobody came; I answer on")
+    escalations = Escalations(store)
+    forums: list[str] = []
+    for timeout in (900, 3):
+        config = JoinConfig(
+            model="fixture-script",
+            script=[handoff, carry_on],
+            handoff=True,
+            handoff_timeout_seconds=timeout,
+        )
+        forum_id, _ = await new_join(config=config)
+        await say(client, forum_id, "a person, please")
+        forums.append(forum_id)
+    found: list[Escalation] = []
+
+    async def opened() -> bool:
+        found[:] = await escalations.listed(forum_ids=forums[:1])
+        return bool(found)
+
+    await eventually(opened, timeout=60, what="the first agent's escalation")
+    followups = [mesh.processes[REPLICATED], replica]
+    await reported(followups, "yoke_escalations_open", 1)
+    await reported(followups, "yoke_escalation_oldest_open_seconds", 1)
+    (claimed,) = found
+    ada = CommandAuthor(external_id="cli:ada", display_name="ada")
+    reply = await client.submit_escalation(forums[0], claimed.id, "claim", ada)
+    assert reply.status == "accepted", reply
+    await reported(followups, "yoke_forums_held", 1)
+    reply = await client.submit(
+        forums[0], "/handback", external_id="cli:ada", display_name="ada", hold_granted=True
+    )
+    assert reply.status == "accepted", reply
+    ingestion = mesh.processes["ingestion"]
+    await metric_reaches(ingestion, "yoke_escalations_ended_total", 1, outcome="claimed")
+    await metric_reaches(ingestion, "yoke_escalations_ended_total", 1, outcome="timed_out")
+
+
 async def shard_handed_back(mesh: Mesh, second_replica: ServiceProcess) -> None:
     """Replica 1 stops (SIGTERM, cleanly): replica 0 gains its shard."""
     first = mesh.processes[REPLICATED]
@@ -551,6 +619,7 @@ async def test_every_dashboard_panel_shows_data(
         webhook_deliveries(store, client, new_join, receiver),
         shard_handed_back(mesh, second_replica),
         published_agent_called(store, gateway),
+        people_take_over(store, client, new_join, mesh, second_replica),
     )
     queries = panel_queries()
     assert {title for title, _, _ in queries} == set(FILLED_BY)  # every panel is accounted for
