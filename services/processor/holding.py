@@ -167,6 +167,8 @@ class Holding:
             "handed_back",
             f"handed back by {by.display_name}",
             forum_text=FORUM_NOTICES["handed_back"].format(name=by.display_name),
+            # People answered the lines said while held: whoever waits on one is released.
+            covers=trigger.meta.source_seq,
             once_for=trigger.meta.source_message_id,
         )
         await self.tell_what_was_said(context, trigger, span, by.display_name)
@@ -342,11 +344,32 @@ class Holding:
             )
             return True
         # Nobody answered the people meanwhile: their lines stay in the prompt as lines (no
-        # held span), for the agent to answer now.
+        # held span), for the agent to answer now (``resume``), and the forum is told; the
+        # notice settles them, so nobody waiting on one of them (an A2A task, an MCP call)
+        # waits for ever under ``notice``.
         state.held = None
-        if context.config.handoff_fallback == "resume":
-            return False
         await post_notice(
-            context, trigger, "nobody_came", f"escalation {held.escalation_id} ended unclaimed"
+            context,
+            trigger,
+            "nobody_came",
+            f"escalation {held.escalation_id} ended unclaimed",
+            covers=await newest_forum_seq(context, held.seq, trigger.seq),
         )
-        return True
+        return context.config.handoff_fallback != "resume"
+
+
+async def newest_forum_seq(context: Context, after: int, before: int) -> int | None:
+    """The forum seq of the newest forum line copied into the monologue between two of its
+    seqs (the last :data:`MAX_HANDBACK_LINES` read): what a hold's end settles."""
+    lines = await context.store.history(
+        context.state.monologue_id,
+        after_seq=max(after, before - MAX_HANDBACK_LINES),
+        up_to_seq=before,
+    )
+    forum = context.config.source_conversation_id
+    seqs = [
+        line.meta.source_seq
+        for line in lines
+        if line.meta.source_conversation_id == forum and line.meta.source_seq
+    ]
+    return max(seqs, default=None)

@@ -193,14 +193,21 @@ async def test_an_escalation_nobody_claims_ends_at_its_deadline_and_the_agent_re
     config = JoinConfig(model="gpt-test", handoff=True, handoff_timeout_seconds=1, hop_cap=1)
     forum_id, _ = await new_join(config=config, name="lonely")
     await say(client, forum_id, "get me your manager", "ana")
+    await lines_until(store, forum_id, lambda lines: len(notices(lines)) >= 1)
+    waited = await say(client, forum_id, "still there?", "ana")  # while nobody came
     lines = await lines_until(store, forum_id, lambda lines: len(answers(lines)) >= 1)
     escalation = await only_escalation(store, forum_id)
     ended = await Escalations(store).get(escalation.id)
     assert ended is not None and (ended.state, ended.outcome) == ("ended", "timed_out")
     assert [(a.type, a.meta.notice_reason) for a in agent_lines(lines)] == [
         ("notice", "handoff"),
+        ("notice", "nobody_came"),
         ("message", None),
     ]
+    # The line said while the agent waited is settled (nobody is left waiting on it).
+    seq = {line.id: line.seq for line in lines}
+    told = notices(lines)[-1]
+    assert told.meta.covers_seq is not None and told.meta.covers_seq >= seq[waited]
     prompt = [str(m.get("content")) for m in fake_openai.requests[-1]["messages"]]
     assert any("handoff instruction" in c for c in prompt)
 

@@ -109,9 +109,14 @@ async def test_while_held_a_line_is_not_answered_and_after_a_wait_hand_back_the_
     )
     before = len(fake_openai.requests)
     await say(client, forum_id, "/takeover", who="bob")
-    await say(client, forum_id, "I want a refund", who="ana")
+    held_line = await say(client, forum_id, "I want a refund", who="ana")
     await say(client, forum_id, "/handback", who="bob")
-    await lines_until(store, forum_id, lambda lines: len(notices(lines)) >= 2)
+    lines = await lines_until(store, forum_id, lambda lines: len(notices(lines)) >= 2)
+    # The hand-back settles the lines said while held (people answered them): whoever waits
+    # for an answer to one (an A2A task, an MCP call) is released, not left waiting.
+    seq = {line.id: line.seq for line in lines}
+    returned = notices(lines)[-1]
+    assert returned.meta.covers_seq is not None and returned.meta.covers_seq >= seq[held_line]
     after = await say(client, forum_id, "so what now?", who="ana")
     lines = await lines_until(store, forum_id, lambda lines: len(answers(lines)) >= 1)
     (answer,) = answers(lines)
