@@ -20,12 +20,15 @@ import pytest
 from aio_pika.abc import AbstractIncomingMessage
 
 from tests.support.cli import cli_env, run_yoke
+from tests.support.mesh import JoinFactory, Mesh
 from yoke.bus import topology
 from yoke.bus.amqp_nodes import amqp_user
 from yoke.bus.broker import Bus
 from yoke.core.ids import new_id
 from yoke.core.models import Actor, CommandAuthor, SubmitReply
 from yoke.runtime.escalations import Escalation, Escalations
+from yoke.runtime.holds import Holds
+from yoke.runtime.joins import join_id
 from yoke.store.database import Store
 
 HOSTILE = "refund \x1b[2J\x07now"
@@ -38,7 +41,8 @@ def env(amqp_url: str, mongodb_url: str) -> dict[str, str]:
 
 
 @pytest.fixture
-async def store(mongodb_url: str) -> AsyncIterator[Store]:
+async def fresh_store(mongodb_url: str) -> AsyncIterator[Store]:
+    """A database of the test's own (the module's ``store`` is the mesh's)."""
     store = Store(mongodb_url)
     await store.ensure_indexes()
     await Escalations(store).ensure_indexes()
@@ -107,11 +111,11 @@ def json_lines(out: str) -> list[dict[str, Any]]:
 
 
 async def test_the_inbox_lists_the_open_and_claimed_escalations_oldest_first(
-    env: dict[str, str], store: Store
+    env: dict[str, str], fresh_store: Store
 ) -> None:
     now = datetime.now(UTC)
-    escalations = Escalations(store)
-    await store.save_actor(Actor(id="agent-support", kind="agent", name="support"))
+    escalations = Escalations(fresh_store)
+    await fresh_store.save_actor(Actor(id="agent-support", kind="agent", name="support"))
     newest = escalation("forum-a", now - timedelta(minutes=1))
     oldest = escalation("forum-b", now - timedelta(minutes=30), reason=HOSTILE)
     claimed = escalation("forum-c", now - timedelta(minutes=10))
@@ -158,10 +162,10 @@ async def test_claiming_an_unknown_escalation_exits_1_naming_it(env: dict[str, s
 
 
 async def test_a_claim_is_submitted_as_the_person_and_the_doors_refusal_exits_1(
-    env: dict[str, str], amqp_url: str, store: Store, door: Callable[[str, StandIn], Any]
+    env: dict[str, str], amqp_url: str, fresh_store: Store, door: Callable[[str, StandIn], Any]
 ) -> None:
     waiting = escalation("forum-claimed", datetime.now(UTC) - timedelta(minutes=2))
-    await Escalations(store).open(waiting)
+    await Escalations(fresh_store).open(waiting)
     answers = iter(
         [
             SubmitReply(status="accepted", message_id="takeover-line"),
@@ -223,15 +227,61 @@ async def test_takeover_and_handback_submit_the_granted_lines_and_show_refusals(
 
 
 async def test_nobody_answering_a_claim_says_so(
-    env: dict[str, str], store: Store, amqp_url: str
+    env: dict[str, str], fresh_store: Store, amqp_url: str
 ) -> None:
     bus = Bus(amqp_url, name="test-no-door")
     await bus.connect()
     await bus.close()
     waiting = escalation("forum-quiet", datetime.now(UTC))
-    await Escalations(store).open(waiting)
+    await Escalations(fresh_store).open(waiting)
     code, _, err = await asyncio.wait_for(
         run_yoke(env, "inbox", "claim", waiting.id, "--as", "ada", "--timeout", "1"), 60
     )
     assert code == 1
     assert err == "yoke: no answer within 1 s\n"
+
+
+# --- against the mesh's own door ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_with_the_door_a_takeover_holds_until_handback_and_a_claim_stands_once(
+    amqp_url: str, module_mongodb_url: str, mesh: Mesh, store: Store, new_join: JoinFactory
+) -> None:
+    env = cli_env(amqp_url, module_mongodb_url)
+    forum_id, join = await new_join()
+    args = ("--forum", forum_id)
+    code, out, err = await run_yoke(env, "takeover", *args, "--as", "ada", "--reason", "mine")
+    assert code == 0, err
+    line = await store.get_message(out.strip())
+    assert line is not None and line.text == "/takeover mine"
+    code, out, err = await run_yoke(env, "takeover", *args, "--as", "bob")
+    assert (code, out) == (1, "")
+    assert err.startswith("yoke: held by ada since "), err
+    code, out, err = await run_yoke(env, "handback", *args, "--as", "ada")
+    assert code == 0, err
+    code, out, err = await run_yoke(env, "handback", *args, "--as", "ada")
+    assert (code, out) == (1, "")
+    assert "nobody holds this forum" in err
+
+    # An escalation of this join's agent, as its handoff would open it.
+    now = datetime.now(UTC)
+    waiting = escalation(forum_id, now - timedelta(seconds=5)).model_copy(
+        update={
+            "agent_actor_id": join.agent_actor_id,
+            "join_key": join_id(join.agent_actor_id, forum_id),
+        }
+    )
+    await Escalations(store).open(waiting)
+    code, out, err = await run_yoke(env, "inbox", "claim", waiting.id, "--as", "ada")
+    assert (code, out) == (0, f"{forum_id}\n"), err
+    code, out, err = await run_yoke(env, "inbox", "claim", waiting.id, "--as", "bob")
+    assert (code, out) == (1, "")
+    assert err == "yoke: claimed by ada\n"
+    code, out, err = await run_yoke(env, "inbox", "--json", "--forum", forum_id)
+    assert code == 0, err
+    (listed,) = json_lines(out)
+    assert (listed["id"], listed["state"]) == (waiting.id, "claimed")
+    assert listed["claimedBy"] == {"externalId": "cli:ada", "displayName": "ada"}
+    hold = await Holds(store).get(forum_id)
+    assert hold is not None and hold.escalation_id == waiting.id
