@@ -48,7 +48,7 @@ from yoke.core.models import (
     SubmitToolResult,
     TextPart,
 )
-from yoke.core.slash import hold_command
+from yoke.core.slash import TAKEOVER, hold_command
 from yoke.core.text import storable_input
 from yoke.runtime.actor import ActorContext, ActorDefinition, ActorRuntime
 from yoke.runtime.calls.answers import WorkerAnswers
@@ -672,6 +672,10 @@ async def _copy_to_monologue(
         )
     )
     shadow_participant_id = await ensure_participant_id(store, monologue_id, shadow.id)
+    hold = hold_command(line.text) if line.role == "user" and not line.meta.agent_hops else None
+    seen_while_held = context.state.held and hold is None
+    if hold is not None:
+        context.state.held = hold.name == TAKEOVER
     copy = await context.post(
         Message(
             id=derive_id("copy", monologue_id, line.id),
@@ -686,6 +690,7 @@ async def _copy_to_monologue(
                 source_actor_id=line.author_actor_id,
                 source_seq=line.seq,
                 agent_hops=line.meta.agent_hops,
+                held=True if seen_while_held else None,
             ),
         )
     )

@@ -90,11 +90,11 @@ class Holding:
             return context.config.after_handback != "summarize"
         if instruction == HANDOFF_INSTRUCTION and trigger.meta.escalation_id:
             return await self.end_escalation(context, trigger)
-        if state.held is None:
+        if state.held is None and not trigger.meta.held:
             return False
         log.info(
             "not answering: %s holds the forum",
-            state.held.by,
+            state.held.by if state.held is not None else "a person",
             extra={"conversationId": trigger.conversation_id, "messageId": trigger.id},
         )
         if trigger.role == "agent" and calls:
@@ -228,8 +228,9 @@ class Holding:
         self, context: Context, trigger: Message, calls: list[ToolCallPart]
     ) -> None:
         held = context.state.held
-        assert held is not None
-        await end_round_stopped(context, trigger, calls, None, by=held.by)
+        await end_round_stopped(
+            context, trigger, calls, None, by=held.by if held is not None else "a person"
+        )
 
     # --- the agent asks for a person -----------------------------------------------------------
 

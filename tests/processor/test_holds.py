@@ -56,7 +56,7 @@ async def test_a_hand_back_shows_the_model_what_was_said_as_one_account(
     config = JoinConfig(
         model="gpt-test", takeover_by=["test:bob"], after_handback="summarize", hop_cap=1
     )
-    forum_id, _ = await new_join(config=config, name="support")
+    forum_id, join = await new_join(config=config, name="support")
     first = await say(client, forum_id, "hello", who="ana")
     await lines_until(store, forum_id, lambda lines: len(answers(lines)) >= 1)
     took = await say(client, forum_id, "/takeover checking the order", who="bob")
@@ -95,7 +95,19 @@ async def test_a_hand_back_shows_the_model_what_was_said_as_one_account(
     # ...and nowhere else in the prompt as lines of their own.
     assert not [c for c in contents if "where is my parcel" in c and c != account]
     assert not [c for c in contents if c.endswith("/takeover checking the order")]
-    del told
+    # Each line said while held is in the monologue, marked as seen while held; no other is.
+    copies = {
+        line.meta.source_message_id: line
+        for line in await store.history(join.monologue_id)
+        if line.meta.source_message_id
+    }
+    assert [copies[i].meta.held for i in (first, took, asked, told, back)] == [
+        None,
+        None,
+        True,
+        True,
+        None,
+    ]
 
 
 async def test_while_held_a_line_is_not_answered_and_after_a_wait_hand_back_the_next_is(

@@ -171,6 +171,9 @@ class MessageMeta(WireModel):
     escalation_id: str | None = None
     # On a ``/handback`` line: the ``/takeover`` line whose hold it ends.
     ends_hold: str | None = None
+    # On a forum line's copy made while the forum was held: the agent has seen it; it is never
+    # a line to answer (the hand-back tells the agent what was said).
+    held: bool | None = None
 
 
 class Usage(WireModel):

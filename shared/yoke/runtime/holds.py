@@ -87,10 +87,8 @@ async def allowed_to_hold(store: Store, forum_id: str, external_id: str) -> bool
 def fold_held(transcript: list[Message], spans: list[HeldSpan]) -> list[Message]:
     """The transcript without people's lines said while the forum was held: the ``handback``
     instruction line says what they said, as what happened, not as lines to answer."""
-    if not spans:
-        return transcript
     return [
         line
         for line in transcript
-        if not (is_person_line(line) and any(span.holds(line) for span in spans))
+        if not (is_person_line(line) and (line.meta.held or any(s.holds(line) for s in spans)))
     ]

@@ -264,4 +264,7 @@ class IngestionConfig(WireModel):
 
 
 class IngestionState(WireModel):
-    """Ingestion keeps nothing but its watermark (on the instance document)."""
+    """Ingestion keeps its watermark (on the instance document) and whether the forum is held
+    (between a ``/takeover`` and a ``/handback`` line, which it copies in order)."""
+
+    held: bool = False
