@@ -16,7 +16,6 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import Field
-from pymongo import ASCENDING
 
 from yoke.core.ids import derive_id
 from yoke.core.models import (
@@ -90,12 +89,9 @@ class Escalations:
         self.decisions = store.db[ESCALATION_DECISIONS]
 
     async def ensure_indexes(self) -> None:
-        await self.store.create_collections(ESCALATIONS, ESCALATION_DECISIONS)
-        # Inboxes and the deadline sweep read by state (equality: FerretDB pushes no range
-        # or sort down); the bounds count by forum and agent.
-        await self.collection.create_index([("state", ASCENDING)], name="state")
-        await self.collection.create_index([("forumId", ASCENDING)], name="forum")
-        await self.collection.create_index([("agentActorId", ASCENDING)], name="agent")
+        """Every service's start makes them (``Store.ensure_indexes``); here for a process that
+        uses escalations without starting a service (the CLI's tests)."""
+        await self.store.ensure_indexes()
 
     async def open(self, escalation: Escalation) -> tuple[Escalation, bool]:
         """Store ``escalation`` unless it is there (a retried step): the stored one, and

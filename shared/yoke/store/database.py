@@ -191,6 +191,12 @@ class Store:
         # gated call, and the publishers that may decide.
         "tool_call_decisions",
         "approvers",
+        # People take over (yoke.runtime.holds, yoke.runtime.escalations): a forum's hold, an
+        # agent's request for a person and the one decision on it; the first write of each
+        # comes under load.
+        "forum_holds",
+        "escalations",
+        "escalation_decisions",
     )
 
     def __init__(self, url: str, *, app_name: str = "yoke", pool_size: int = 16) -> None:
@@ -261,6 +267,10 @@ class Store:
         await self.db["tool_calls"].create_index([("forumId", ASCENDING)], name="forum")
         # The reaper's key (yoke.runtime.calls.reaper: a round reads the bucket due now).
         await self.db["tool_calls"].create_index([("dueBucket", ASCENDING)], name="due")
+        # Escalations (yoke.runtime.escalations): inboxes and the deadline sweep read by state
+        # (equality: FerretDB pushes no range or sort down); the bounds count by forum and agent.
+        for field, name in (("state", "state"), ("forumId", "forum"), ("agentActorId", "agent")):
+            await self.db["escalations"].create_index([(field, ASCENDING)], name=name)
 
     async def ping(self) -> None:
         await self.db.command("ping")
