@@ -11,6 +11,7 @@ from __future__ import annotations
 from services.followup.escalations import LiveSet, sweep_escalations
 from services.followup.scheduler import FollowUps, decision_rule
 from yoke.core.models import MessagePosted
+from yoke.runtime.escalations import escalation_rules
 from yoke.runtime.service import Service
 
 # The scheduler's name in the log and in /healthz ("follow-up scheduler stopped: ...").
@@ -34,6 +35,8 @@ def register(service: Service) -> None:
     days = service.settings.retention_decision_days
     followups = FollowUps(service.store, service.poster, decision_days=days)
     service.retention.add(decision_rule(days))
+    for rule in escalation_rules(service.store, days):  # ended escalations, once old
+        service.retention.add(rule)
     # Only forum lines of joins that have follow-up (topology.FOLLOWED_HEADER): the others'
     # never reach this service.
     service.on_event(

@@ -61,6 +61,7 @@ EXTERNAL = {
     "BatchSpanProcessor": "OpenTelemetry's SDK",
     "DuplicateKeyError": "pymongo",
     "YokeToolCallsOverdue": "a Prometheus alert (deploy/prometheus)",
+    "YokeEscalationUnclaimed": "a Prometheus alert (deploy/prometheus)",
     "VIRTUAL_ENV": "the variable a Python virtual environment sets",
     "site/index.html": "what `make docs` builds, not kept in the repository",
     "tests/test_tools.py": "a plugin's own tests (docs/tools.md), not this repository's",

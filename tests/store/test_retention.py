@@ -38,6 +38,7 @@ from yoke.runtime.calls.records import (
 from yoke.runtime.calls.repository import OpenCalls
 from yoke.runtime.calls.retention import call_rules
 from yoke.runtime.compaction import MonologueSwap, swap_rule
+from yoke.runtime.escalations import Escalation, Escalations, escalation_rules
 from yoke.runtime.join_config import FollowUpConfig, GuardianConfig, JoinConfig, RulePolicy
 from yoke.store.database import PROCEDURES, Store
 from yoke.store.failures import Failure, close_failure, record_failure
@@ -547,3 +548,43 @@ async def test_what_the_services_write_carries_its_bucket(
     assert found is not None and found["ageBucket"] == today
     replicas = await store.db["replicas"].find({"service": "processor"}).to_list()
     assert replicas and all(r["ageBucket"] in (hour, hour_bucket()) for r in replicas)
+
+
+async def test_ended_escalations_and_their_decisions_are_swept_and_open_ones_kept(
+    mongodb_url: str,
+) -> None:
+    """Escalations grow with every handoff: an ended one and its decision go after the
+    decision days (follow-up's rule); an open or claimed one stays, whatever its age."""
+    store = Store(mongodb_url)
+    await store.ensure_indexes()
+    escalations = Escalations(store)
+    try:
+        long_ago = datetime.now(UTC) - timedelta(days=8)
+        ids = {}
+        for state in ("open", "claimed", "ended"):
+            escalation = Escalation.model_validate(
+                {
+                    "_id": f"esc-{state}-{long_ago.timestamp()}",
+                    "forumId": "f",
+                    "agentActorId": "a",
+                    "joinKey": "j",
+                    "callId": "c",
+                    "reason": "r",
+                    "openedAt": long_ago,
+                    "deadline": long_ago + timedelta(minutes=15),
+                    "state": state,
+                }
+            )
+            assert escalation.to_document()["ageBucket"] == day_bucket(long_ago)
+            await escalations.open(escalation)
+            await store.db["escalation_decisions"].insert_one(
+                {"_id": escalation.id, "action": "cancel", "ageBucket": day_bucket(long_ago)}
+            )
+            ids[state] = escalation.id
+        swept = await Sweep(store, escalation_rules(store, 7), lookback_days=10).sweep_once()
+        assert sorted(swept.values()) == [1, 1], swept
+        kept = {ids["open"], ids["claimed"]}
+        assert await ids_in(store, "escalations", list(ids.values())) == kept
+        assert await ids_in(store, "escalation_decisions", list(ids.values())) == kept
+    finally:
+        await store.close()

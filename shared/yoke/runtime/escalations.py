@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from yoke.core.ages import BUCKET_FIELD, day_bucket
 from yoke.core.ids import derive_id
 from yoke.core.models import (
     CommandAuthor,
@@ -27,6 +28,7 @@ from yoke.core.models import (
     utcnow,
 )
 from yoke.store.database import Store
+from yoke.store.retention import Rule
 
 # The built-in tool an agent asks for a person with (offered when its join has ``handoff``).
 HANDOFF_TOOL = "handoff"
@@ -68,7 +70,9 @@ class Escalation(WireModel):
     ended_at: datetime | None = None
 
     def to_document(self) -> dict[str, Any]:
-        return self.model_dump(mode="python", by_alias=True, exclude_none=True)
+        document = self.model_dump(mode="python", by_alias=True, exclude_none=True)
+        document[BUCKET_FIELD] = day_bucket(self.opened_at)  # swept once ended and old
+        return document
 
 
 class EscalationDecision(WireModel):
@@ -113,6 +117,7 @@ class Escalations:
             {"_id": escalation_id, "action": action, "by": by}
         )
         document = decision.model_dump(mode="python", by_alias=True, exclude_none=True)
+        document[BUCKET_FIELD] = day_bucket(decision.at)
         if await self.store.insert_if_absent(self.decisions, document):
             return True, decision
         stored = await self.decisions.find_one({"_id": escalation_id})
@@ -175,6 +180,24 @@ class Escalations:
         documents = await self.collection.find({"state": "open"}).limit(limit).to_list()
         escalations = [Escalation.model_validate(document) for document in documents]
         return [escalation for escalation in escalations if _utc(escalation.deadline) <= now]
+
+
+def escalation_rules(store: Store, days: float) -> list[Rule]:
+    """Ended escalations and their decisions, kept ``days`` (follow-up's sweep owns them); an
+    open or claimed one stays whatever its age: nothing about it is over."""
+    escalations = store.db[ESCALATIONS]
+
+    async def not_over(document: dict[str, Any]) -> bool:
+        return document.get("state") != "ended"
+
+    async def escalation_not_over(document: dict[str, Any]) -> bool:
+        found = await escalations.find_one({"_id": document["_id"]}, {"state": 1})
+        return found is not None and found.get("state") != "ended"
+
+    return [
+        Rule("escalations", ESCALATIONS, "day", days, live=not_over),
+        Rule("escalation decisions", ESCALATION_DECISIONS, "day", days, live=escalation_not_over),
+    ]
 
 
 def _utc(moment: datetime) -> datetime:
