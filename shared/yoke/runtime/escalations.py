@@ -38,8 +38,10 @@ MAX_ESCALATION_REASON_CHARS = 500
 # Bounds (docs/people-take-over.md): one open escalation per join, so a forum has at most as
 # many as it has agents; an agent at most this many over all its forums.
 MAX_OPEN_PER_AGENT = 1000
-# The largest page of an inbox (yoke inbox, GET /v1/escalations).
+# The largest page of an inbox (yoke inbox, GET /v1/escalations), and the most escalations
+# an inbox reads to order them.
 MAX_INBOX_PAGE = 100
+MAX_LISTED = 5000
 
 EscalationState = Literal["open", "claimed", "ended"]
 
@@ -160,7 +162,9 @@ class Escalations:
         query: dict[str, Any] = {"state": {"$in": list(states)}}
         if forum_ids is not None:
             query["forumId"] = {"$in": forum_ids}
-        documents = await self.collection.find(query).limit(max(1, limit) * 4).to_list()
+        # Sorted here (FerretDB pushes no sort down) over every match up to a cap far above
+        # what is open at once (MAX_OPEN_PER_AGENT per agent), so "oldest first" holds.
+        documents = await self.collection.find(query).limit(MAX_LISTED).to_list()
         found = sorted(
             (Escalation.model_validate(document) for document in documents),
             key=lambda escalation: (escalation.opened_at, escalation.id),
