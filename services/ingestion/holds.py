@@ -306,6 +306,20 @@ class EscalationDecisions:
     async def _claim(
         self, escalation: Escalation, decision: EscalationDecision, by: CommandAuthor, user: str
     ) -> SubmitReply:
+        """The claim that stands, carried out (a ``claim`` span: the takeover it writes, and
+        the agents' steps that hold, are in its trace)."""
+        with tracing.span(
+            "claim",
+            attributes={
+                tracing.FORUM_ID: escalation.forum_id,
+                "yoke.escalation_id": escalation.id,
+            },
+        ):
+            return await self._carry_out_claim(escalation, decision, by, user)
+
+    async def _carry_out_claim(
+        self, escalation: Escalation, decision: EscalationDecision, by: CommandAuthor, user: str
+    ) -> SubmitReply:
         if escalation.state == "open":
             await self.escalations.mark_claimed(escalation.id, by, decision.at)
             seconds = (as_utc(decision.at) - as_utc(escalation.opened_at)).total_seconds()

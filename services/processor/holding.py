@@ -24,6 +24,7 @@ from services.processor.notices import FORUM_NOTICES, post_notice
 from services.processor.step import Context, carried_meta
 from services.processor.tool_rounds import end_round_stopped
 from yoke.bus import topology
+from yoke.core import tracing
 from yoke.core.ids import SYSTEM_ACTOR_ID, derive_id
 from yoke.core.metrics import ESCALATIONS_OPENED
 from yoke.core.models import (
@@ -79,11 +80,16 @@ class Holding:
         at all while the forum is held."""
         state = context.state
         command = hold_line(trigger)
-        if command == TAKEOVER:
-            await self.take_over(context, trigger)
-            return True
-        if command == HANDBACK:
-            await self.hand_back(context, trigger)
+        if command is not None:
+            # A ``takeover`` or ``handback`` span, in the trace of the line that asked.
+            name = command.lstrip("/")
+            with tracing.span(
+                name, attributes={tracing.FORUM_ID: trigger.meta.source_conversation_id or ""}
+            ):
+                if command == TAKEOVER:
+                    await self.take_over(context, trigger)
+                else:
+                    await self.hand_back(context, trigger)
             return True
         instruction = trigger.meta.instruction
         if instruction == HANDBACK_INSTRUCTION:

@@ -20,7 +20,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -44,10 +44,11 @@ from yoke.bus.amqp_nodes import amqp_user
 from yoke.cli.publishers import create_publisher, management_of
 from yoke.client import Client
 from yoke.core.ids import new_id
-from yoke.core.models import Message, MessagePosted, ToolResultPart
+from yoke.core.models import CommandAuthor, Message, MessagePosted, ToolResultPart
 from yoke.runtime.calls.approvals import pending_approvals
+from yoke.runtime.escalations import Escalation, Escalations
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
-from yoke.runtime.joins import create_agent, create_forum, join_conversation
+from yoke.runtime.joins import create_agent, create_forum, join_conversation, join_id
 from yoke.runtime.posting import Poster
 from yoke.store.database import Store
 from yoke.store.tokens import create_token, ensure_token_indexes
@@ -1019,6 +1020,86 @@ def json_lines(output: str) -> list[dict[str, Any]]:
 
 
 EXEMPLAR = re.compile(r"^yoke_event_handling_seconds_bucket\{.*\} \S+ # \{(?P<labels>[^}]*)\}")
+
+
+async def test_a_claim_its_takeover_and_the_hand_back_are_spans_of_their_traces(
+    mesh: Mesh, jaeger: Jaeger, store: Store, poster: Poster, client: Client
+) -> None:
+    """docs/people-take-over.md: a claim is a ``claim`` span of the door, and the takeover it
+    writes is the agent's ``takeover`` span below it, in one trace; a ``/handback`` line's
+    trace holds the agent's ``handback`` span below the door's ``accept``."""
+    forum = await create_forum(store, "held")
+    agent = await create_agent(store, "echo")
+    config = JoinConfig(model=MODEL, takeover_by=["test:bob"])
+    await join_conversation(store, poster, agent.id, forum.id, config)
+    now = datetime.now(UTC)
+    escalation = Escalation.model_validate(
+        {
+            "_id": new_id(),
+            "forumId": forum.id,
+            "agentActorId": agent.id,
+            "joinKey": join_id(agent.id, forum.id),
+            "callId": new_id(),
+            "reason": "wants a person",
+            "openedAt": now,
+            "deadline": now + timedelta(minutes=15),
+        }
+    )
+    await Escalations(store).open(escalation)
+    since = datetime.now(UTC)
+    bob = CommandAuthor(external_id="test:bob", display_name="bob")
+    claimed = await client.submit_escalation(forum.id, escalation.id, "claim", bob)
+    assert claimed.status == "accepted", claimed.error
+    await answered(store, forum.id)  # the hold's notice
+    found: Trace | None = None
+
+    async def claim_traced() -> bool:
+        nonlocal found
+        traces = await jaeger.find_traces("yoke-ingestion", since=since, operation="claim")
+        found = next(
+            (
+                t
+                for t in traces
+                if any(s.attributes.get("yoke.escalation_id") == escalation.id for s in t)
+            ),
+            None,
+        )
+        return found is not None
+
+    await eventually(claim_traced, timeout=WAIT, what="the claim's trace", interval=0.5)
+    assert found is not None
+    trace = await jaeger.trace(
+        found.trace_id, timeout=WAIT, until=has("yoke-processor", "takeover")
+    )
+    print_tree("a claim and its takeover", trace)
+    above(
+        trace, one_of(trace, "yoke-processor", "takeover"), one_of(trace, "yoke-ingestion", "claim")
+    )
+
+    line_id = await say(client, forum.id, "/handback", who="bob")
+    await answered(store, forum.id, 2)  # the hand-back's notice
+    back: Trace | None = None
+
+    async def handback_traced() -> bool:
+        nonlocal back
+        for candidate in await jaeger.find_traces(
+            "yoke-processor", since=since, operation="handback"
+        ):
+            whole_trace = await jaeger.find_trace(candidate.trace_id)
+            if whole_trace is not None and any(
+                s.attributes.get("yoke.message_id") == line_id for s in whole_trace
+            ):
+                back = whole_trace
+                return True
+        return False
+
+    await eventually(handback_traced, timeout=WAIT, what="the hand-back's trace", interval=0.5)
+    assert back is not None
+    above(
+        back,
+        one_of(back, "yoke-processor", "handback"),
+        one_of(back, "yoke-ingestion", "accept", **{"yoke.message_id": line_id}),
+    )
 
 
 async def test_latency_histograms_carry_exemplars_that_open_their_trace(
