@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aio_pika
 import httpx
 import pytest
 
@@ -27,7 +28,7 @@ from tests.support.worker_process import as_user
 from yoke.cli.publishers import create_publisher, management_of
 from yoke.client import Client
 from yoke.core.ids import new_id
-from yoke.core.models import EscalationAction, Message, SubmitReply
+from yoke.core.models import Envelope, EscalationAction, Message, MessagePosted, SubmitReply
 from yoke.core.slash import HANDBACK, TAKEOVER
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.runtime.calls.records import TOOL_CALLS_COLLECTION
@@ -368,6 +369,75 @@ async def test_hole_a_stop_right_behind_a_takeover_skips_the_agents_takeover(
     assert reasons.count("held") == 1 and reasons.count("handed_back") == 1, (
         f"the agent skipped the takeover: its notices were {reasons}"
     )
+
+
+@contextlib.asynccontextmanager
+async def forum_events(amqp_url: str, forum_id: str) -> AsyncIterator[list[Envelope]]:
+    """The forum's events on ``yoke.forum``, as a helpdesk bridge bound there reads them."""
+    seen: list[Envelope] = []
+    connection = await aio_pika.connect(amqp_url)
+    try:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(exclusive=True, auto_delete=True)
+        await queue.bind("yoke.forum", routing_key=f"#.{forum_id}")
+
+        async def take(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            async with message.process():
+                seen.append(Envelope.model_validate_json(message.body))
+
+        await queue.consume(take)
+        yield seen
+    finally:
+        await connection.close()
+
+
+async def test_hole_a_claimer_claims_again_after_the_hand_back_and_it_is_announced_again(
+    amqp_url: str, http: httpx.AsyncClient, store: Store, bridge: Client, new_join: JoinFactory
+) -> None:
+    """Bob claims an escalation, hands the forum back (the escalation ends ``handed_back``),
+    then posts the same claim again, as often as he likes: each is answered 202 ``duplicate``
+    and each publishes ``escalation.claimed`` again, after its ``escalation.ended``, to
+    ``yoke.forum``, the forum's streams (no event id to tell a repeat) and its webhooks (a
+    new delivery each time the last one is done). A correct mesh refuses a claim of an ended
+    escalation (409 ``escalation_ended``) and announces nothing more."""
+    forum_id, _ = await new_join(config=handing_off("the customer wants a manager"))
+    _, secret = await token(store, [forum_id], can_take_over=True)
+    async with forum_events(amqp_url, forum_id) as events:
+        said = await bridge_says(bridge, forum_id, "ana", "a manager!", key=uuid.uuid4().hex)
+        assert said.status == "accepted", said
+        escalation = await the_escalation(store, forum_id)
+        claim_url = f"/v1/escalations/{escalation.id}/claim"
+        claimed = await http.post(claim_url, json={"as": "bob"}, headers=bearer(secret))
+        assert claimed.status_code == 202, claimed.text
+        back = await http.post(
+            f"/v1/forums/{forum_id}/handback", json={"as": "bob"}, headers=bearer(secret)
+        )
+        assert back.status_code == 202, back.text
+
+        async def ended() -> bool:
+            return any(event.type == "escalation.ended" for event in events)
+
+        await eventually(ended, timeout=WAIT, what="escalation.ended")
+        again = [
+            await http.post(claim_url, json={"as": "bob"}, headers=bearer(secret)) for _ in range(3)
+        ]
+        # A line after the answers: once its event is read, so is every event before it (the
+        # door publishes them in order, and a repeat's before its answer).
+        later = await bridge_says(bridge, forum_id, "ana", "thanks", key=uuid.uuid4().hex)
+        assert later.status == "accepted", later
+
+        async def line_read() -> bool:
+            for event in events:
+                payload = event.parse() if event.type == MessagePosted.TYPE else None
+                if isinstance(payload, MessagePosted) and payload.message.id == later.message_id:
+                    return True
+            return False
+
+        await eventually(line_read, timeout=WAIT, what="the later line's event")
+    kinds = [event.type for event in events if event.type.startswith("escalation.")]
+    after_end = kinds[kinds.index("escalation.ended") + 1 :]
+    assert after_end == [], f"announced again after it ended: {after_end}"
+    assert [answer.status_code for answer in again] == [409] * 3, [a.text for a in again]
 
 
 # --- withstood -----------------------------------------------------------------------------
