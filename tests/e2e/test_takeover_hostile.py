@@ -43,6 +43,9 @@ pytestmark = pytest.mark.slow
 WAIT = 30
 # A terminal escape: clears the screen and retitles the window of whoever prints it raw.
 ESCAPE = "\x1b[2J\x1b]0;owned\x07"
+# Calls of one round waiting for approval: what keeps an agent's lane busy for a while (each is
+# recorded as the round is dispatched, and ended by a takeover or a stop).
+BUSY_CALLS = 150
 
 
 @pytest.fixture(scope="module")
@@ -256,14 +259,16 @@ async def test_hole_a_stop_right_after_a_handback_leaves_the_agent_held_for_ever
 ) -> None:
     """Ana takes the forum over and hands it back at once (a takeover by mistake); Mallory, a
     person with no right at all, types ``/stop`` right behind. The takeover's step is busy
-    ending the agent's open calls (here 60 waiting for approval) when the copies of
+    ending the agent's open calls (here a round of calls waiting for approval) when the copies of
     ``/handback`` and ``/stop`` reach the lane: the stop is remembered at its arrival, and the
     ``/handback``'s step is skipped as "a stop came after this line". The door has released
     the forum; the agent stays held: no notice says it was handed back, it answers nothing,
     and every later ``/handback`` is refused ``not_held``. A correct agent carries out a
     hand-back whatever follows it, and answers the next line."""
     ana = f"amqp:{bridge.user}:ana"
-    calls = [ScriptedCall(name="calculator", input={"expression": f"{n}+1"}) for n in range(60)]
+    calls = [
+        ScriptedCall(name="calculator", input={"expression": f"{n}+1"}) for n in range(BUSY_CALLS)
+    ]
     config = JoinConfig(
         model="fixture-script",
         tools=["calculator"],
@@ -311,7 +316,7 @@ async def test_hole_a_stop_right_after_a_handback_leaves_the_agent_held_for_ever
 async def test_hole_a_stop_right_behind_a_takeover_skips_the_agents_takeover(
     store: Store, bridge: Client, new_join: JoinFactory
 ) -> None:
-    """The mirror image: while the agent's lane is busy (here dispatching a round of 60 calls
+    """The mirror image: while the agent's lane is busy (here dispatching a round of calls
     that wait for approval), Ana takes the forum over and Mallory types ``/stop`` right
     behind. Both copies arrive while the lane is busy; the takeover's step is skipped as "a
     stop came after this line", so the agent never holds: the forum is never told who holds
@@ -321,7 +326,9 @@ async def test_hole_a_stop_right_behind_a_takeover_skips_the_agents_takeover(
     takeover whatever follows it: one ``held`` and one ``handed_back`` notice, nothing said
     in between, and the line after the hand-back answered."""
     ana = f"amqp:{bridge.user}:ana"
-    calls = [ScriptedCall(name="calculator", input={"expression": f"{n}+1"}) for n in range(60)]
+    calls = [
+        ScriptedCall(name="calculator", input={"expression": f"{n}+1"}) for n in range(BUSY_CALLS)
+    ]
     config = JoinConfig(
         model="fixture-script",
         tools=["calculator"],
@@ -438,6 +445,31 @@ async def test_hole_a_claimer_claims_again_after_the_hand_back_and_it_is_announc
     after_end = kinds[kinds.index("escalation.ended") + 1 :]
     assert after_end == [], f"announced again after it ended: {after_end}"
     assert [answer.status_code for answer in again] == [409] * 3, [a.text for a in again]
+
+
+async def test_hole_the_inbox_shows_any_reader_of_the_forum_the_claimers_token(
+    http: httpx.AsyncClient, store: Store, bridge: Client, new_join: JoinFactory
+) -> None:
+    """A token that may only read the forum lists its claimed escalations (no right needed
+    for ``GET /v1/escalations``) and gets ``claimedBy.externalId`` whole: the claiming
+    token's name and namespace (``http:NAME~HASH:bob``; a bridge's claimer would show its
+    RabbitMQ user), which the mesh shows nowhere else (lines and the console name people by
+    display name only); ``escalation.claimed`` carries the same to streams, webhooks and
+    ``yoke.forum``. A correct inbox shows a claimer by name only."""
+    forum_id, _ = await new_join(config=handing_off("a manager, please"))
+    taker, secret = await token(store, [forum_id], can_take_over=True)
+    _, reader = await token(store, [forum_id])
+    said = await bridge_says(bridge, forum_id, "ana", "a manager!", key=uuid.uuid4().hex)
+    assert said.status == "accepted", said
+    escalation = await the_escalation(store, forum_id)
+    claim_url = f"/v1/escalations/{escalation.id}/claim"
+    claimed = await http.post(claim_url, json={"as": "bob"}, headers=bearer(secret))
+    assert claimed.status_code == 202, claimed.text
+    listed = await http.get("/v1/escalations?state=claimed", headers=bearer(reader))
+    assert listed.status_code == 200, listed.text
+    [shown] = listed.json()["escalations"]
+    assert shown["claimedBy"]["displayName"] == "bob"
+    assert taker not in listed.text, f"another token's name shown: {shown['claimedBy']}"
 
 
 # --- withstood -----------------------------------------------------------------------------
