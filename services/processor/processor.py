@@ -25,7 +25,7 @@ import logging
 from aio_pika.abc import AbstractIncomingMessage
 
 from services.processor.commands import answer_slash_command, stopped_round
-from services.processor.holding import Holding
+from services.processor.holding import Holding, hold_line
 from services.processor.inference import Inference
 from services.processor.notices import failure_meta, post_notice
 from services.processor.step import Context, is_step_trigger, step_window, with_recorded_round
@@ -130,6 +130,11 @@ class Processor:
         if context.config.config_version:  # read once per version by those who read it
             context.route[topology.CONFIG_VERSION_HEADER] = context.config.config_version
         calls = [part for part in trigger.parts if isinstance(part, ToolCallPart)]
+        if hold_line(trigger) is not None:
+            # A takeover or hand-back is carried out whatever came after it (a /stop right
+            # behind a /handback must not leave the agent held for ever).
+            await self.holding.step(context, trigger, calls)
+            return
         stop = self.in_flight.stop_after(trigger.conversation_id, trigger.seq)
         if stop is not None or stopped_round(context.state, trigger):
             # A person stopped the agent after this line: it is not answered, and a round it
