@@ -404,7 +404,7 @@ class Door:
             )
             if isinstance(decided, SubmitReply):
                 return decided
-            hold = decided
+            hold = decided  # None: a repeat of a line that holds nothing
         actor = await self.store.save_actor(
             Actor(
                 id=derive_id("human", author.external_id),

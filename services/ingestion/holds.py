@@ -40,7 +40,7 @@ from yoke.core.models import (
     as_utc,
     utcnow,
 )
-from yoke.core.slash import TAKEOVER, SlashCommand
+from yoke.core.slash import TAKEOVER, SlashCommand, hold_command
 from yoke.runtime.chain import carry_tail, copy_target
 from yoke.runtime.escalations import Escalation, EscalationDecision, Escalations
 from yoke.runtime.holds import MAX_HOLD_REASON_CHARS, ForumHold, Holds, allowed_to_hold
@@ -102,15 +102,17 @@ class HoldDoor:
         *,
         hold_granted: bool = False,
         escalation_id: str | None = None,
-    ) -> HoldLine | SubmitReply:
+    ) -> HoldLine | SubmitReply | None:
         """The hold line to write, or why not. ``hold_granted`` counts only from the mesh's
         own users (the CLI's, the gateway's for a token with the right); anyone else must be
-        in some join's ``takeoverBy``, or, to hand back, hold the forum."""
+        in some join's ``takeoverBy``, or, to hand back, hold the forum. A repeat is the
+        stored line's, whatever the command now says (None: the stored line holds nothing, a
+        key reused for a /takeover takes nothing over)."""
         takeover = command.name == TAKEOVER
         reason = command.argument[:MAX_HOLD_REASON_CHARS] or None
         existing = await self.store.get_message(message_id)
         if existing is not None:
-            return await self._repeat(existing, takeover, author, reason)
+            return await self._repeat(existing)
         granted = hold_granted and self.users.is_mesh(user)
         hold = await self.holds.get(forum_id)
         if takeover:
@@ -140,11 +142,19 @@ class HoldDoor:
             "the CLI and tokens made with --can-take-over may (a holder may hand back)",
         )
 
-    async def _repeat(
-        self, line: Message, takeover: bool, author: CommandAuthor, reason: str | None
-    ) -> HoldLine:
-        """A line already stored: its record as the line says it, to apply again."""
-        if takeover:
+    async def _repeat(self, line: Message) -> HoldLine | None:
+        """A line already stored: its record as the stored line says it (its text, its
+        author), to apply again; None when it is no hold line."""
+        stored = hold_command(line.text) if line.role == "user" else None
+        if stored is None:
+            return None
+        actor = await self.store.get_actor(line.author_actor_id)
+        author = CommandAuthor(
+            external_id=(actor.external_id if actor is not None else None) or line.author_actor_id,
+            display_name=actor.name if actor is not None else "someone",
+        )
+        if stored.name == TAKEOVER:
+            reason = stored.argument[:MAX_HOLD_REASON_CHARS] or None
             return HoldLine(True, author, reason, line.meta.escalation_id, repeat=True)
         ended = line.meta.ends_hold
         taken = await self.store.get_message(ended) if ended else None

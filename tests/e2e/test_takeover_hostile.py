@@ -122,13 +122,12 @@ async def the_escalation(store: Store, forum_id: str) -> Escalation:
 # --- holes ---------------------------------------------------------------------------------
 
 
-async def test_hole_a_bridge_person_no_join_names_holds_a_forum_by_reusing_a_lines_key(
+async def test_a_bridge_person_reusing_a_lines_key_for_a_takeover_takes_nothing_over(
     store: Store, bridge: Client, new_join: JoinFactory
 ) -> None:
     """Mallory, whom no ``takeoverBy`` names, says "hello" with key K, then ``/takeover``
-    with the same key K: the door takes the second for a repeat of the first, skips every
-    check and records Mallory as the forum's holder (while no agent is held). A correct door
-    refuses the ``/takeover`` (``not_allowed``) and records nothing."""
+    with the same key K: a repeat is the stored line's ("hello"), so it holds nothing (the door
+    once skipped every check for a repeat and recorded Mallory as the holder)."""
     forum_id, _ = await new_join(config=JoinConfig(takeover_by=[f"amqp:{bridge.user}:ana"]))
     key = f"k-{uuid.uuid4().hex}"
     first = await bridge_says(bridge, forum_id, "mallory", "hello", key=key)
@@ -138,21 +137,23 @@ async def test_hole_a_bridge_person_no_join_names_holds_a_forum_by_reusing_a_lin
 
     reused = await bridge_says(bridge, forum_id, "mallory", f"{TAKEOVER} mine", key=key)
     hold = await Holds(store).get(forum_id)
-    # Today: accepted as a duplicate, and the forum is recorded held by Mallory; Ana, whom
-    # the join names, is then refused "held by Mallory" until someone hands it back.
     assert hold is None, f"a stranger holds the forum: {hold!r} (reply {reused!r})"
-    assert (reused.status, reused.code) == ("rejected", "not_allowed"), reused
+    # The key's line is "hello": the repeat is answered as its duplicate, as any repeat is.
+    assert (reused.status, reused.message_id, reused.duplicate) == (
+        "accepted",
+        first.message_id,
+        True,
+    )
     ana = await bridge_says(bridge, forum_id, "ana", TAKEOVER, key=f"k-{uuid.uuid4().hex}")
     assert ana.status == "accepted", ana
 
 
-async def test_hole_a_token_without_can_take_over_holds_a_forum_by_reusing_a_messages_key(
+async def test_a_token_without_the_right_reusing_a_key_for_a_takeover_takes_nothing_over(
     http: httpx.AsyncClient, store: Store, new_join: JoinFactory
 ) -> None:
     """The same over HTTP: a token made without ``--can-take-over`` posts "hello" with
-    ``Idempotency-Key: K``, then posts the text ``/takeover`` with K. A correct mesh refuses
-    it (``not_allowed``, as it refuses a ``/takeover`` with a fresh key) and records no hold;
-    today the gateway answers 202 and the forum is held by the token's person."""
+    ``Idempotency-Key: K``, then posts the text ``/takeover`` with K: the duplicate of "hello",
+    and no hold."""
     forum_id, _ = await new_join()
     _, secret = await token(store, [forum_id])
     url = f"/v1/forums/{forum_id}/messages"
@@ -169,7 +170,9 @@ async def test_hole_a_token_without_can_take_over_holds_a_forum_by_reusing_a_mes
     )
     hold = await Holds(store).get(forum_id)
     assert hold is None, f"a token without the right holds the forum: {hold!r} ({reused.text})"
-    assert reused.status_code >= 400 and reused.json()["code"] == "not_allowed", reused.text
+    # The key's line is "hello": the repeat is answered as its duplicate, as any repeat is.
+    assert reused.status_code == 202, reused.text
+    assert reused.json() == {"messageId": said.json()["messageId"], "duplicate": True}
 
 
 async def test_hole_the_cli_prints_a_holders_name_with_its_terminal_escapes(
@@ -254,7 +257,7 @@ async def test_hole_a_takeover_while_the_agent_waits_on_its_escalation_leaves_it
     assert await Holds(store).get(forum_id) is None
 
 
-async def test_hole_a_stop_right_after_a_handback_leaves_the_agent_held_for_ever(
+async def test_a_stop_right_after_a_handback_still_hands_the_agent_back(
     store: Store, bridge: Client, new_join: JoinFactory
 ) -> None:
     """Ana takes the forum over and hands it back at once (a takeover by mistake); Mallory, a
@@ -313,7 +316,7 @@ async def test_hole_a_stop_right_after_a_handback_leaves_the_agent_held_for_ever
     assert answered(lines), "the agent never answered after the hand-back"
 
 
-async def test_hole_a_stop_right_behind_a_takeover_skips_the_agents_takeover(
+async def test_a_stop_right_behind_a_takeover_still_holds_the_agent(
     store: Store, bridge: Client, new_join: JoinFactory
 ) -> None:
     """The mirror image: while the agent's lane is busy (here dispatching a round of calls
