@@ -175,7 +175,7 @@ async def test_a_token_without_the_right_reusing_a_key_for_a_takeover_takes_noth
     assert reused.json() == {"messageId": said.json()["messageId"], "duplicate": True}
 
 
-async def test_hole_the_cli_prints_a_holders_name_with_its_terminal_escapes(
+async def test_the_cli_prints_a_holders_name_with_its_terminal_escapes_escaped(
     amqp_url: str,
     module_mongodb_url: str,
     store: Store,
@@ -184,9 +184,8 @@ async def test_hole_the_cli_prints_a_holders_name_with_its_terminal_escapes(
 ) -> None:
     """A bridge's person (here one the join names; through the key reuse above, anyone) takes
     the forum over with a display name carrying terminal escapes. The operator's ``yoke
-    takeover`` is refused "held by NAME since ...", and the CLI writes NAME to the terminal
-    raw (``yoke inbox`` escapes its columns; the refusals do not). The same reaches the
-    terminal through ``yoke inbox claim``'s "claimed by NAME"."""
+    takeover`` is refused "held by NAME since ...", and the CLI writes NAME escaped, as every
+    error it prints (it once wrote a refusal's outside text raw)."""
     forum_id, _ = await new_join(config=JoinConfig(takeover_by=[f"amqp:{bridge.user}:ana"]))
     taken = await bridge_says(
         bridge, forum_id, "ana", TAKEOVER, key=f"k-{uuid.uuid4().hex}", name=f"Ana{ESCAPE}"

@@ -457,7 +457,8 @@ def main(argv: list[str] | None = None) -> None:
         with refused_as_misconfigured(), refusals_as_errors():
             asyncio.run(args.handler(args))
     except CommandError as error:
-        print(f"yoke: {redact(str(error))}", file=sys.stderr)
+        # An error may quote outside text (a door's refusal names a person): never raw.
+        print(f"yoke: {printable(redact(str(error)), multiline=True)}", file=sys.stderr)
         sys.exit(2 if isinstance(error, UsageError) else 1)
     except Misconfigured as error:  # say, a server certificate that does not verify
         print(f"yoke: {redact(str(error))}", file=sys.stderr)
