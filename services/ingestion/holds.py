@@ -303,6 +303,13 @@ class EscalationDecisions:
         won, decision = await self.escalations.decide(escalation.id, command.action, by)
         if not won and not _same(decision, command, by):
             return _lost(escalation, decision)
+        if not won and decision.action == "claim" and escalation.state == "ended":
+            # Its claim was carried out and its hold handed back: nothing is left to finish,
+            # and announcing the claim again after its end would only mislead a helpdesk.
+            return SubmitReply.rejected(
+                "escalation_ended",
+                f"escalation {escalation.id!r} has ended ({escalation.outcome or 'ended'})",
+            )
         tracing.annotate({"yoke.escalation_id": escalation.id})
         if decision.action == "claim":
             assert decision.by is not None  # a claim names its claimer (checked above)

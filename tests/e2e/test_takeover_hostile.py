@@ -400,15 +400,14 @@ async def forum_events(amqp_url: str, forum_id: str) -> AsyncIterator[list[Envel
         await connection.close()
 
 
-async def test_hole_a_claimer_claims_again_after_the_hand_back_and_it_is_announced_again(
+async def test_a_claim_again_after_the_hand_back_is_refused_and_not_announced(
     amqp_url: str, http: httpx.AsyncClient, store: Store, bridge: Client, new_join: JoinFactory
 ) -> None:
     """Bob claims an escalation, hands the forum back (the escalation ends ``handed_back``),
-    then posts the same claim again, as often as he likes: each is answered 202 ``duplicate``
-    and each publishes ``escalation.claimed`` again, after its ``escalation.ended``, to
-    ``yoke.forum``, the forum's streams (no event id to tell a repeat) and its webhooks (a
-    new delivery each time the last one is done). A correct mesh refuses a claim of an ended
-    escalation (409 ``escalation_ended``) and announces nothing more."""
+    then posts the same claim again: each is refused (409 ``escalation_ended``) and nothing
+    more is announced (each was once answered 202 ``duplicate`` and published
+    ``escalation.claimed`` again, after its ``escalation.ended``, to ``yoke.forum``, the
+    forum's streams and its webhooks)."""
     forum_id, _ = await new_join(config=handing_off("the customer wants a manager"))
     _, secret = await token(store, [forum_id], can_take_over=True)
     async with forum_events(amqp_url, forum_id) as events:
