@@ -33,6 +33,7 @@ from yoke.core.models import (
     EscalationAction,
     EscalationOutcome,
     EscalationUrgency,
+    ShownPerson,
     SubmitReply,
     WireModel,
     check_storable,
@@ -113,7 +114,7 @@ class EscalationView(WireModel):
     opened_at: datetime
     deadline: datetime
     state: EscalationState
-    claimed_by: CommandAuthor | None = None
+    claimed_by: ShownPerson | None = None  # by name: another token's namespace is not shown
     claimed_at: datetime | None = None
     outcome: EscalationOutcome | None = None
     ended_at: datetime | None = None

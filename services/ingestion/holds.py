@@ -34,6 +34,7 @@ from yoke.core.models import (
     EscalationOutcome,
     Message,
     MessageMeta,
+    ShownPerson,
     SubmitEscalation,
     SubmitReply,
     TextPart,
@@ -345,7 +346,7 @@ class EscalationDecisions:
         claimed = EscalationClaimed(
             escalation_id=escalation.id,
             forum_id=escalation.forum_id,
-            by=by,
+            by=ShownPerson(display_name=by.display_name),
             claimed_at=decision.at,
         )
         await self.poster.bus.publish_forum_event(

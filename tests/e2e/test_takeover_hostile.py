@@ -448,15 +448,15 @@ async def test_a_claim_again_after_the_hand_back_is_refused_and_not_announced(
     assert [answer.status_code for answer in again] == [409] * 3, [a.text for a in again]
 
 
-async def test_hole_the_inbox_shows_any_reader_of_the_forum_the_claimers_token(
+async def test_the_inbox_shows_a_forums_readers_a_claimer_by_name_only(
     http: httpx.AsyncClient, store: Store, bridge: Client, new_join: JoinFactory
 ) -> None:
     """A token that may only read the forum lists its claimed escalations (no right needed
     for ``GET /v1/escalations``) and gets ``claimedBy.externalId`` whole: the claiming
     token's name and namespace (``http:NAME~HASH:bob``; a bridge's claimer would show its
     RabbitMQ user), which the mesh shows nowhere else (lines and the console name people by
-    display name only); ``escalation.claimed`` carries the same to streams, webhooks and
-    ``yoke.forum``. A correct inbox shows a claimer by name only."""
+    display name only); ``escalation.claimed`` carried the same to streams, webhooks and
+    ``yoke.forum``. Both show a claimer by name only now."""
     forum_id, _ = await new_join(config=handing_off("a manager, please"))
     taker, secret = await token(store, [forum_id], can_take_over=True)
     _, reader = await token(store, [forum_id])

@@ -392,6 +392,13 @@ class EscalationOpened(WireModel):
         return self.forum_id
 
 
+class ShownPerson(WireModel):
+    """A person as outsiders are shown them: by display name only (an external id carries the
+    namespace of the door or token that named them, which is nobody else's business)."""
+
+    display_name: str
+
+
 class EscalationClaimed(WireModel):
     """A person claimed an escalation: they hold the forum (a takeover) from now on."""
 
@@ -399,7 +406,7 @@ class EscalationClaimed(WireModel):
 
     escalation_id: str
     forum_id: str
-    by: CommandAuthor
+    by: ShownPerson
     claimed_at: datetime
 
     @property
@@ -746,6 +753,5 @@ class SubmitEscalation(WireModel):
     by: CommandAuthor | None = None
 
 
-# ApprovalDecided and EscalationClaimed name CommandAuthor, defined with the commands below.
+# ApprovalDecided names CommandAuthor, defined with the commands below it.
 ApprovalDecided.model_rebuild()
-EscalationClaimed.model_rebuild()
