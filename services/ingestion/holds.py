@@ -185,11 +185,11 @@ class HoldDoor:
                     }
                 )
             )
+            await self._claim_open(line, hold)
         else:
             if hold.ends_hold is not None:
                 await self.holds.release(line.conversation_id, hold.ends_hold)
-            if hold.escalation_id is not None:
-                await self._handed_back_escalation(hold.escalation_id, line)
+            await self._end_claimed(line, hold)
         if created:
             HOLDS.labels(hold.what).inc()
         log.info(
@@ -199,6 +199,52 @@ class HoldDoor:
             " (again)" if not created else "",
             extra={"conversationId": line.conversation_id, "messageId": line.id},
         )
+
+    async def note_claim(self, escalation: Escalation, by: CommandAuthor, at: datetime) -> None:
+        """The claim that stands, recorded and announced (again on a repeat: one event id)."""
+        if escalation.state == "open":
+            await self.escalations.mark_claimed(escalation.id, by, at)
+            seconds = (as_utc(at) - as_utc(escalation.opened_at)).total_seconds()
+            ESCALATION_CLAIM_SECONDS.observe(max(0.0, seconds), tracing.exemplar())
+            ESCALATIONS_ENDED.labels("claimed").inc()
+        claimed = EscalationClaimed(
+            escalation_id=escalation.id,
+            forum_id=escalation.forum_id,
+            by=ShownPerson(display_name=by.display_name),
+            claimed_at=at,
+        )
+        await self.poster.bus.publish_forum_event(
+            derive_id("escalation-claimed", escalation.id), claimed
+        )
+        log.info(
+            "escalation %s claimed by %s",
+            escalation.id,
+            by.display_name,
+            extra={"conversationId": escalation.forum_id},
+        )
+
+    async def _claim_open(self, line: Message, hold: HoldLine) -> None:
+        """A takeover answers every request for a person open in its forum: each is claimed by
+        the taker (the first decision stands: one a timeout won stays as it ended)."""
+        for escalation in await self.escalations.listed(
+            states=("open",), forum_ids=[line.conversation_id]
+        ):
+            won, decision = await self.escalations.decide(escalation.id, "claim", hold.author)
+            same = decision.action == "claim" and decision.by == hold.author
+            if won or same:
+                await self.note_claim(escalation, hold.author, decision.at)
+
+    async def _end_claimed(self, line: Message, hold: HoldLine) -> None:
+        """A hand-back ends every escalation its forum's hold answered (claimed through the
+        inbox, or by a takeover of a forum whose agent waited on one)."""
+        claimed = await self.escalations.listed(
+            states=("claimed",), forum_ids=[line.conversation_id]
+        )
+        ids = {escalation.id for escalation in claimed}
+        if hold.escalation_id is not None and hold.escalation_id not in ids:
+            ids.add(hold.escalation_id)  # a repeat, after its first delivery ended it
+        for escalation_id in sorted(ids):
+            await self._handed_back_escalation(escalation_id, line)
 
     async def _handed_back(self, takeover: Message) -> bool:
         """Whether a /handback ended ``takeover``'s hold (read only for a repeated takeover)."""
@@ -338,26 +384,7 @@ class EscalationDecisions:
     async def _carry_out_claim(
         self, escalation: Escalation, decision: EscalationDecision, by: CommandAuthor, user: str
     ) -> SubmitReply:
-        if escalation.state == "open":
-            await self.escalations.mark_claimed(escalation.id, by, decision.at)
-            seconds = (as_utc(decision.at) - as_utc(escalation.opened_at)).total_seconds()
-            ESCALATION_CLAIM_SECONDS.observe(max(0.0, seconds), tracing.exemplar())
-            ESCALATIONS_ENDED.labels("claimed").inc()
-        claimed = EscalationClaimed(
-            escalation_id=escalation.id,
-            forum_id=escalation.forum_id,
-            by=ShownPerson(display_name=by.display_name),
-            claimed_at=decision.at,
-        )
-        await self.poster.bus.publish_forum_event(
-            derive_id("escalation-claimed", escalation.id), claimed
-        )
-        log.info(
-            "escalation %s claimed by %s",
-            escalation.id,
-            by.display_name,
-            extra={"conversationId": escalation.forum_id},
-        )
+        await self.holds.note_claim(escalation, by, decision.at)
         return await self.lines.post_line(
             escalation.forum_id,
             by,

@@ -298,9 +298,12 @@ async def test_only_the_mesh_decides_and_only_on_its_own_forums_escalations(
     assert await store.history(escalation.forum_id) == []
 
 
-async def test_a_claim_of_a_forum_someone_else_holds_is_refused_and_decides_nothing(
+async def test_a_takeover_claims_its_forums_open_escalation_and_a_later_claim_is_refused(
     store: Store, poster: Poster, escalations: Escalations, client: Client
 ) -> None:
+    """Carol takes the forum over directly, not through the inbox: she answers the agent's
+    request for a person, so the escalation is hers (it no longer waits in every inbox, nor
+    times out later as if nobody came); Ana's claim is refused."""
     escalation, _ = await escalated(store, poster, escalations)
     taken = await client.submit(
         escalation.forum_id,
@@ -313,5 +316,9 @@ async def test_a_claim_of_a_forum_someone_else_holds_is_refused_and_decides_noth
     reply = await client.submit_escalation(escalation.forum_id, escalation.id, "claim", ANA)
     refused(reply, "held")
     assert reply.error is not None and "Carol" in reply.error
-    assert await escalations.get_decision(escalation.id) is None
+    decision = await escalations.get_decision(escalation.id)
+    assert decision is not None and decision.action == "claim"
+    assert decision.by is not None and decision.by.display_name == "Carol"
+    stored = await escalations.get(escalation.id)
+    assert stored is not None and stored.state == "claimed"
     assert [line.id for line in await store.history(escalation.forum_id)] == [taken.message_id]
