@@ -19,6 +19,7 @@ from typing import Any
 import aio_pika
 import pytest
 
+from services.ingestion.holds import HoldDoor
 from services.processor.holding import Holding
 from tests.support import faults
 from tests.support.cli import cli_env, run_yoke
@@ -279,3 +280,68 @@ async def test_a_processor_killed_after_a_takeovers_step_holds_once(
     lines = await lines_until(store, forum_id, lambda lines: len(answers(lines)) >= 2)
     assert [n.meta.notice_reason for n in notices(lines)] == ["held", "handed_back"]
     assert answers(lines)[-1].meta.in_reply_to == after
+
+
+async def test_a_hand_back_cut_short_by_a_killed_door_is_carried_out_once(
+    store: Store, client: Client, mesh: Mesh, new_join: JoinFactory, fake_openai: FakeOpenAI
+) -> None:
+    """Ingestion dies right after the /handback line is stored, before the hold's record is
+    released: the redelivered line finishes it, and the agent is handed back once."""
+    fake_openai.script(completion("hello again"))
+    config = JoinConfig(model="gpt-test", takeover_by=["test:bob"], hop_cap=1)
+    forum_id, _ = await new_join(config=config, name="killed-handback")
+    await say(client, forum_id, "/takeover", "bob")
+    await lines_until(store, forum_id, lambda lines: len(notices(lines)) >= 1)
+    faulty = mesh.start_faulty("ingestion", faults.fault("before", HoldDoor.recorded))
+    await faulty.wait_healthy()
+    with contextlib.suppress(TimeoutError):
+        await client.submit(
+            forum_id, HANDBACK, external_id="test:bob", display_name="bob", reply_timeout=5
+        )
+    assert faulty.popen.wait(WAIT) == faults.EXIT_CODE, faulty.output()[-2000:]
+    faulty.stop()
+    mesh.start("ingestion")
+    await mesh.processes["ingestion"].wait_healthy()
+
+    async def released() -> bool:
+        return await Holds(store).get(forum_id) is None
+
+    await eventually(released, timeout=WAIT, what="the hold released")
+    after = await say(client, forum_id, "anyone?", "ana")
+    lines = await lines_until(store, forum_id, lambda lines: len(answers(lines)) >= 1)
+    assert holds_of(lines) == [TAKEOVER, HANDBACK]
+    assert [n.meta.notice_reason for n in notices(lines)] == ["held", "handed_back"]
+    assert answers(lines)[0].meta.in_reply_to == after
+
+
+async def test_a_timeout_cut_short_by_a_killed_door_tells_the_agent_once(
+    store: Store, client: Client, mesh: Mesh, new_join: JoinFactory, fake_openai: FakeOpenAI
+) -> None:
+    """The follow-up service times the escalation out; ingestion dies right after the
+    decision is stored: the redelivered command writes the agent's instruction once, and the
+    agent resumes once."""
+    fake_openai.script(handoff("wants a person"), completion("nobody came, so I am back"))
+    config = JoinConfig(model="gpt-test", handoff=True, handoff_timeout_seconds=3, hop_cap=1)
+    forum_id, join = await new_join(config=config, name="killed-timeout")
+    faulty = mesh.start_faulty("ingestion", faults.fault("after", Escalations.decide))
+    await faulty.wait_healthy()
+    await say(client, forum_id, "a person please", "ana")
+    assert faulty.popen.wait(WAIT) == faults.EXIT_CODE, faulty.output()[-2000:]
+    faulty.stop()
+    mesh.start("ingestion")
+    await mesh.processes["ingestion"].wait_healthy()
+    lines = await lines_until(store, forum_id, lambda lines: len(answers(lines)) >= 1)
+    escalation = await only_escalation(store, forum_id)
+    ended = await Escalations(store).get(escalation.id)
+    assert ended is not None and (ended.state, ended.outcome) == ("ended", "timed_out")
+    told = [
+        line
+        for line in await store.history(join.monologue_id)
+        if line.meta.instruction == "handoff"
+    ]
+    assert len(told) == 1
+    assert [(a.type, a.meta.notice_reason) for a in agent_lines(lines)] == [
+        ("notice", "handoff"),
+        ("notice", "nobody_came"),
+        ("message", None),
+    ]
