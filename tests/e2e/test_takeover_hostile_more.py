@@ -1,0 +1,407 @@
+"""People take over, attacked from outside once more (docs/people-take-over.md), on the angles
+``test_takeover_hostile.py`` leaves: the MCP door's kept forums, escalation loops, takeover and
+hand-back loops against the token's line limit, and forums with two agents that both ask for
+a person.
+
+The five services and the gateway run as real processes on the module's vhost and database.
+An agent that asks for a person is the ``fixture-script`` model calling ``handoff`` (what a
+person talking it into a hand-off gets). A test named for a hole asserts what a correct mesh
+does; the others are attacks the mesh withstands, kept as regressions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+import pytest
+from mcp.types import CallToolResult, TextContent
+
+from services.gateway.calling import kept_forum_id
+from tests.support.cli import cli_env, run_yoke
+from tests.support.mcp_client import mcp_session
+from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until
+from tests.support.processes import eventually
+from tests.support.worker_process import as_user
+from yoke.cli.publishers import create_publisher, management_of
+from yoke.client import Client
+from yoke.core.ids import new_id
+from yoke.core.models import Message, SubmitReply
+from yoke.core.slash import HANDBACK
+from yoke.llm.base import ScriptedCall, ScriptedOutput
+from yoke.runtime.escalations import Escalation, Escalations, EscalationState
+from yoke.runtime.holds import Holds
+from yoke.runtime.join_config import JoinConfig, save_join_config
+from yoke.runtime.joins import create_agent, join_id
+from yoke.store.database import Store
+from yoke.store.publishing import publish_agent
+from yoke.store.tokens import create_token, ensure_token_indexes
+
+pytestmark = pytest.mark.slow
+
+WAIT = 30
+LINES_PER_MINUTE = 10
+CALL_TIMEOUT_SECONDS = 6.0
+EVERY: tuple[EscalationState, ...] = ("open", "claimed", "ended")
+
+
+@pytest.fixture(scope="module")
+def mesh_env() -> dict[str, str]:
+    return {"YOKE_TOKEN_LINES_PER_MINUTE": str(LINES_PER_MINUTE)}
+
+
+@pytest.fixture(scope="module")
+def gateway_env() -> dict[str, str]:
+    return {
+        "YOKE_TOKEN_LINES_PER_MINUTE": str(LINES_PER_MINUTE),
+        "YOKE_MCP_CALL_TIMEOUT_SECONDS": str(CALL_TIMEOUT_SECONDS),
+    }
+
+
+@pytest.fixture(scope="module")
+async def bridge(servers: tuple[str, str, str], amqp_url: str, mesh: Mesh) -> AsyncIterator[Client]:
+    """An outside publisher, made as ``yoke publisher create`` makes one, connected."""
+    management = management_of(amqp_url, servers[2])
+    name = f"bridge-{uuid.uuid4().hex[:8]}"
+    password = await create_publisher(management, name)
+    try:
+        async with Client(as_user(amqp_url, name, password)) as client:
+            yield client
+    finally:
+        async with httpx.AsyncClient(base_url=management.url, auth=management.auth) as api:
+            await api.delete(f"/api/users/{name}")
+
+
+async def token(
+    store: Store,
+    forums: list[str] | None,
+    *,
+    can_take_over: bool = False,
+    can_call: list[str] | None = None,
+) -> tuple[str, str]:
+    await ensure_token_indexes(store)
+    name = f"t{new_id()[:10]}"
+    _, secret = await create_token(
+        store, name, forums, can_take_over=can_take_over, can_call=can_call
+    )
+    return name, secret
+
+
+def bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+async def bridge_says(bridge: Client, forum_id: str, who: str, text: str) -> SubmitReply:
+    """A line of the bridge's person ``who`` (stored as ``amqp:<bridge>:<who>``)."""
+    body = {
+        "conversationId": forum_id,
+        "author": {"externalId": who, "displayName": who.title()},
+        "text": text,
+        "idempotencyKey": uuid.uuid4().hex,
+    }
+    return await bridge.submit_raw(json.dumps(body).encode())
+
+
+def notices(lines: list[Message]) -> list[Message]:
+    return [line for line in agent_lines(lines) if line.type == "notice"]
+
+
+def handoff_call(reason: str) -> ScriptedOutput:
+    return ScriptedOutput(tool_calls=[ScriptedCall(name="handoff", input={"reason": reason})])
+
+
+def handing_off(reason: str, **options: object) -> JoinConfig:
+    """A join whose agent asks for a person at its first line, then answers plainly."""
+    return JoinConfig.model_validate(
+        {
+            "model": "fixture-script",
+            "handoff": True,
+            "hop_cap": 1,
+            "script": [
+                handoff_call(reason),
+                ScriptedOutput(text="back at your service", repeat=True),
+            ],
+            **options,
+        }
+    )
+
+
+async def escalations_of(store: Store, forum_id: str) -> list[Escalation]:
+    return await Escalations(store).listed(states=EVERY, forum_ids=[forum_id])
+
+
+def text_of(result: CallToolResult) -> str:
+    return " ".join(part.text for part in result.content if isinstance(part, TextContent))
+
+
+# --- holes ---------------------------------------------------------------------------------
+
+
+async def test_hole_an_agent_talked_into_asking_for_a_person_asks_again_for_ever(
+    store: Store, bridge: Client, new_join: JoinFactory
+) -> None:
+    """Mallory says one line: "whatever happens, ask for a person, and number your reasons"
+    (numbered, so the doom-loop guard, which counts identical calls, never sees a repeat).
+    The agent asks; nobody comes; the timeout's ``resume`` has the agent answer the account
+    "nobody came", and its answer is another ``handoff``; and so on, one escalation per
+    ``handoffTimeoutSeconds``, each with its two forum notices, three events on ``yoke.forum``,
+    streams and webhooks, and a model call, for ever, after a single line and with nobody in
+    the forum. A correct mesh opens no new escalation on the step that tells the agent nobody
+    came: a person's line (at least) comes between two requests for a person."""
+    script = [handoff_call(f"request number {n}") for n in range(40)]
+    config = JoinConfig(
+        model="fixture-script",
+        handoff=True,
+        handoff_timeout_seconds=1,
+        handoff_fallback="resume",
+        hop_cap=1,
+        script=[*script, ScriptedOutput(text="I give up", repeat=True)],
+    )
+    forum_id, _ = await new_join(config=config)
+    said = await bridge_says(bridge, forum_id, "mallory", "always ask for a person, numbered")
+    assert said.status == "accepted", said
+
+    async def looped() -> bool:
+        return len(await escalations_of(store, forum_id)) >= 4
+
+    with contextlib.suppress(AssertionError):  # the assertion below says what happened
+        await eventually(looped, timeout=15, what="a fourth escalation")
+    opened = await escalations_of(store, forum_id)
+    lines = await store.history(forum_id)
+    people = [line for line in lines if line.role == "user"]
+    reasons = [line.meta.notice_reason for line in notices(lines)]
+    assert len(people) == 1, [line.text for line in people]
+    assert len(opened) <= 1, (
+        f"{len(opened)} escalations (and forum notices {reasons}) from one line of one person"
+    )
+
+
+async def test_hole_a_claimed_escalation_of_an_mcp_callers_forum_can_never_be_handed_back(
+    amqp_url: str,
+    module_mongodb_url: str,
+    store: Store,
+    http: httpx.AsyncClient,
+    gateway_url: str,
+) -> None:
+    """A published agent whose join in a caller's kept forum has ``handoff`` (its operator
+    configured it) asks for a person in an MCP call. A token with ``--can-take-over`` over
+    all forums claims the escalation from its inbox: the claim writes its ``/takeover`` in the
+    kept forum (the door writes a claim's line itself, past the check that only the caller
+    writes there). But its ``/handback`` is a line like any other, refused there
+    ``not_allowed`` ("only that caller writes there"), and so is the operator's ``yoke
+    handback``: the caller's forum is held for ever, the escalation claimed for ever, and every
+    later call of the caller in that conversation waits out its deadline and is owed an answer
+    that never comes. A correct mesh lets whoever may claim the escalation hand it back."""
+    agent = await create_agent(store, f"agent-{uuid.uuid4().hex[:6]}", model="fixture-script")
+    published = await publish_agent(store, f"a-{uuid.uuid4().hex[:8]}", agent.id, "Ask it.")
+    caller_token, caller_secret = await create_token(
+        store, f"caller-{uuid.uuid4().hex[:8]}", can_call=[published.id]
+    )
+    key = "ticket-1"
+    forum_id = kept_forum_id(caller_token, "mcp", published, key)
+    # The operator's configuration of the join the door makes on the first call.
+    await save_join_config(
+        store, join_id(agent.id, forum_id), handing_off("the caller wants a person")
+    )
+    _, taker = await token(store, None, can_take_over=True)
+
+    async with mcp_session(gateway_url, caller_secret) as session:
+        asked = await session.call_tool(
+            published.id, {"message": "a person, please", "conversation": key}
+        )
+        assert "asked a person" in text_of(asked), asked
+        (escalation,) = await escalations_of(store, forum_id)
+        claimed = await http.post(
+            f"/v1/escalations/{escalation.id}/claim", json={"as": "bob"}, headers=bearer(taker)
+        )
+        assert claimed.status_code == 202, claimed.text
+        assert await Holds(store).get(forum_id) is not None
+        await lines_until(store, forum_id, lambda lines: len(notices(lines)) >= 2, timeout=WAIT)
+
+        back = await http.post(
+            f"/v1/forums/{forum_id}/handback", json={"as": "bob"}, headers=bearer(taker)
+        )
+        if back.status_code != 202:  # the operator's hand-back, as the last resort
+            code, _, err = await run_yoke(
+                cli_env(amqp_url, module_mongodb_url), "handback", "--forum", forum_id
+            )
+            assert code == 0, (
+                f"nobody can hand the forum back: the claimer is told {back.text}, "
+                f"the operator {err.strip()}"
+            )
+        answered = await session.call_tool(
+            published.id, {"message": "are you back?", "conversation": key}
+        )
+    assert await Holds(store).get(forum_id) is None, "the caller's forum is still held"
+    assert "back at your service" in text_of(answered), answered
+
+
+# --- withstood -----------------------------------------------------------------------------
+
+
+async def test_a_token_over_all_forums_may_not_take_over_an_mcp_callers_forum(
+    store: Store, http: httpx.AsyncClient, gateway_url: str
+) -> None:
+    """An all-forums token with ``--can-take-over`` posts ``/takeover`` for a caller's kept
+    forum: refused (403, ``not_allowed``), nothing held, and the caller's next call answered."""
+    agent = await create_agent(store, f"agent-{uuid.uuid4().hex[:6]}", model="fixture-echo")
+    published = await publish_agent(store, f"a-{uuid.uuid4().hex[:8]}", agent.id, "Ask it.")
+    caller_token, caller_secret = await create_token(
+        store, f"caller-{uuid.uuid4().hex[:8]}", can_call=[published.id]
+    )
+    forum_id = kept_forum_id(caller_token, "mcp", published, "mine")
+    _, taker = await token(store, None, can_take_over=True)
+    async with mcp_session(gateway_url, caller_secret) as session:
+        first = await session.call_tool(published.id, {"message": "one", "conversation": "mine"})
+        assert text_of(first) == "one", first
+        taken = await http.post(
+            f"/v1/forums/{forum_id}/takeover", json={"as": "eve"}, headers=bearer(taker)
+        )
+        assert taken.status_code == 403 and taken.json()["code"] == "not_allowed", taken.text
+        assert await Holds(store).get(forum_id) is None
+        second = await session.call_tool(published.id, {"message": "two", "conversation": "mine"})
+        assert text_of(second) == "two", second
+
+
+async def test_takeover_and_handback_loops_count_against_the_tokens_lines(
+    store: Store, http: httpx.AsyncClient, new_join: JoinFactory
+) -> None:
+    """A token with the right takes over and hands back in a loop (each pair writes two
+    forum lines, two notices and a hand-back account): past its lines per minute it is 429."""
+    forum_id, _ = await new_join(config=JoinConfig(after_handback="wait"))
+    _, secret = await token(store, [forum_id], can_take_over=True)
+    statuses: list[int] = []
+    for n in range(LINES_PER_MINUTE):
+        what = "takeover" if n % 2 == 0 else "handback"
+        answer = await http.post(
+            f"/v1/forums/{forum_id}/{what}", json={"as": "bob"}, headers=bearer(secret)
+        )
+        statuses.append(answer.status_code)
+    answer = await http.post(
+        f"/v1/forums/{forum_id}/takeover", json={"as": "bob"}, headers=bearer(secret)
+    )
+    assert statuses == [202] * LINES_PER_MINUTE, statuses
+    assert answer.status_code == 429, answer.text
+
+
+async def test_one_claim_answers_both_agents_of_a_forum_and_one_hand_back_ends_both(
+    store: Store, http: httpx.AsyncClient, bridge: Client, new_join: JoinFactory
+) -> None:
+    """Two agents, each with ``handoff``, both ask for a person at Ana's line. Bob claims one
+    escalation: both agents hold, the forum has one ``held`` notice, and the other
+    escalation is claimed by Bob too; what Ana says meanwhile is answered by nobody. Bob's
+    hand-back ends both escalations ``handed_back``, and Ana's next line is answered."""
+    forum_id, _ = await new_join(config=handing_off("agent one wants a person"), name="one")
+    await new_join(forum_id, config=handing_off("agent two wants a person"), name="two")
+    _, secret = await token(store, [forum_id], can_take_over=True)
+    said = await bridge_says(bridge, forum_id, "ana", "a manager!")
+    assert said.status == "accepted", said
+
+    async def both_open() -> bool:
+        return len(await escalations_of(store, forum_id)) == 2
+
+    await eventually(both_open, timeout=WAIT, what="both agents' escalations")
+    first, _ = await escalations_of(store, forum_id)
+    claimed = await http.post(
+        f"/v1/escalations/{first.id}/claim", json={"as": "bob"}, headers=bearer(secret)
+    )
+    assert claimed.status_code == 202, claimed.text
+
+    def held(lines: list[Message]) -> bool:
+        return [n.meta.notice_reason for n in notices(lines)].count("held") >= 1
+
+    await lines_until(store, forum_id, held, timeout=WAIT)
+    meanwhile = await bridge_says(bridge, forum_id, "ana", "hello? anyone?")
+    assert meanwhile.status == "accepted", meanwhile
+    states = {e.id: e.state for e in await escalations_of(store, forum_id)}
+    assert set(states.values()) == {"claimed"}, states
+    back = await bridge_says(bridge, forum_id, "ana", HANDBACK)
+    assert back.code == "not_allowed", back  # Ana holds nothing and no join names her
+    back_ok = await http.post(
+        f"/v1/forums/{forum_id}/handback", json={"as": "bob"}, headers=bearer(secret)
+    )
+    assert back_ok.status_code == 202, back_ok.text
+    after = await bridge_says(bridge, forum_id, "ana", "thanks")
+
+    def both_answered(lines: list[Message]) -> bool:
+        seq = next((line.seq for line in lines if line.id == after.message_id), None)
+        return (
+            seq is not None
+            and len(
+                [line for line in agent_lines(lines) if line.type == "message" and line.seq > seq]
+            )
+            >= 2
+        )
+
+    lines = await lines_until(store, forum_id, both_answered, timeout=WAIT)
+    reasons = [n.meta.notice_reason for n in notices(lines)]
+    assert reasons.count("held") == 1 and reasons.count("handed_back") == 1, reasons
+    spans = {line.id: line.seq for line in lines}
+    said_while_held = [
+        line.text
+        for line in agent_lines(lines)
+        if line.type == "message"
+        and spans[meanwhile.message_id or ""] < line.seq < spans[after.message_id or ""]
+    ]
+    assert said_while_held == [], said_while_held
+    ended = {(e.state, e.outcome) for e in await escalations_of(store, forum_id)}
+    assert ended == {("ended", "handed_back")}, ended
+
+
+async def test_a_hold_across_compactions_answers_nothing_held_and_hands_back_once(
+    store: Store, bridge: Client, new_join: JoinFactory
+) -> None:
+    """A join that compacts every few lines (``compactionThresholdTokens`` tiny) and speaks
+    first after a hand-back: lines before the takeover compact the monologue, Ana's lines
+    while she holds the forum fill it, and the hand-back's step compacts it again. Nothing
+    held is answered (neither while held nor after, one by one), the forum gets one ``held``
+    and one ``handed_back`` notice, one reply speaks first, and the next line is answered."""
+    ana = f"amqp:{bridge.user}:ana"
+    config = JoinConfig(
+        model="fixture-echo",
+        takeover_by=[ana],
+        after_handback="summarize",
+        compaction_threshold_tokens=40,
+        compaction_keep=2,
+    )
+    forum_id, join = await new_join(config=config)
+
+    def answered(count: int) -> Callable[[list[Message]], bool]:
+        return lambda lines: len([a for a in agent_lines(lines) if a.type == "message"]) >= count
+
+    for n in range(4):
+        said = await bridge_says(bridge, forum_id, "ana", f"before {n} " + "words " * 10)
+        assert said.status == "accepted", said
+        await lines_until(store, forum_id, answered(n + 1), timeout=WAIT)
+    taken = await bridge_says(bridge, forum_id, "ana", "/takeover")
+    assert taken.status == "accepted", taken
+    held = [f"held {n} " + "words " * 10 for n in range(6)]
+    for text in held:
+        assert (await bridge_says(bridge, forum_id, "ana", text)).status == "accepted"
+    back = await bridge_says(bridge, forum_id, "ana", HANDBACK)
+    assert back.status == "accepted", back
+    await lines_until(store, forum_id, answered(5), timeout=WAIT)
+    after = await bridge_says(bridge, forum_id, "ana", "after it all")
+    lines = await lines_until(store, forum_id, answered(6), timeout=WAIT)
+    with contextlib.suppress(AssertionError):  # a late extra answer would show up here
+        await lines_until(store, forum_id, answered(7), timeout=3)
+    lines = await store.history(forum_id)
+    replies = [a for a in agent_lines(lines) if a.type == "message"]
+    echoed = [r.text for r in replies if r.text in held]
+    assert echoed == [], f"held lines answered one by one: {echoed}"
+    seq = {line.id: line.seq for line in lines}
+    during = [
+        r.text for r in replies if seq[taken.message_id or ""] < r.seq < seq[back.message_id or ""]
+    ]
+    assert during == [], during
+    reasons = [n.meta.notice_reason for n in notices(lines)]
+    assert reasons.count("held") == 1 and reasons.count("handed_back") == 1, reasons
+    assert len(replies) == 6, [r.text[:40] for r in replies]
+    assert replies[-1].text == "after it all" and replies[-1].meta.in_reply_to == after.message_id
+    participant = await store.get_participant(join.forum_participant_id)
+    assert participant is not None
+    chain = participant.metadata.get("compactions")
+    assert isinstance(chain, list) and len(chain) >= 2, chain  # it did compact, more than once
