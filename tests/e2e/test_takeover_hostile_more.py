@@ -1,7 +1,7 @@
 """People take over, attacked from outside once more (docs/people-take-over.md), on the angles
 ``test_takeover_hostile.py`` leaves: the MCP door's kept forums, escalation loops, takeover and
-hand-back loops against the token's line limit, and forums with two agents that both ask for
-a person.
+hand-back loops against the token's line limit, forums with two agents that both ask for a
+person, a hold across compactions, and a hold whose shard moves to another processor replica.
 
 The five services and the gateway run as real processes on the module's vhost and database.
 An agent that asks for a person is the ``fixture-script`` model calling ``handoff`` (what a
@@ -23,8 +23,8 @@ from mcp.types import CallToolResult, TextContent
 from services.gateway.calling import kept_forum_id
 from tests.support.cli import cli_env, run_yoke
 from tests.support.mcp_client import mcp_session
-from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until
-from tests.support.processes import eventually
+from tests.support.mesh import START_SECONDS, JoinFactory, Mesh, agent_lines, lines_until
+from tests.support.processes import ServiceProcess, eventually
 from tests.support.worker_process import as_user
 from yoke.cli.publishers import create_publisher, management_of
 from yoke.client import Client
@@ -405,3 +405,47 @@ async def test_a_hold_across_compactions_answers_nothing_held_and_hands_back_onc
     assert participant is not None
     chain = participant.metadata.get("compactions")
     assert isinstance(chain, list) and len(chain) >= 2, chain  # it did compact, more than once
+
+
+async def test_a_hold_survives_its_shard_moving_to_another_processor_replica(
+    store: Store, bridge: Client, mesh: Mesh, new_join: JoinFactory
+) -> None:
+    """Ana takes the forum over; a second processor replica starts and the first stops
+    (gracefully: its shards are handed over), so the join's shard is stepped by a process
+    that never saw the takeover. What Ana says meanwhile is not answered; her hand-back is
+    carried out once and the line after it answered. (Last in the module: it leaves the
+    module's processor started anew.)"""
+    ana = f"amqp:{bridge.user}:ana"
+    forum_id, _ = await new_join(config=JoinConfig(model="fixture-echo", takeover_by=[ana]))
+    first = await bridge_says(bridge, forum_id, "ana", "hello")
+    assert first.status == "accepted", first
+    await lines_until(store, forum_id, lambda lines: len(agent_lines(lines)) >= 1, timeout=WAIT)
+    taken = await bridge_says(bridge, forum_id, "ana", "/takeover")
+    assert taken.status == "accepted", taken
+    await lines_until(store, forum_id, lambda lines: len(notices(lines)) >= 1, timeout=WAIT)
+
+    log_path = mesh.log_dir / "processor-replica-1.log"
+    second = ServiceProcess(
+        ["-m", "services.processor"], {**mesh.env, "YOKE_REPLICA": "1"}, log_path
+    )
+    try:
+        await second.wait_healthy(timeout=START_SECONDS)
+        assert mesh.processes["processor"].stop() == 0  # its shards go to the second
+        meanwhile = await bridge_says(bridge, forum_id, "ana", "only people here")
+        back = await bridge_says(bridge, forum_id, "ana", HANDBACK)
+        after = await bridge_says(bridge, forum_id, "ana", "after the move")
+        assert {meanwhile.status, back.status, after.status} == {"accepted"}
+        lines = await lines_until(
+            store,
+            forum_id,
+            lambda lines: any(line.text == "after the move" for line in agent_lines(lines)),
+            timeout=60,
+        )
+    finally:
+        mesh.start("processor")
+        await mesh.processes["processor"].wait_healthy(timeout=START_SECONDS)
+        assert second.stop() == 0
+    replies = [a.text for a in agent_lines(lines) if a.type == "message"]
+    assert "only people here" not in replies, replies
+    reasons = [n.meta.notice_reason for n in notices(lines)]
+    assert reasons == ["held", "handed_back"], reasons
