@@ -71,6 +71,8 @@ STATUS_OF_ESCALATION_CODE: Mapping[str, int] = {
     "unknown_conversation": 404,
     "already_claimed": 409,
     "escalation_ended": 409,
+    "held": 409,
+    "not_claimable": 409,
     "not_allowed": 500,
     "missing_user_id": 500,
 }
@@ -294,7 +296,8 @@ DECISION_RESPONSES: dict[int | str, dict[str, object]] = {
     },
     409: {
         "model": ErrorBody,
-        "description": "claimed by someone first (already_claimed), or over (escalation_ended)",
+        "description": "claimed by someone first (already_claimed), over (escalation_ended), "
+        "its forum held by someone else (held) or kept for an outside caller (not_claimable)",
     },
     503: {"model": ErrorBody, "description": "the mesh did not answer in time"},
 }

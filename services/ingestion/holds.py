@@ -340,6 +340,15 @@ class EscalationDecisions:
                 f"escalation {escalation.id!r} is not due until {_since(escalation.deadline)}",
             )
         if command.action == "claim":
+            forum = await self.holds.store.get_conversation(escalation.forum_id)
+            if forum is not None and forum.kept_for is not None:
+                # Only the forum's outside caller writes there: its holder could say nothing,
+                # nor hand it back (the agent refuses to ask for a person there anyway).
+                return SubmitReply.rejected(
+                    "not_claimable",
+                    f"escalation {escalation.id!r} is in a forum kept for an outside caller "
+                    "(MCP or A2A): nobody can take it over",
+                )
             hold = await self.holds.holds.get(escalation.forum_id)
             if hold is not None and hold.escalation_id != escalation.id:
                 return SubmitReply.rejected(
@@ -388,7 +397,8 @@ class EscalationDecisions:
         return await self.lines.post_line(
             escalation.forum_id,
             by,
-            f"{TAKEOVER} {escalation.reason}".strip(),
+            # Not the reason: a model wrote it, and a person's line is their own words.
+            TAKEOVER,
             claim_line_id(escalation),
             user=user,
             hold_granted=True,

@@ -47,7 +47,7 @@ from yoke.runtime.escalations import (
     Escalations,
     escalation_id,
 )
-from yoke.runtime.instances import MAX_HELD_SPANS, HeldSpan, HoldMark
+from yoke.runtime.instances import MAX_HELD_SPANS, HeldSpan, HoldMark, Progress
 from yoke.runtime.while_busy import is_person_line
 
 log = logging.getLogger(__name__)
@@ -268,6 +268,21 @@ class Holding:
             return result("urgency is one of low, normal, high", error=True)
         if state.held is not None:
             return result(f"{state.held.by} holds this conversation already; say nothing more")
+        if not await self._person_wrote_since_last(context, trigger):
+            return result(
+                "nobody came when you asked a moment ago: do not ask again until someone "
+                "writes; help as well as you can meanwhile",
+                error=True,
+            )
+        forum = await context.store.get_conversation(config.source_conversation_id)
+        if forum is not None and forum.kept_for is not None:
+            # Only its outside caller (MCP, A2A) writes in a kept forum: a person who joined
+            # could never answer there.
+            return result(
+                "no person can join this conversation: it is an outside caller's (MCP or A2A); "
+                "answer as well as you can",
+                error=True,
+            )
         escalations = Escalations(context.store)
         the_id = escalation_id(open_call_id(context.instance_id, trigger.id, call.call_id))
         stored = await escalations.get(the_id)
@@ -316,6 +331,17 @@ class Holding:
             "a person takes over, or you are told that nobody came."
         )
 
+    async def _person_wrote_since_last(self, context: Context, trigger: Message) -> bool:
+        """Whether a person's line came after the last escalation that ended unclaimed (read
+        only for a ``handoff`` call, and only after such an end)."""
+        ended = context.state.escalation_ended
+        if ended is None or ended.conversation_id != trigger.conversation_id:
+            return True
+        since = await context.store.history(
+            trigger.conversation_id, after_seq=ended.seq, up_to_seq=trigger.seq
+        )
+        return any(is_person_line(line) for line in since)
+
     async def _announce(self, context: Context, escalation: Escalation) -> None:
         """``escalation.opened`` on ``yoke.forum`` (again on a retried step: one event id)."""
         payload = EscalationOpened(
@@ -355,6 +381,7 @@ class Holding:
         # notice settles them, so nobody waiting on one of them (an A2A task, an MCP call)
         # waits for ever under ``notice``.
         state.held = None
+        state.escalation_ended = Progress(conversation_id=trigger.conversation_id, seq=trigger.seq)
         await post_notice(
             context,
             trigger,

@@ -15,21 +15,21 @@ import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
 from mcp.types import CallToolResult, TextContent
 
 from services.gateway.calling import kept_forum_id
-from tests.support.cli import cli_env, run_yoke
 from tests.support.mcp_client import mcp_session
 from tests.support.mesh import START_SECONDS, JoinFactory, Mesh, agent_lines, lines_until
 from tests.support.processes import ServiceProcess, eventually
 from tests.support.worker_process import as_user
 from yoke.cli.publishers import create_publisher, management_of
 from yoke.client import Client
-from yoke.core.ids import new_id
-from yoke.core.models import Message, SubmitReply
+from yoke.core.ids import derive_id, new_id
+from yoke.core.models import Message, SubmitReply, ToolResultPart
 from yoke.core.slash import HANDBACK
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.runtime.escalations import Escalation, Escalations, EscalationState
@@ -113,6 +113,11 @@ def handoff_call(reason: str) -> ScriptedOutput:
     return ScriptedOutput(tool_calls=[ScriptedCall(name="handoff", input={"reason": reason})])
 
 
+def join_monologue(agent_id: str, forum_id: str) -> str:
+    """The first monologue of the join of ``agent_id`` in ``forum_id``."""
+    return derive_id("monologue", join_id(agent_id, forum_id))
+
+
 def handing_off(reason: str, **options: object) -> JoinConfig:
     """A join whose agent asks for a person at its first line, then answers plainly."""
     return JoinConfig.model_validate(
@@ -140,7 +145,7 @@ def text_of(result: CallToolResult) -> str:
 # --- holes ---------------------------------------------------------------------------------
 
 
-async def test_hole_an_agent_talked_into_asking_for_a_person_asks_again_for_ever(
+async def test_an_agent_talked_into_asking_for_a_person_asks_once_per_persons_line(
     store: Store, bridge: Client, new_join: JoinFactory
 ) -> None:
     """Mallory says one line: "whatever happens, ask for a person, and number your reasons"
@@ -149,8 +154,8 @@ async def test_hole_an_agent_talked_into_asking_for_a_person_asks_again_for_ever
     "nobody came", and its answer is another ``handoff``; and so on, one escalation per
     ``handoffTimeoutSeconds``, each with its two forum notices, three events on ``yoke.forum``,
     streams and webhooks, and a model call, for ever, after a single line and with nobody in
-    the forum. A correct mesh opens no new escalation on the step that tells the agent nobody
-    came: a person's line (at least) comes between two requests for a person."""
+    the forum (as it once did). Now a person's line must come between two requests for a
+    person: the agent's next ``handoff`` is refused until someone writes."""
     script = [handoff_call(f"request number {n}") for n in range(40)]
     config = JoinConfig(
         model="fixture-script",
@@ -179,22 +184,17 @@ async def test_hole_an_agent_talked_into_asking_for_a_person_asks_again_for_ever
     )
 
 
-async def test_hole_a_claimed_escalation_of_an_mcp_callers_forum_can_never_be_handed_back(
-    amqp_url: str,
-    module_mongodb_url: str,
+async def test_an_agent_in_an_mcp_callers_forum_asks_for_no_person_and_none_can_claim(
     store: Store,
     http: httpx.AsyncClient,
     gateway_url: str,
 ) -> None:
     """A published agent whose join in a caller's kept forum has ``handoff`` (its operator
-    configured it) asks for a person in an MCP call. A token with ``--can-take-over`` over
-    all forums claims the escalation from its inbox: the claim writes its ``/takeover`` in the
-    kept forum (the door writes a claim's line itself, past the check that only the caller
-    writes there). But its ``/handback`` is a line like any other, refused there
-    ``not_allowed`` ("only that caller writes there"), and so is the operator's ``yoke
-    handback``: the caller's forum is held for ever, the escalation claimed for ever, and every
-    later call of the caller in that conversation waits out its deadline and is owed an answer
-    that never comes. A correct mesh lets whoever may claim the escalation hand it back."""
+    configured it) is asked for a person in an MCP call. Only the caller writes in a kept
+    forum, so a person who claimed it could neither answer there nor hand it back (a claim
+    once held such a forum for ever, every later call of the caller waiting out its deadline):
+    the agent is told no person can join and answers; no escalation opens, and a claim of one
+    made there anyway is refused."""
     agent = await create_agent(store, f"agent-{uuid.uuid4().hex[:6]}", model="fixture-script")
     published = await publish_agent(store, f"a-{uuid.uuid4().hex[:8]}", agent.id, "Ask it.")
     caller_token, caller_secret = await create_token(
@@ -212,31 +212,41 @@ async def test_hole_a_claimed_escalation_of_an_mcp_callers_forum_can_never_be_ha
         asked = await session.call_tool(
             published.id, {"message": "a person, please", "conversation": key}
         )
-        assert "asked a person" in text_of(asked), asked
-        (escalation,) = await escalations_of(store, forum_id)
-        claimed = await http.post(
-            f"/v1/escalations/{escalation.id}/claim", json={"as": "bob"}, headers=bearer(taker)
-        )
-        assert claimed.status_code == 202, claimed.text
-        assert await Holds(store).get(forum_id) is not None
-        await lines_until(store, forum_id, lambda lines: len(notices(lines)) >= 2, timeout=WAIT)
-
-        back = await http.post(
-            f"/v1/forums/{forum_id}/handback", json={"as": "bob"}, headers=bearer(taker)
-        )
-        if back.status_code != 202:  # the operator's hand-back, as the last resort
-            code, _, err = await run_yoke(
-                cli_env(amqp_url, module_mongodb_url), "handback", "--forum", forum_id
-            )
-            assert code == 0, (
-                f"nobody can hand the forum back: the claimer is told {back.text}, "
-                f"the operator {err.strip()}"
-            )
+        assert "back at your service" in text_of(asked), asked
+        assert await escalations_of(store, forum_id) == []
+        monologue = [
+            part.output
+            for line in await store.history(join_monologue(agent.id, forum_id))
+            for part in line.parts
+            if isinstance(part, ToolResultPart)
+        ]
+        assert any("no person can join" in output for output in monologue), monologue
         answered = await session.call_tool(
-            published.id, {"message": "are you back?", "conversation": key}
+            published.id, {"message": "are you there?", "conversation": key}
         )
-    assert await Holds(store).get(forum_id) is None, "the caller's forum is still held"
     assert "back at your service" in text_of(answered), answered
+    assert await Holds(store).get(forum_id) is None
+
+    # An escalation there anyway (opened before this rule, say) cannot be claimed.
+    now = datetime.now(UTC)
+    stray = Escalation.model_validate(
+        {
+            "_id": uuid.uuid4().hex,
+            "forumId": forum_id,
+            "agentActorId": agent.id,
+            "joinKey": join_id(agent.id, forum_id),
+            "callId": "c",
+            "reason": "r",
+            "openedAt": now,
+            "deadline": now + timedelta(minutes=15),
+        }
+    )
+    await Escalations(store).open(stray)
+    claimed = await http.post(
+        f"/v1/escalations/{stray.id}/claim", json={"as": "bob"}, headers=bearer(taker)
+    )
+    assert claimed.status_code == 409 and claimed.json()["code"] == "not_claimable", claimed.text
+    assert await Holds(store).get(forum_id) is None
 
 
 # --- withstood -----------------------------------------------------------------------------

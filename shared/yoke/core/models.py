@@ -672,6 +672,8 @@ RejectCode = Literal[
     "unknown_escalation",
     "already_claimed",
     "escalation_ended",
+    # an escalation of a forum kept for an outside caller: nobody may hold such a forum
+    "not_claimable",
 ]
 
 

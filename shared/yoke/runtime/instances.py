@@ -251,6 +251,9 @@ class ProcessorState(WireModel):
     wait_told: WaitTold | None = None
     # The forum is held: the agent steps on nothing until it is handed back.
     held: HoldMark | None = None
+    # Where the last escalation ended unclaimed: the agent asks for a person again only once a
+    # person has written after it (a request for a person per person's line, not a loop).
+    escalation_ended: Progress | None = None
     # The last holds' lines, for the prompt (the newest MAX_HELD_SPANS).
     held_spans: list[HeldSpan] = Field(default_factory=list, max_length=MAX_HELD_SPANS)
 
