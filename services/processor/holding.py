@@ -23,12 +23,10 @@ from services.processor.commands import halt, name_of
 from services.processor.notices import FORUM_NOTICES, post_notice
 from services.processor.step import Context, carried_meta
 from services.processor.tool_rounds import end_round_stopped
-from yoke.bus import topology
 from yoke.core import tracing
 from yoke.core.ids import SYSTEM_ACTOR_ID, derive_id
 from yoke.core.metrics import ESCALATIONS_OPENED
 from yoke.core.models import (
-    Envelope,
     EscalationOpened,
     Message,
     TextPart,
@@ -353,10 +351,8 @@ class Holding:
             opened_at=escalation.opened_at,
             deadline=escalation.deadline,
         )
-        await context.poster.bus.publish_event(
-            Envelope.wrap(derive_id("escalation-opened", escalation.id), payload),
-            payload.key,
-            {topology.KIND_HEADER: topology.PUBLIC_KIND},
+        await context.poster.bus.publish_forum_event(
+            derive_id("escalation-opened", escalation.id), payload
         )
 
     async def end_escalation(self, context: Context, trigger: Message) -> bool:
