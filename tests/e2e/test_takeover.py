@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
-import aio_pika
 import pytest
 
 from services.ingestion.holds import HoldDoor
@@ -24,12 +22,13 @@ from services.processor.holding import Holding
 from tests.support import faults
 from tests.support.cli import cli_env, run_yoke
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env
+from tests.support.holds import answers, forum_events, holds_of, notices, the_escalation
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until, say
 from tests.support.processes import eventually
 from yoke.client import Client
-from yoke.core.models import CommandAuthor, Envelope, Message
-from yoke.core.slash import HANDBACK, TAKEOVER, slash_command
-from yoke.runtime.escalations import Escalation, Escalations
+from yoke.core.models import CommandAuthor, Message
+from yoke.core.slash import HANDBACK, TAKEOVER
+from yoke.runtime.escalations import Escalations
 from yoke.runtime.holds import Holds
 from yoke.runtime.join_config import JoinConfig
 from yoke.store.database import Store
@@ -44,44 +43,6 @@ def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
     return openai_env(fake_openai.base_url, give_up_seconds=30)
 
 
-@contextlib.asynccontextmanager
-async def forum_events(amqp_url: str, forum_id: str) -> AsyncIterator[list[Envelope]]:
-    """Every event of the forum on ``yoke.forum``, as a bridge bound there receives them."""
-    seen: list[Envelope] = []
-    connection = await aio_pika.connect(amqp_url)
-    try:
-        channel = await connection.channel()
-        queue = await channel.declare_queue(exclusive=True, auto_delete=True)
-        await queue.bind("yoke.forum", routing_key=f"#.{forum_id}")
-
-        async def take(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-            async with message.process():
-                seen.append(Envelope.model_validate_json(message.body))
-
-        await queue.consume(take)
-        yield seen
-    finally:
-        await connection.close()
-
-
-def holds_of(lines: list[Message]) -> list[str]:
-    """The forum's /takeover and /handback lines, by command name."""
-    found = []
-    for line in lines:
-        command = slash_command(line.text) if line.role == "user" else None
-        if command is not None and command.name in (TAKEOVER, HANDBACK):
-            found.append(command.name)
-    return found
-
-
-def notices(lines: list[Message]) -> list[Message]:
-    return [line for line in agent_lines(lines) if line.type == "notice"]
-
-
-def answers(lines: list[Message]) -> list[Message]:
-    return [line for line in agent_lines(lines) if line.type == "message"]
-
-
 def shown(lines: list[Message], names: dict[str, str]) -> str:
     """The forum as its people read it (the closing note's transcript)."""
     return "\n".join(
@@ -89,17 +50,6 @@ def shown(lines: list[Message], names: dict[str, str]) -> str:
         + ("   (notice)" if line.type == "notice" else "")
         for line in lines
     )
-
-
-async def only_escalation(store: Store, forum_id: str) -> Escalation:
-    every = ("open", "claimed", "ended")
-
-    async def opened() -> bool:
-        return len(await Escalations(store).listed(states=every, forum_ids=[forum_id])) == 1
-
-    await eventually(opened, timeout=WAIT, what="the escalation")
-    (escalation,) = await Escalations(store).listed(states=every, forum_ids=[forum_id])
-    return escalation
 
 
 def handoff(reason: str) -> Any:
@@ -126,7 +76,7 @@ async def test_an_agent_hands_off_a_person_claims_talks_and_hands_back(
     async with forum_events(amqp_url, forum_id) as events:
         await say(client, forum_id, "I want my money back for order 42, a human please", "ana")
         await lines_until(store, forum_id, lambda lines: len(notices(lines)) >= 1)
-        escalation = await only_escalation(store, forum_id)
+        escalation = await the_escalation(store, forum_id)
 
         code, out, err = await run_yoke(env, "inbox", "--json")
         assert code == 0, err
@@ -197,7 +147,7 @@ async def test_an_escalation_nobody_claims_ends_at_its_deadline_and_the_agent_re
     await lines_until(store, forum_id, lambda lines: len(notices(lines)) >= 1)
     waited = await say(client, forum_id, "still there?", "ana")  # while nobody came
     lines = await lines_until(store, forum_id, lambda lines: len(answers(lines)) >= 1)
-    escalation = await only_escalation(store, forum_id)
+    escalation = await the_escalation(store, forum_id)
     ended = await Escalations(store).get(escalation.id)
     assert ended is not None and (ended.state, ended.outcome) == ("ended", "timed_out")
     assert [(a.type, a.meta.notice_reason) for a in agent_lines(lines)] == [
@@ -229,7 +179,7 @@ async def test_a_claim_cut_short_by_a_killed_door_is_carried_out_once(
     config = JoinConfig(model="gpt-test", handoff=True, hop_cap=1)
     forum_id, _ = await new_join(config=config, name="killed-door")
     await say(client, forum_id, "a person, please", "ana")
-    escalation = await only_escalation(store, forum_id)
+    escalation = await the_escalation(store, forum_id)
     await lines_until(store, forum_id, lambda lines: len(notices(lines)) >= 1)
 
     faulty = mesh.start_faulty("ingestion", faults.fault("after", Escalations.decide))
@@ -331,7 +281,7 @@ async def test_a_timeout_cut_short_by_a_killed_door_tells_the_agent_once(
     mesh.start("ingestion")
     await mesh.processes["ingestion"].wait_healthy()
     lines = await lines_until(store, forum_id, lambda lines: len(answers(lines)) >= 1)
-    escalation = await only_escalation(store, forum_id)
+    escalation = await the_escalation(store, forum_id)
     ended = await Escalations(store).get(escalation.id)
     assert ended is not None and (ended.state, ended.outcome) == ("ended", "timed_out")
     told = [

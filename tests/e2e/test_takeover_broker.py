@@ -28,17 +28,16 @@ import pytest
 from aiormq.exceptions import ChannelInvalidStateError
 
 from tests.support import rabbit_node
+from tests.support.holds import answers, handing_off, holds_of, the_escalation
 from tests.support.mesh import JoinFactory, agent_lines, lines_until
 from tests.support.processes import eventually
 from tests.support.rabbit_node import RabbitNode
 from yoke.client import Client
 from yoke.core.ids import new_id
 from yoke.core.models import CommandAuthor, Message, SubmitReply, as_utc
-from yoke.core.slash import HANDBACK, TAKEOVER, slash_command
-from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.runtime.escalations import Escalation, Escalations, EscalationState
+from yoke.core.slash import HANDBACK, TAKEOVER
+from yoke.runtime.escalations import Escalations
 from yoke.runtime.holds import Holds
-from yoke.runtime.join_config import JoinConfig
 from yoke.store.database import Store
 
 pytestmark = pytest.mark.slow
@@ -137,56 +136,18 @@ async def said(client: Client, forum_id: str, text: str, who: str) -> str:
     return reply.message_id
 
 
-def handing_off(timeout_seconds: float) -> JoinConfig:
-    """An agent that asks for a person at its first line, then answers every line plainly."""
-    return JoinConfig(
-        model="fixture-script",
-        handoff=True,
-        handoff_timeout_seconds=timeout_seconds,
-        hop_cap=1,
-        script=[
-            ScriptedOutput(tool_calls=[ScriptedCall(name="handoff", input={"reason": "refund"})]),
-            ScriptedOutput(text="back at your service", repeat=True),
-        ],
-    )
-
-
-async def the_escalation(store: Store, forum_id: str) -> Escalation:
-    every: tuple[EscalationState, ...] = ("open", "claimed", "ended")
-
-    async def opened() -> bool:
-        return len(await Escalations(store).listed(states=every, forum_ids=[forum_id])) == 1
-
-    await eventually(opened, timeout=WAIT, what="the agent's escalation")
-    (escalation,) = await Escalations(store).listed(states=every, forum_ids=[forum_id])
-    return escalation
-
-
-def holds_of(lines: list[Message]) -> list[str]:
-    """The forum's /takeover and /handback lines, by command name."""
-    found = []
-    for line in lines:
-        command = slash_command(line.text) if line.role == "user" else None
-        if command is not None and command.name in (TAKEOVER, HANDBACK):
-            found.append(command.name)
-    return found
-
-
 def told(lines: list[Message]) -> list[tuple[str, str | None]]:
     """What the agent put in the forum: each line's type and notice reason."""
     return [(line.type, line.meta.notice_reason) for line in agent_lines(lines)]
 
 
-def answers(lines: list[Message]) -> list[Message]:
-    return [line for line in agent_lines(lines) if line.type == "message"]
-
-
 async def test_a_claim_a_hold_and_a_hand_back_each_happen_once_across_broker_restarts(
     node: RabbitNode, store: Store, client: Client, new_join: JoinFactory
 ) -> None:
-    forum_id, _ = await new_join(config=handing_off(600), name="support")
+    config = handing_off("refund", handoff_timeout_seconds=600)
+    forum_id, _ = await new_join(config=config, name="support")
     await said(client, forum_id, "a person, please: my refund", "ana")
-    escalation = await the_escalation(store, forum_id)
+    escalation = await the_escalation(store, forum_id, timeout=WAIT)
     await lines_until(store, forum_id, lambda lines: len(agent_lines(lines)) >= 1, timeout=WAIT)
 
     # Bob claims while the broker is down: the claim goes through once the mesh reconnects.
@@ -259,10 +220,11 @@ async def test_escalations_nobody_claims_time_out_once_across_a_broker_restart(
     once it is back."""
     forums = []
     for name, timeout_seconds in (("due-while-down", 6.0), ("due-after", 20.0)):
-        forum_id, join = await new_join(config=handing_off(timeout_seconds), name=name)
+        config = handing_off("refund", handoff_timeout_seconds=timeout_seconds)
+        forum_id, join = await new_join(config=config, name=name)
         await said(client, forum_id, "get me your manager", "ana")
         forums.append((forum_id, join))
-    escalations = [await the_escalation(store, forum_id) for forum_id, _ in forums]
+    escalations = [await the_escalation(store, forum_id, timeout=WAIT) for forum_id, _ in forums]
     for forum_id, _ in forums:
         await lines_until(store, forum_id, lambda lines: len(agent_lines(lines)) >= 1)
 

@@ -15,28 +15,33 @@ import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
-import aio_pika
 import httpx
 import pytest
 
 from tests.support.cli import cli_env, run_yoke
+from tests.support.holds import (
+    bearer,
+    bridge_says,
+    forum_events,
+    handing_off,
+    notices,
+    publisher_bridge,
+    the_escalation,
+    token,
+)
 from tests.support.mesh import JoinFactory, Mesh, agent_lines, lines_until
 from tests.support.processes import eventually
-from tests.support.worker_process import as_user
-from yoke.cli.publishers import create_publisher, management_of
 from yoke.client import Client
 from yoke.core.ids import new_id
-from yoke.core.models import Envelope, EscalationAction, Message, MessagePosted, SubmitReply
+from yoke.core.models import EscalationAction, Message, MessagePosted
 from yoke.core.slash import HANDBACK, TAKEOVER
 from yoke.llm.base import ScriptedCall, ScriptedOutput
 from yoke.runtime.calls.records import TOOL_CALLS_COLLECTION
-from yoke.runtime.escalations import Escalation, Escalations, EscalationState
+from yoke.runtime.escalations import Escalations
 from yoke.runtime.holds import Holds
 from yoke.runtime.join_config import ApprovalConfig, JoinConfig
 from yoke.store.database import Store
-from yoke.store.tokens import create_token, ensure_token_indexes
 
 pytestmark = pytest.mark.slow
 
@@ -50,73 +55,9 @@ BUSY_CALLS = 150
 
 @pytest.fixture(scope="module")
 async def bridge(servers: tuple[str, str, str], amqp_url: str, mesh: Mesh) -> AsyncIterator[Client]:
-    """An outside publisher, made as ``yoke publisher create`` makes one, connected."""
-    management = management_of(amqp_url, servers[2])
-    name = f"bridge-{uuid.uuid4().hex[:8]}"
-    password = await create_publisher(management, name)
-    try:
-        async with Client(as_user(amqp_url, name, password)) as client:
-            yield client
-    finally:
-        async with httpx.AsyncClient(base_url=management.url, auth=management.auth) as api:
-            await api.delete(f"/api/users/{name}")
-
-
-async def token(
-    store: Store, forums: list[str] | None, *, can_take_over: bool = False
-) -> tuple[str, str]:
-    await ensure_token_indexes(store)
-    name = f"t{new_id()[:10]}"
-    _, secret = await create_token(store, name, forums, can_take_over=can_take_over)
-    return name, secret
-
-
-def bearer(secret: str, key: str | None = None) -> dict[str, str]:
-    headers = {"Authorization": f"Bearer {secret}"}
-    if key is not None:
-        headers["Idempotency-Key"] = key
-    return headers
-
-
-async def bridge_says(
-    bridge: Client, forum_id: str, who: str, text: str, *, key: str, name: str | None = None
-) -> SubmitReply:
-    """A line of the bridge's person ``who`` (stored as ``amqp:<bridge>:<who>``)."""
-    body: dict[str, Any] = {
-        "conversationId": forum_id,
-        "author": {"externalId": who, "displayName": name or who.title()},
-        "text": text,
-        "idempotencyKey": key,
-    }
-    return await bridge.submit_raw(json.dumps(body).encode())
-
-
-def notices(lines: list[Message]) -> list[Message]:
-    return [line for line in agent_lines(lines) if line.type == "notice"]
-
-
-def handing_off(reason: str) -> JoinConfig:
-    """A join whose agent asks for a person at its first line, then answers plainly."""
-    return JoinConfig(
-        model="fixture-script",
-        handoff=True,
-        hop_cap=1,
-        script=[
-            ScriptedOutput(tool_calls=[ScriptedCall(name="handoff", input={"reason": reason})]),
-            ScriptedOutput(text="back at your service", repeat=True),
-        ],
-    )
-
-
-async def the_escalation(store: Store, forum_id: str) -> Escalation:
-    every: tuple[EscalationState, ...] = ("open", "claimed", "ended")
-
-    async def opened() -> bool:
-        return len(await Escalations(store).listed(states=every, forum_ids=[forum_id])) == 1
-
-    await eventually(opened, timeout=WAIT, what="the agent's escalation")
-    (escalation,) = await Escalations(store).listed(states=every, forum_ids=[forum_id])
-    return escalation
+    """An outside publisher, connected while the module's mesh runs."""
+    async with publisher_bridge(amqp_url, servers[2]) as client:
+        yield client
 
 
 # --- holes ---------------------------------------------------------------------------------
@@ -383,26 +324,6 @@ async def test_a_stop_right_behind_a_takeover_still_holds_the_agent(
     assert reasons.count("held") == 1 and reasons.count("handed_back") == 1, (
         f"the agent skipped the takeover: its notices were {reasons}"
     )
-
-
-@contextlib.asynccontextmanager
-async def forum_events(amqp_url: str, forum_id: str) -> AsyncIterator[list[Envelope]]:
-    """The forum's events on ``yoke.forum``, as a helpdesk bridge bound there reads them."""
-    seen: list[Envelope] = []
-    connection = await aio_pika.connect(amqp_url)
-    try:
-        channel = await connection.channel()
-        queue = await channel.declare_queue(exclusive=True, auto_delete=True)
-        await queue.bind("yoke.forum", routing_key=f"#.{forum_id}")
-
-        async def take(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-            async with message.process():
-                seen.append(Envelope.model_validate_json(message.body))
-
-        await queue.consume(take)
-        yield seen
-    finally:
-        await connection.close()
 
 
 async def test_a_claim_again_after_the_hand_back_is_refused_and_not_announced(

@@ -12,7 +12,6 @@ does; the others are attacks the mesh withstands, kept as regressions.
 from __future__ import annotations
 
 import contextlib
-import json
 import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
@@ -22,30 +21,37 @@ import pytest
 from mcp.types import CallToolResult, TextContent
 
 from services.gateway.calling import kept_forum_id
+from tests.support.holds import (
+    bearer,
+    bridge_says,
+    escalations_of,
+    handing_off,
+    handoff_call,
+    notices,
+    publisher_bridge,
+    token,
+)
 from tests.support.mcp_client import mcp_session
 from tests.support.mesh import START_SECONDS, JoinFactory, Mesh, agent_lines, lines_until
 from tests.support.processes import ServiceProcess, eventually
-from tests.support.worker_process import as_user
-from yoke.cli.publishers import create_publisher, management_of
 from yoke.client import Client
-from yoke.core.ids import derive_id, new_id
-from yoke.core.models import Message, SubmitReply, ToolResultPart
+from yoke.core.ids import derive_id
+from yoke.core.models import Message, ToolResultPart
 from yoke.core.slash import HANDBACK
-from yoke.llm.base import ScriptedCall, ScriptedOutput
-from yoke.runtime.escalations import Escalation, Escalations, EscalationState
+from yoke.llm.base import ScriptedOutput
+from yoke.runtime.escalations import Escalation, Escalations
 from yoke.runtime.holds import Holds
 from yoke.runtime.join_config import JoinConfig, save_join_config
 from yoke.runtime.joins import create_agent, join_id
 from yoke.store.database import Store
 from yoke.store.publishing import publish_agent
-from yoke.store.tokens import create_token, ensure_token_indexes
+from yoke.store.tokens import create_token
 
 pytestmark = pytest.mark.slow
 
 WAIT = 30
 LINES_PER_MINUTE = 10
 CALL_TIMEOUT_SECONDS = 6.0
-EVERY: tuple[EscalationState, ...] = ("open", "claimed", "ended")
 
 
 @pytest.fixture(scope="module")
@@ -63,79 +69,14 @@ def gateway_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 async def bridge(servers: tuple[str, str, str], amqp_url: str, mesh: Mesh) -> AsyncIterator[Client]:
-    """An outside publisher, made as ``yoke publisher create`` makes one, connected."""
-    management = management_of(amqp_url, servers[2])
-    name = f"bridge-{uuid.uuid4().hex[:8]}"
-    password = await create_publisher(management, name)
-    try:
-        async with Client(as_user(amqp_url, name, password)) as client:
-            yield client
-    finally:
-        async with httpx.AsyncClient(base_url=management.url, auth=management.auth) as api:
-            await api.delete(f"/api/users/{name}")
-
-
-async def token(
-    store: Store,
-    forums: list[str] | None,
-    *,
-    can_take_over: bool = False,
-    can_call: list[str] | None = None,
-) -> tuple[str, str]:
-    await ensure_token_indexes(store)
-    name = f"t{new_id()[:10]}"
-    _, secret = await create_token(
-        store, name, forums, can_take_over=can_take_over, can_call=can_call
-    )
-    return name, secret
-
-
-def bearer(secret: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {secret}"}
-
-
-async def bridge_says(bridge: Client, forum_id: str, who: str, text: str) -> SubmitReply:
-    """A line of the bridge's person ``who`` (stored as ``amqp:<bridge>:<who>``)."""
-    body = {
-        "conversationId": forum_id,
-        "author": {"externalId": who, "displayName": who.title()},
-        "text": text,
-        "idempotencyKey": uuid.uuid4().hex,
-    }
-    return await bridge.submit_raw(json.dumps(body).encode())
-
-
-def notices(lines: list[Message]) -> list[Message]:
-    return [line for line in agent_lines(lines) if line.type == "notice"]
-
-
-def handoff_call(reason: str) -> ScriptedOutput:
-    return ScriptedOutput(tool_calls=[ScriptedCall(name="handoff", input={"reason": reason})])
+    """An outside publisher, connected while the module's mesh runs."""
+    async with publisher_bridge(amqp_url, servers[2]) as client:
+        yield client
 
 
 def join_monologue(agent_id: str, forum_id: str) -> str:
     """The first monologue of the join of ``agent_id`` in ``forum_id``."""
     return derive_id("monologue", join_id(agent_id, forum_id))
-
-
-def handing_off(reason: str, **options: object) -> JoinConfig:
-    """A join whose agent asks for a person at its first line, then answers plainly."""
-    return JoinConfig.model_validate(
-        {
-            "model": "fixture-script",
-            "handoff": True,
-            "hop_cap": 1,
-            "script": [
-                handoff_call(reason),
-                ScriptedOutput(text="back at your service", repeat=True),
-            ],
-            **options,
-        }
-    )
-
-
-async def escalations_of(store: Store, forum_id: str) -> list[Escalation]:
-    return await Escalations(store).listed(states=EVERY, forum_ids=[forum_id])
 
 
 def text_of(result: CallToolResult) -> str:

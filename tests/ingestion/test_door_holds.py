@@ -15,13 +15,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import pytest
 
+from tests.support.holds import publisher_bridge
 from tests.support.mesh import Mesh
 from tests.support.processes import ServiceProcess, eventually
-from tests.support.worker_process import as_user
-from yoke.cli.publishers import create_publisher, management_of
 from yoke.client import Client
 from yoke.core.models import SubmitReply
 from yoke.core.slash import HANDBACK, TAKEOVER
@@ -57,16 +55,9 @@ async def client(amqp_url: str, door: ServiceProcess) -> AsyncIterator[Client]:
 async def bridge(
     servers: tuple[str, str, str], amqp_url: str, door: ServiceProcess
 ) -> AsyncIterator[Client]:
-    """An outside publisher (``yoke publisher create``'s way), connected."""
-    management = management_of(amqp_url, servers[2])
-    name = f"bridge-{uuid.uuid4().hex[:8]}"
-    password = await create_publisher(management, name)
-    try:
-        async with Client(as_user(amqp_url, name, password)) as client:
-            yield client
-    finally:
-        async with httpx.AsyncClient(base_url=management.url, auth=management.auth) as api:
-            await api.delete(f"/api/users/{name}")
+    """An outside publisher, connected while the door runs."""
+    async with publisher_bridge(amqp_url, servers[2]) as client:
+        yield client
 
 
 async def held_forum(store: Store, poster: Poster, *takeover_by: str) -> tuple[str, Join]:
