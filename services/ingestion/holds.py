@@ -43,16 +43,18 @@ from yoke.core.models import (
 )
 from yoke.core.slash import TAKEOVER, SlashCommand, hold_command
 from yoke.runtime.chain import carry_tail, copy_target
-from yoke.runtime.escalations import Escalation, EscalationDecision, Escalations
+from yoke.runtime.escalations import (
+    HANDOFF_INSTRUCTION,
+    Escalation,
+    EscalationDecision,
+    Escalations,
+)
 from yoke.runtime.holds import MAX_HOLD_REASON_CHARS, ForumHold, Holds, allowed_to_hold
 from yoke.runtime.joins import participant_id
 from yoke.runtime.posting import Poster
 from yoke.store.database import Store
 
 log = logging.getLogger(__name__)
-
-# meta.instruction of the line that ends an escalation nobody claimed (timeout, cancel).
-HANDOFF_INSTRUCTION = "handoff"
 
 
 @dataclass(frozen=True)

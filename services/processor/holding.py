@@ -20,6 +20,7 @@ import logging
 from datetime import UTC, datetime, timedelta
 
 from services.processor.commands import halt, name_of
+from services.processor.inference import display_names
 from services.processor.notices import FORUM_NOTICES, post_notice
 from services.processor.step import Context, carried_meta
 from services.processor.tool_rounds import end_round_stopped
@@ -38,6 +39,7 @@ from yoke.core.text import printable
 from yoke.runtime.calls.records import open_call_id
 from yoke.runtime.calls.repository import OpenCalls
 from yoke.runtime.escalations import (
+    HANDOFF_INSTRUCTION,
     HANDOFF_TOOL,
     MAX_ESCALATION_REASON_CHARS,
     MAX_OPEN_PER_AGENT,
@@ -50,9 +52,8 @@ from yoke.runtime.while_busy import is_person_line
 
 log = logging.getLogger(__name__)
 
-# The instructions the mesh writes into a monologue about holds.
+# The instruction a hand-back writes into the monologue: what was said while held.
 HANDBACK_INSTRUCTION = "handback"
-HANDOFF_INSTRUCTION = "handoff"
 # Lines of a hold a hand-back shows the model (the newest; how many more there were is said).
 MAX_HANDBACK_LINES = 200
 MAX_HANDBACK_LINE_CHARS = 2000
@@ -72,23 +73,23 @@ class Holding:
     def __init__(self, open_calls: OpenCalls) -> None:
         self.open_calls = open_calls
 
+    async def carry_out(self, context: Context, trigger: Message, command: str) -> None:
+        """A person's ``/takeover`` or ``/handback`` (``command``, from :func:`hold_line`), in
+        a span of that name in the trace of the line that asked."""
+        with tracing.span(
+            command.lstrip("/"),
+            attributes={tracing.FORUM_ID: trigger.meta.source_conversation_id or ""},
+        ):
+            if command == TAKEOVER:
+                await self.take_over(context, trigger)
+            else:
+                await self.hand_back(context, trigger)
+
     async def step(self, context: Context, trigger: Message, calls: list[ToolCallPart]) -> bool:
-        """Whether the hold took ``trigger``'s step (the step ends here): a ``/takeover`` or
-        ``/handback``, an escalation's end, a hand-back's summary under ``wait``, or anything
-        at all while the forum is held."""
+        """Whether the hold took ``trigger``'s step (the step ends here): an escalation's end,
+        a hand-back's summary under ``wait``, or anything at all while the forum is held. (A
+        hold line itself is :meth:`carry_out`'s.)"""
         state = context.state
-        command = hold_line(trigger)
-        if command is not None:
-            # A ``takeover`` or ``handback`` span, in the trace of the line that asked.
-            name = command.lstrip("/")
-            with tracing.span(
-                name, attributes={tracing.FORUM_ID: trigger.meta.source_conversation_id or ""}
-            ):
-                if command == TAKEOVER:
-                    await self.take_over(context, trigger)
-                else:
-                    await self.hand_back(context, trigger)
-            return True
         instruction = trigger.meta.instruction
         if instruction == HANDBACK_INSTRUCTION:
             return context.config.after_handback != "summarize"
@@ -192,14 +193,12 @@ class Holding:
             if is_person_line(line)
         ]
         left_out = max(0, first - span.from_seq)
-        names: dict[str, str] = {}
-        said: list[str] = []
-        for line in lines:
-            if line.author_actor_id not in names:
-                actor = await context.store.get_actor(line.author_actor_id)
-                names[line.author_actor_id] = actor.name if actor is not None else "someone"
-            text = printable(line.text, multiline=True)[:MAX_HANDBACK_LINE_CHARS]
-            said.append(f"{names[line.author_actor_id]}: {text}")
+        names = await display_names(context, lines)
+        said = [
+            f"{names.get(line.author_actor_id, 'someone')}: "
+            + printable(line.text, multiline=True)[:MAX_HANDBACK_LINE_CHARS]
+            for line in lines
+        ]
         parts = [f"While {span.by} held this conversation, you were silent."]
         if said:
             parts.append(
@@ -303,7 +302,6 @@ class Holding:
                     "urgency": urgency,
                     "openedAt": now,
                     "deadline": now + timedelta(seconds=config.handoff_timeout_seconds),
-                    "fallback": config.handoff_fallback,
                 }
             )
             stored, created = await escalations.open(escalation)

@@ -130,10 +130,11 @@ class Processor:
         if context.config.config_version:  # read once per version by those who read it
             context.route[topology.CONFIG_VERSION_HEADER] = context.config.config_version
         calls = [part for part in trigger.parts if isinstance(part, ToolCallPart)]
-        if hold_line(trigger) is not None:
+        command = hold_line(trigger)
+        if command is not None:
             # A takeover or hand-back is carried out whatever came after it (a /stop right
             # behind a /handback must not leave the agent held for ever).
-            await self.holding.step(context, trigger, calls)
+            await self.holding.carry_out(context, trigger, command)
             return
         stop = self.in_flight.stop_after(trigger.conversation_id, trigger.seq)
         if stop is not None or stopped_round(context.state, trigger):

@@ -32,6 +32,9 @@ from yoke.store.retention import Rule
 
 # The built-in tool an agent asks for a person with (offered when its join has ``handoff``).
 HANDOFF_TOOL = "handoff"
+# meta.instruction of the line the door writes into the agent's monologue when an escalation
+# ends unclaimed (timed out, canceled): the step of that line ends the agent's wait.
+HANDOFF_INSTRUCTION = "handoff"
 ESCALATIONS = "escalations"
 ESCALATION_DECISIONS = "escalation_decisions"
 MAX_ESCALATION_REASON_CHARS = 500
@@ -63,8 +66,6 @@ class Escalation(WireModel):
     urgency: EscalationUrgency = "normal"
     opened_at: datetime = Field(default_factory=utcnow)
     deadline: datetime
-    # What ends it unanswered (the join's handoffFallback when it opened).
-    fallback: Literal["resume", "notice"] = "resume"
     state: EscalationState = "open"
     claimed_by: CommandAuthor | None = None
     claimed_at: datetime | None = None
