@@ -16,7 +16,7 @@ from pydantic import Field
 
 from yoke.core.models import CommandAuthor, Message, WireModel, utcnow
 from yoke.runtime.instances import INGESTION, HeldSpan
-from yoke.runtime.join_config import JOIN_CONFIGS
+from yoke.runtime.join_config import forum_join_configs
 from yoke.runtime.while_busy import is_person_line
 from yoke.store.database import Store
 
@@ -75,13 +75,8 @@ class Holds:
 async def allowed_to_hold(store: Store, forum_id: str, external_id: str) -> bool:
     """Whether some join of the forum names ``external_id`` in its ``takeoverBy``: read only
     for a ``/takeover`` or ``/handback`` line, never on a turn's path."""
-    keys = [
-        str(document["instanceId"]) for document in await store.states_watching(INGESTION, forum_id)
-    ]
-    if not keys:
-        return False
-    cursor = store.db[JOIN_CONFIGS].find({"_id": {"$in": keys}}, {"takeoverBy": 1})
-    return any(external_id in (doc.get("takeoverBy") or []) for doc in await cursor.to_list())
+    configs = await forum_join_configs(store, forum_id, "takeoverBy", INGESTION)
+    return any(external_id in (document.get("takeoverBy") or []) for document in configs)
 
 
 def fold_held(transcript: list[Message], spans: list[HeldSpan]) -> list[Message]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
@@ -283,6 +283,21 @@ class VersionedConfigs:
         return config
 
 
+async def forum_join_configs(
+    store: Store, forum_id: str, field: str, instances: str = "ingestion"
+) -> list[dict[str, Any]]:
+    """``field`` of the configuration of every join of a forum (found by the ``instances``
+    that watch the forum): one read of the instances, one of their configurations."""
+    keys = [
+        str(document["instanceId"]) for document in await store.states_watching(instances, forum_id)
+    ]
+    if not keys:
+        return []
+    JOIN_CONFIG_READS.inc()
+    cursor = store.db[JOIN_CONFIGS].find({"_id": {"$in": keys}}, {field: 1})
+    return await cursor.to_list()
+
+
 # A forum's "some join follows up here" is read again after this long whatever it heard (a
 # shard handed away and back may have missed a join's change meanwhile).
 FOLLOWED_SECONDS = 60.0
@@ -307,15 +322,8 @@ class FollowedForums:
         now = time.monotonic()
         if known is not None and now - known[0] < FOLLOWED_SECONDS:
             return known[1]
-        keys = [
-            str(document["instanceId"])
-            for document in await self.store.states_watching(self.instances, forum_id)
-        ]
-        followed = False
-        if keys:
-            JOIN_CONFIG_READS.inc()
-            cursor = self.store.db[JOIN_CONFIGS].find({"_id": {"$in": keys}}, {"followUp": 1})
-            followed = any(document.get("followUp") for document in await cursor.to_list())
+        configs = await forum_join_configs(self.store, forum_id, "followUp", self.instances)
+        followed = any(document.get("followUp") for document in configs)
         self._known[forum_id] = (now, followed)
         return followed
 
