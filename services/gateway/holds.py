@@ -38,7 +38,7 @@ from yoke.core.models import (
     WireModel,
     check_storable,
 )
-from yoke.core.slash import HANDBACK, TAKEOVER
+from yoke.core.slash import HANDBACK, takeover_text
 from yoke.runtime.escalations import MAX_INBOX_PAGE, Escalation, Escalations, EscalationState
 from yoke.runtime.holds import MAX_HOLD_REASON_CHARS
 from yoke.store.tokens import Token
@@ -221,8 +221,8 @@ async def take_over(
     idempotency_key: IdempotencyKey = None,
 ) -> JSONResponse:
     body = await json_request(request, BODY_BYTES, PostTakeover, optional=True)
-    text = TAKEOVER if body.reason is None else f"{TAKEOVER} {body.reason}"
     author = person(token, body.as_)
+    text = takeover_text(body.reason)
     return await submit_hold(request, token, forum.id, author, text, idempotency_key)
 
 

@@ -17,17 +17,13 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from yoke.bus.amqp_nodes import amqp_user
-from yoke.cli.base import CommandError, UsageError, refusals_as_errors, with_store
-from yoke.client import Client
+from yoke.cli.base import CommandError, UsageError, ask_the_door, with_store
 from yoke.core.errors import describe_validation_error
 from yoke.core.settings import Settings
 from yoke.core.text import printable
 from yoke.runtime.calls.approvals import pending_approvals
 from yoke.runtime.join_config import ApprovalConfig
 from yoke.store.database import Store
-
-# The reply queue's prefix: the services' own user may declare only yoke.* queues.
-REPLY_QUEUE_PREFIX = "yoke.cli."
 
 
 def add_approval_options(verb: argparse.ArgumentParser, what: str) -> None:
@@ -83,21 +79,18 @@ def default_name() -> str:
 async def decide(
     args: argparse.Namespace, decision: Literal["approve", "reject"], reason: str | None
 ) -> None:
-    settings = Settings()
-    with refusals_as_errors():
-        async with Client(settings.amqp_url, queue_prefix=REPLY_QUEUE_PREFIX) as client:
-            try:
-                reply = await client.decide(
-                    args.call_id,
-                    decision,
-                    external_id=f"cli:{args.as_}",
-                    display_name=args.as_,
-                    reason=reason,
-                    user_id=amqp_user(settings.amqp_url),
-                    reply_timeout=args.timeout,
-                )
-            except TimeoutError as error:
-                raise CommandError(f"no answer within {args.timeout:g} s") from error
+    reply = await ask_the_door(
+        lambda client: client.decide(
+            args.call_id,
+            decision,
+            external_id=f"cli:{args.as_}",
+            display_name=args.as_,
+            reason=reason,
+            user_id=amqp_user(Settings().amqp_url),
+            reply_timeout=args.timeout,
+        ),
+        args.timeout,
+    )
     if reply.status != "accepted":
         raise CommandError(f"{reply.error or 'rejected'} ({reply.code})")
     if reply.duplicate:

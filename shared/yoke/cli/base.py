@@ -8,6 +8,9 @@ from contextlib import contextmanager
 
 from aiormq.exceptions import ChannelAccessRefused
 
+from yoke.bus import topology
+from yoke.client import Client
+from yoke.core.models import SubmitReply
 from yoke.core.settings import Settings
 from yoke.store.database import Store
 
@@ -32,6 +35,21 @@ def refusals_as_errors() -> Iterator[None]:
             f"RabbitMQ refused: {error} (the user in YOKE_AMQP_URL may not do this; "
             "posting needs a bridge's user, compose's publisher: see docs/security.md)"
         ) from error
+
+
+async def ask_the_door(
+    ask: Callable[[Client], Awaitable[SubmitReply]], waited: float
+) -> SubmitReply:
+    """The door's answer to what ``ask`` submits with the CLI's client (a decision, a hold
+    line); no answer within ``waited`` seconds (its own reply wait) is an error naming it."""
+    with refusals_as_errors():
+        async with Client(
+            Settings().amqp_url, queue_prefix=topology.CLI_REPLY_QUEUE_PREFIX
+        ) as client:
+            try:
+                return await ask(client)
+            except TimeoutError as error:
+                raise CommandError(f"no answer within {waited:g} s") from error
 
 
 async def with_store(action: Callable[[Store], Awaitable[None]]) -> None:

@@ -18,38 +18,29 @@ from datetime import UTC, datetime
 from typing import Any
 
 from yoke.bus.amqp_nodes import amqp_user
-from yoke.cli.approvals import REPLY_QUEUE_PREFIX, default_name
-from yoke.cli.base import CommandError, refusals_as_errors, with_store
-from yoke.client import Client
+from yoke.cli.approvals import default_name
+from yoke.cli.base import CommandError, ask_the_door, with_store
 from yoke.core.models import CommandAuthor, EscalationAction, SubmitReply, as_utc
 from yoke.core.settings import Settings
-from yoke.core.slash import HANDBACK, TAKEOVER
+from yoke.core.slash import HANDBACK, takeover_text
 from yoke.core.text import printable
 from yoke.runtime.escalations import MAX_INBOX_PAGE, Escalation, Escalations, EscalationState
 from yoke.store.database import Store
 
 
-def takeover_line(reason: str | None) -> str:
-    reason = (reason or "").strip()
-    return f"{TAKEOVER} {reason}" if reason else TAKEOVER
-
-
 async def hold_line(args: argparse.Namespace, text: str) -> None:
     """Submit ``text`` (a /takeover or /handback) as ``cli:NAME``, granted; print its id."""
-    settings = Settings()
-    with refusals_as_errors():
-        async with Client(settings.amqp_url, queue_prefix=REPLY_QUEUE_PREFIX) as client:
-            try:
-                reply = await client.submit(
-                    args.forum,
-                    text,
-                    external_id=f"cli:{args.as_}",
-                    display_name=args.as_,
-                    reply_timeout=args.timeout,
-                    hold_granted=True,
-                )
-            except TimeoutError as error:
-                raise CommandError(f"no answer within {args.timeout:g} s") from error
+    reply = await ask_the_door(
+        lambda client: client.submit(
+            args.forum,
+            text,
+            external_id=f"cli:{args.as_}",
+            display_name=args.as_,
+            reply_timeout=args.timeout,
+            hold_granted=True,
+        ),
+        args.timeout,
+    )
     refused(reply)
     print(reply.message_id)
 
@@ -61,7 +52,7 @@ def refused(reply: SubmitReply) -> None:
 
 
 async def takeover(args: argparse.Namespace) -> None:
-    await hold_line(args, takeover_line(args.reason))
+    await hold_line(args, takeover_text(args.reason))
 
 
 async def handback(args: argparse.Namespace) -> None:
@@ -146,20 +137,17 @@ async def decide(args: argparse.Namespace, action: EscalationAction) -> None:
     if not found:
         raise CommandError(f"no escalation {printable(args.escalation_id)}")
     escalation = found[0]
-    settings = Settings()
-    with refusals_as_errors():
-        async with Client(settings.amqp_url, queue_prefix=REPLY_QUEUE_PREFIX) as client:
-            try:
-                reply = await client.submit_escalation(
-                    escalation.forum_id,
-                    escalation.id,
-                    action,
-                    CommandAuthor(external_id=f"cli:{args.as_}", display_name=args.as_),
-                    user_id=amqp_user(settings.amqp_url),
-                    reply_timeout=args.timeout,
-                )
-            except TimeoutError as error:
-                raise CommandError(f"no answer within {args.timeout:g} s") from error
+    reply = await ask_the_door(
+        lambda client: client.submit_escalation(
+            escalation.forum_id,
+            escalation.id,
+            action,
+            CommandAuthor(external_id=f"cli:{args.as_}", display_name=args.as_),
+            user_id=amqp_user(Settings().amqp_url),
+            reply_timeout=args.timeout,
+        ),
+        args.timeout,
+    )
     refused(reply)
     if reply.duplicate:
         print("decided so already; nothing changed", file=sys.stderr)

@@ -40,6 +40,12 @@ def is_stop(text: str) -> bool:
     return command is not None and command.name == STOP
 
 
+def takeover_text(reason: str | None) -> str:
+    """The ``/takeover`` line whatever submits one for a person writes (the CLI, the gateway)."""
+    reason = (reason or "").strip()
+    return f"{TAKEOVER} {reason}" if reason else TAKEOVER
+
+
 def hold_command(text: str) -> SlashCommand | None:
     """The ``/takeover`` or ``/handback`` that ``text`` is, or None."""
     command = slash_command(text)
