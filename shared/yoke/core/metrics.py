@@ -212,6 +212,27 @@ ESCALATION_CLAIM_SECONDS = Histogram(
     "From an escalation's opening to its claim.",
     buckets=(5, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 4 * 3600, 86400),
 )
+MEMORIES_STORED = Counter(
+    "yoke_memories_stored",
+    "Memories agents stored (remember, or an operator's), by scope; a retried step counts once.",
+    ["scope"],
+)
+MEMORY_RECALLS = Counter(
+    "yoke_memory_recalls",
+    "Recalls of memory, by scope (all: every scope the join reads, as the prompt's own does).",
+    ["scope"],
+)
+MEMORY_RECALL_SECONDS = Histogram(
+    "yoke_memory_recall_seconds",
+    "How long a recall took (the store's candidates, their ranking, an embedding if any).",
+    buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
+MEMORIES_FORGOTTEN = Counter(
+    "yoke_memories_forgotten", "Memories forgotten one by one (forget, yoke memory forget)."
+)
+MEMORY_ERASURES = Counter(
+    "yoke_memory_erasures", "Memories erased with a person (yoke memory erase, its HTTP route)."
+)
 DOOM_LOOPS = Counter(
     "yoke_doom_loops", "Tool calls refused as a repeat of the same call.", ["tool"]
 )

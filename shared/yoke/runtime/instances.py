@@ -23,6 +23,7 @@ from yoke.runtime.join_config import (
     ApprovalConfig,
     HandoffFallback,
     JoinConfig,
+    MemoryConfig,
     WhileBusy,
     load_versioned_join_config,
 )
@@ -82,6 +83,8 @@ class ProcessorConfig(WireModel):
     handoff: bool = False
     handoff_timeout_seconds: float = DEFAULT_HANDOFF_SECONDS
     handoff_fallback: HandoffFallback = "resume"
+    # What the agent remembers across forums (None: no memory, and a step reads none).
+    memory: MemoryConfig | None = None
 
     def allowed(self) -> list[str]:
         """The models this join may run: its own, then those it allows."""
@@ -128,6 +131,7 @@ JOIN_TUNABLES = (
     "handoff",
     "handoff_timeout_seconds",
     "handoff_fallback",
+    "memory",
 )
 
 

@@ -157,6 +157,31 @@ class GuardianConfig(StrictWireModel):
     script: list[ScriptedOutput] | None = Field(default=None, max_length=1000)
 
 
+MemoryScope = Literal["person", "forum", "agent"]
+MEMORY_SCOPES: tuple[MemoryScope, ...] = ("person", "forum", "agent")
+
+
+class MemoryConfig(StrictWireModel):
+    """What the agent remembers across forums (docs/memory.md); absent: nothing, at no cost."""
+
+    # The built-in tools remember, recall and forget are offered.
+    tools: bool = True
+    # The scopes the agent reads (and writes, but ``agent`` only with ``agentWrites``).
+    scopes: list[MemoryScope] = Field(default_factory=lambda: list(MEMORY_SCOPES), max_length=3)
+    agent_writes: bool = False
+    # How much memory every prompt carries (estimated tokens; 0: none).
+    prompt_tokens: int = Field(default=400, ge=0, le=8000)
+    recall_limit: int = Field(default=5, ge=1, le=20)
+    # An embedding model (``fixture-embed``, or one an OpenAI-compatible server serves):
+    # recall then blends similarity into the lexical rank.
+    embedding_model: str | None = Field(default=None, min_length=1, max_length=200)
+
+    @field_validator("scopes")
+    @classmethod
+    def distinct(cls, scopes: list[MemoryScope]) -> list[MemoryScope]:
+        return list(dict.fromkeys(scopes))
+
+
 class JoinConfig(StrictWireModel):
     """A join's whole configuration. None means "not set here": the default applies."""
 
@@ -189,6 +214,7 @@ class JoinConfig(StrictWireModel):
     handoff: bool | None = None
     handoff_timeout_seconds: float | None = Field(default=None, gt=0, le=30 * 86400)
     handoff_fallback: HandoffFallback | None = None
+    memory: MemoryConfig | None = None
     # The replies of the ``fixture-script`` model, in order (tests and demos).
     script: list[ScriptedOutput] | None = Field(default=None, max_length=1000)
 

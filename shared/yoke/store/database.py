@@ -197,6 +197,9 @@ class Store:
         "forum_holds",
         "escalations",
         "escalation_decisions",
+        # Memory (yoke.runtime.memories): an agent's memories and the erasures' tombstones.
+        "memories",
+        "memory_erasures",
     )
 
     def __init__(self, url: str, *, app_name: str = "yoke", pool_size: int = 16) -> None:
@@ -271,6 +274,18 @@ class Store:
         # (equality: FerretDB pushes no range or sort down); the bounds count by forum and agent.
         for field, name in (("state", "state"), ("forumId", "forum"), ("agentActorId", "agent")):
             await self.db["escalations"].create_index([(field, ASCENDING)], name=name)
+        # Memories (yoke.runtime.memories): a recall reads one scope (scopeKey, the only key
+        # FerretDB pushes down; terms after it serve MongoDB); erasures by person and teacher.
+        memories = self.db["memories"]
+        await memories.create_index(
+            [("scopeKey", ASCENDING), ("terms", ASCENDING)], name="scope_terms"
+        )
+        for field, name in (
+            ("agentActorId", "agent"),
+            ("personId", "person"),
+            ("taughtBy", "taught_by"),
+        ):
+            await memories.create_index([(field, ASCENDING)], name=name)
 
     async def ping(self) -> None:
         await self.db.command("ping")
