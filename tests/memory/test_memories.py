@@ -104,3 +104,28 @@ async def test_listing_by_forum_sees_only_those_forums(memories: Memories) -> No
     await memories.remember(elsewhere)
     listed = await memories.listed(agent_actor_id="agent", forum_ids=["f2"])
     assert [m.text for m in listed] == ["taught in f2"]
+
+
+async def test_erasure_lists_the_lines_that_remain(memories: Memories) -> None:
+    from yoke.core.models import Actor, Message, TextPart
+    from yoke.runtime.joins import create_forum, ensure_participant_id
+    from yoke.runtime.memories import person_id_of, remaining_lines
+
+    store = memories.store
+    ana = person_id_of("cli:ana")
+    await store.save_actor(Actor(id=ana, kind="human", name="Ana", external_id="cli:ana"))
+    forum = await create_forum(store, "f")
+    await ensure_participant_id(store, forum.id, ana)
+    for n in range(2):
+        await store.insert_message(
+            Message(
+                id=new_id(),
+                conversation_id=forum.id,
+                author_actor_id=ana,
+                role="user",
+                parts=[TextPart(text=f"line {n}")],
+            )
+        )
+    remaining = await remaining_lines(store, ana)
+    assert [(r.forum_id, r.lines) for r in remaining] == [(forum.id, 2)]
+    assert await remaining_lines(store, ana, forum_ids=["another"]) == []

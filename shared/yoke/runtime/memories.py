@@ -51,6 +51,12 @@ FORGET_TOOL = "forget"
 MEMORY_TOOLS = (REMEMBER_TOOL, RECALL_TOOL, FORGET_TOOL)
 
 
+def person_id_of(external_id: str) -> str:
+    """The actor id of the person the door names ``external_id`` (namespaced as it stores it:
+    ``cli:ana``, ``amqp:<user>:<id>``, ``http:<ns>:<id>``)."""
+    return derive_id("human", external_id)
+
+
 def scope_key(agent_actor_id: str, scope: MemoryScope, subject: str) -> str:
     """The one key a scope's memories are found by: the agent's, about ``subject`` (a person's
     actor id, a forum's id, or "" for the agent's own)."""
@@ -263,6 +269,40 @@ class Memories:
         """Every memory of an agent (one that is gone, or starts over): how many went."""
         result = await self.collection.delete_many({"agentActorId": agent_actor_id})
         return result.deleted_count
+
+
+class RemainingLines(WireModel):
+    """A forum where an erased person's own lines remain (erasure lists them, never hides them)."""
+
+    forum_id: str
+    lines: int
+
+
+# The most forums an erasure lists, and the most lines it counts in each.
+MAX_REMAINING_FORUMS = 1000
+MAX_COUNTED_LINES = 100_000
+
+
+async def remaining_lines(
+    store: Store, person_id: str, forum_ids: list[str] | None = None
+) -> list[RemainingLines]:
+    """The forums where ``person_id`` wrote lines, with how many (at most
+    :data:`MAX_COUNTED_LINES` counted each), only ``forum_ids`` when given (a token's view)."""
+    joined = (
+        await store.participants.find({"actorId": person_id}, {"conversationId": 1})
+        .limit(MAX_REMAINING_FORUMS)
+        .to_list()
+    )
+    found: list[RemainingLines] = []
+    for forum_id in sorted({document["conversationId"] for document in joined}):
+        if forum_ids is not None and forum_id not in forum_ids:
+            continue
+        lines = await store.messages.count_documents(
+            {"conversationId": forum_id, "authorActorId": person_id}, limit=MAX_COUNTED_LINES
+        )
+        if lines:
+            found.append(RemainingLines(forum_id=forum_id, lines=lines))
+    return found
 
 
 def memory_rules(store: Store, days: float) -> list[Rule]:
