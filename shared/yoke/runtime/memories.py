@@ -9,8 +9,9 @@ or an operator. FerretDB pushes only top-level equality down, so a recall reads 
 candidates and nothing of the rest of the store.
 
 A memory a step writes takes its id from the step's tool call (a retried step writes nothing
-twice). An erasure leaves a tombstone, so a step that was still working on a line the person
-wrote before the erasure cannot bring back what that line taught.
+twice). An erasure leaves a tombstone (one small document per erased person, kept for good),
+so a step that was still working on a line the person wrote before the erasure, however late
+it runs, cannot bring back what that line taught.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from yoke.core.models import WireModel, utcnow
 from yoke.runtime.join_config import MemoryScope
 from yoke.runtime.recall import MAX_QUERY_TERMS, Candidate, rank, terms
 from yoke.store.database import Store
-from yoke.store.retention import Rule
 
 MEMORIES = "memories"
 MEMORY_ERASURES = "memory_erasures"
@@ -303,12 +303,6 @@ async def remaining_lines(
         if lines:
             found.append(RemainingLines(forum_id=forum_id, lines=lines))
     return found
-
-
-def memory_rules(store: Store, days: float) -> list[Rule]:
-    """Erasure tombstones are kept ``days`` (a step holds a line far less long than that)."""
-    del store
-    return [Rule("memory erasures", MEMORY_ERASURES, "day", days)]
 
 
 def _utc(moment: datetime) -> datetime:
