@@ -17,12 +17,19 @@ from collections.abc import AsyncIterator
 from typing import Literal
 
 from services.processor.notices import post_notice
+from services.processor.remembering import in_mind, memory_tools
 from services.processor.step import Context, carried_meta, forum_covered, post_agent_line
 from yoke.bus import topology
 from yoke.core.ids import SYSTEM_ACTOR_ID, forwarded_line_id
 from yoke.core.metrics import LLM_COST_ESTIMATED, MODEL_CALLS_CANCELLED
 from yoke.core.models import AgentActivity, Envelope, Message, Part, TextPart, Usage
-from yoke.llm.base import InferenceRequest, InferenceResult, ProviderFailed, estimate_tokens
+from yoke.llm.base import (
+    InferenceRequest,
+    InferenceResult,
+    PromptMemory,
+    ProviderFailed,
+    estimate_tokens,
+)
 from yoke.llm.providers import provider_for
 from yoke.runtime.budgets import budget_spent, charge, count_usage, unpriced_under_budget
 from yoke.runtime.catalog_store import ToolCatalog
@@ -49,12 +56,14 @@ class Inference:
         self.catalog = catalog
 
     async def offered(self, config: ProcessorConfig) -> dict[str, ToolSpec]:
-        """The tools the model is shown: the join's, and ``handoff`` when the join offers it."""
+        """The tools the model is shown: the join's, ``handoff`` when the join offers it, and
+        the memory tools when its memory does (over a catalog tool of the same name)."""
         tools: dict[str, ToolSpec] = {}
         if config.tools:
             tools.update(await self.catalog.resolve(config.tools))
         if config.handoff:
             tools[HANDOFF_TOOL] = HANDOFF_SPEC
+        tools.update(memory_tools(config))
         return tools
 
     async def infer_once(
@@ -84,10 +93,12 @@ class Inference:
         if unpriced:
             await post_notice(context, trigger, "unpriced", unpriced, covers=covers)
             return
+        # What the agent remembers of the lines it answers (nothing without the join's memory).
+        memory = await in_mind(context, trigger, transcript, answered, answering)
         transcript = policy.prompt(transcript, answered, trigger)
         async with activity(context, "thinking"):
             done = await self.infer_and_post(
-                context, trigger, transcript, policy, answering, covered, covers
+                context, trigger, transcript, policy, answering, covered, covers, memory
             )
             if not done:
                 state.answered = answered  # cancelled: the next step answers these lines
@@ -101,12 +112,13 @@ class Inference:
         answering: Message | None = None,
         covered: int | None = None,
         covers: int | None = None,
+        memory: list[PromptMemory] | None = None,
     ) -> bool:
         """Returns ``False`` when the model call was cancelled (an interrupt, a stop)."""
         draft = draft_of(context, trigger, answering)
         try:
             return await self.infer_into(
-                context, trigger, transcript, draft, policy, answering, covered, covers
+                context, trigger, transcript, draft, policy, answering, covered, covers, memory
             )
         finally:
             await draft.end("abandoned")  # unless it ended "posted" already
@@ -122,9 +134,10 @@ class Inference:
         answering: Message | None = None,
         covered: int | None = None,
         covers: int | None = None,
+        memory: list[PromptMemory] | None = None,
     ) -> bool:
         """The model call, streamed into ``draft``, and its answer posted unless cancelled;
-        either settles the forum's lines through ``covers``."""
+        either settles the forum's lines through ``covers``; the prompt carries ``memory``."""
         config, state = context.config, context.state
         model = config.model_for(state)
         streamed = 0
@@ -143,6 +156,7 @@ class Inference:
                 instructions=config.instructions,
                 names=await display_names(context, transcript),
                 on_text=on_text,
+                memory=memory or [],
             )
             settings = context.settings
             if config.model_give_up_seconds is not None:

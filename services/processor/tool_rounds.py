@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from services.processor.commands import name_of
 from services.processor.inference import activity
 from services.processor.notices import FORUM_NOTICES, post_notice
+from services.processor.remembering import memory_calls, run_memory_calls
 from services.processor.step import Context, carried_meta
 from yoke.core import tracing
 from yoke.core.ids import SYSTEM_ACTOR_ID
@@ -148,6 +149,9 @@ class ToolRounds:
         ]
         if handoffs:  # the mesh's own tool: it runs here, in the step (an escalation opens)
             runnable = [call for call in runnable if call not in handoffs]
+        remembering = memory_calls(context.config, runnable)  # the mesh's own too, run here
+        if remembering:
+            runnable = [call for call in runnable if call not in remembering]
         results = await dispatch.run_round(
             runnable,
             context.config.tools,
@@ -158,6 +162,8 @@ class ToolRounds:
         )
         if handoffs and self.hand_off is not None:
             results.update(await self.hand_off(context, trigger, handoffs))
+        if remembering:
+            results.update(await run_memory_calls(context, trigger, remembering))
         for call in calls:
             if call.call_id in refused:
                 DOOM_LOOPS.labels(

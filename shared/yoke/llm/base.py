@@ -23,6 +23,16 @@ class ProviderFailed(Exception):
     """The model could not answer (gave up after retries, or refused the request)."""
 
 
+@dataclass(frozen=True)
+class PromptMemory:
+    """A memory the prompt carries: what the agent remembers, whom or what it is about (a
+    person's name, "this conversation", "everyone"), and when it learned it."""
+
+    text: str
+    about: str
+    learned: datetime
+
+
 @dataclass
 class InferenceRequest:
     transcript: list[Message]
@@ -36,6 +46,9 @@ class InferenceRequest:
     # Given each piece of the answer's text as the model produces it (never blocks: the caller
     # buffers); a provider that cannot stream gives the whole text once.
     on_text: Callable[[str], None] | None = None
+    # What the agent remembers that bears on the lines answered (shown as memory, in the system
+    # prompt, never as a line someone said).
+    memory: list[PromptMemory] = field(default_factory=list)
 
     def streamed(self, piece: str) -> None:
         if self.on_text is not None and piece:

@@ -83,7 +83,11 @@ class OpenAIProvider:
         arguments: dict[str, Any] = {
             "model": self.model,
             "messages": to_chat_messages(
-                request.transcript, request.names, request.instructions, request.now
+                request.transcript,
+                request.names,
+                request.instructions,
+                request.now,
+                request.memory,
             ),
         }
         if request.tools:

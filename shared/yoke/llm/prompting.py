@@ -2,7 +2,8 @@
 
 Agent lines become assistant turns (text and tool calls), tool results become tool messages,
 people are named by display name (never by id), injected instructions are marked as such,
-and notices are left out. The system prompt carries the agent's instructions and the time.
+and notices are left out. The system prompt carries the agent's instructions, what it
+remembers (marked as its memory, never as a line someone said) and the time.
 Whatever order lines were written in, the chat obeys the provider's tool-call order rules
 (docs/architecture.md, invariant 10).
 """
@@ -10,28 +11,54 @@ Whatever order lines were written in, the chat obeys the provider's tool-call or
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
 from yoke.core.models import Message, TextPart, ToolCallPart, ToolResultPart
+from yoke.core.text import printable
+from yoke.llm.base import PromptMemory
 
 ChatMessage = dict[str, Any]
 
 NO_RESULT = "no result is available for this call (the tool run did not finish)"
 
 
-def system_prompt(instructions: str, now: datetime) -> str:
+MEMORY_HEADING = "What you remember (from your memory, not said in this conversation):"
+
+
+def system_prompt(instructions: str, now: datetime, memory: Sequence[PromptMemory] = ()) -> str:
     lines = [instructions.strip()] if instructions.strip() else ["You are a helpful agent."]
     lines.append(
         "You are in a conversation with several people; each user line starts with the "
         "speaker's name."
     )
+    if memory:
+        lines.append(remembered(memory))
     lines.append(f"The current time is {now.isoformat(timespec='seconds')}.")
     return "\n\n".join(lines)
 
 
+def remembered(memory: Sequence[PromptMemory]) -> str:
+    """The memory section: one line each, marked as memory, with what it is about and when it
+    was learned (one line whatever the text holds, its layout flattened: a memory cannot fake
+    a heading or a turn)."""
+    return "\n".join(
+        [MEMORY_HEADING]
+        + [
+            f"- [about {printable(item.about)}] {printable(' '.join(item.text.split()))} "
+            f"(learned {item.learned.date().isoformat()})"
+            for item in memory
+        ]
+    )
+
+
 def to_chat_messages(
-    transcript: list[Message], names: dict[str, str], instructions: str, now: datetime
+    transcript: list[Message],
+    names: dict[str, str],
+    instructions: str,
+    now: datetime,
+    memory: Sequence[PromptMemory] = (),
 ) -> list[ChatMessage]:
     """The transcript as chat messages that obey the provider's order rules for any interleaving.
 
@@ -51,7 +78,8 @@ def to_chat_messages(
             for part in message.parts:
                 if isinstance(part, ToolResultPart):
                     results.setdefault(part.call_id, []).append((index, part))
-    chat: list[ChatMessage] = [{"role": "system", "content": system_prompt(instructions, now)}]
+    system = system_prompt(instructions, now, memory)
+    chat: list[ChatMessage] = [{"role": "system", "content": system}]
     called: set[str] = set()
     for index, message in enumerate(transcript):
         if message.type == "notice":
