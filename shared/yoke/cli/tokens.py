@@ -44,6 +44,7 @@ async def _create(store: Store, args: argparse.Namespace) -> None:
         can_approve=args.can_approve,
         can_read_monologues=args.can_read_monologues,
         can_take_over=args.can_take_over,
+        can_manage_memory=args.can_manage_memory,
         can_call=args.can_call,
     )
     if token.forums:
@@ -56,6 +57,7 @@ async def _create(store: Store, args: argparse.Namespace) -> None:
             ("decide approvals", token.can_approve),
             ("read the agents' monologues", token.can_read_monologues),
             ("take its forums over and claim their escalations", token.can_take_over),
+            ("list, forget and erase the memories its forums taught", token.can_manage_memory),
             (f"call {', '.join(token.can_call)}", bool(token.can_call)),
         )
         if has
@@ -72,6 +74,7 @@ async def _list(store: Store, args: argparse.Namespace) -> None:
             "canApprove": token.can_approve,
             "canReadMonologues": token.can_read_monologues,
             "canTakeOver": token.can_take_over,
+            "canManageMemory": token.can_manage_memory,
             "canCall": token.can_call,
             "createdAt": token.created_at,
         }
@@ -102,8 +105,8 @@ def _names(value: str) -> list[str]:
 
 def register(commands: Any) -> None:
     """``yoke token create --name NAME [--forum ID ...] [--can-approve]
-    [--can-read-monologues] [--can-take-over] [--can-call NAME[,NAME]]``, ``yoke token list``,
-    ``yoke token revoke NAME``."""
+    [--can-read-monologues] [--can-take-over] [--can-manage-memory] [--can-call NAME[,NAME]]``,
+    ``yoke token list``, ``yoke token revoke NAME``."""
     token = commands.add_parser("token", help="the HTTP gateway's tokens").add_subparsers(
         dest="sub", required=True
     )
@@ -135,6 +138,12 @@ def register(commands: Any) -> None:
         "and claim or cancel their escalations (GET /v1/escalations)",
     )
     create.add_argument(
+        "--can-manage-memory",
+        action="store_true",
+        help="its callers may list and forget the agents' memories taught in its forums and "
+        "erase its people's (GET /v1/memories, DELETE /v1/memories/ID, POST /v1/memories/erase)",
+    )
+    create.add_argument(
         "--can-call",
         type=_names,
         default=[],
@@ -144,7 +153,7 @@ def register(commands: Any) -> None:
     )
     help = (
         "one JSON line per token: name, forums (null: all), canApprove, canReadMonologues, "
-        "canTakeOver, canCall, createdAt"
+        "canTakeOver, canManageMemory, canCall, createdAt"
     )
     token.add_parser("list", help=help, description=help).set_defaults(handler=token_list)
     help = "delete a token: it stops working at once"

@@ -11,7 +11,9 @@ is a right of its own (``can_approve``): a token that only posts lines, say a we
 cannot also let an agent's tool run. So is reading what an agent keeps to itself, its
 monologues (``can_read_monologues``): such a token reads its forums, never the agents' private
 working there. Taking a forum over from its agents (``/takeover``, ``/handback``) and claiming
-or canceling the escalations of its forums is one more (``can_take_over``). Calling a
+or canceling the escalations of its forums is one more (``can_take_over``), and so is
+reading and erasing what agents remember of the people and lines of its forums
+(``can_manage_memory``: docs/memory.md). Calling a
 published agent (:mod:`yoke.store.publishing`) through the MCP and A2A doors is a right per
 name (``can_call``). A right absent from a stored token is a right it has not
 (stored before it existed, it never gains it).
@@ -52,6 +54,8 @@ class Token(Document):
     can_read_monologues: bool = False
     # Take its forums over (a hold) and claim or cancel their escalations.
     can_take_over: bool = False
+    # List, forget and erase the agents' memories taught in its forums, about its people.
+    can_manage_memory: bool = False
     # Published agents' names its callers may call through the MCP and A2A doors.
     can_call: list[str] = Field(default_factory=list)
     created_at: datetime = Field(default_factory=utcnow)
@@ -111,6 +115,7 @@ async def create_token(
     can_approve: bool = False,
     can_read_monologues: bool = False,
     can_take_over: bool = False,
+    can_manage_memory: bool = False,
     can_call: list[str] | None = None,
 ) -> tuple[Token, str]:
     """A new token and its secret (the only time the secret exists outside the caller)."""
@@ -128,6 +133,7 @@ async def create_token(
         can_approve=can_approve,
         can_read_monologues=can_read_monologues,
         can_take_over=can_take_over,
+        can_manage_memory=can_manage_memory,
         can_call=sorted(set(can_call or [])),
         namespace=new_namespace(name),
     )
