@@ -20,6 +20,7 @@ from yoke.cli.approvals import add_approval_options, approval_data, approval_of
 from yoke.cli.approvals import register as register_approvals
 from yoke.cli.base import CommandError, UsageError, refusals_as_errors, with_store
 from yoke.cli.holds import register as register_holds
+from yoke.cli.memory import register as register_memory
 from yoke.cli.publishers import register as register_publishers
 from yoke.cli.publishing import register as register_publishing
 from yoke.cli.status import register as register_status
@@ -443,6 +444,7 @@ def parser() -> argparse.ArgumentParser:
     register_publishers(commands)
     register_approvals(commands)
     register_holds(commands)
+    register_memory(commands)
     register_tokens(commands)
     register_tools(commands)
     register_webhooks(commands)
