@@ -8,7 +8,8 @@ Routes: ``/v1/forums/{forumId}/messages`` (POST, GET), ``/v1/forums/{forumId}/st
 ``/v1/forums/{forumId}/stop`` (the line ``/stop``), ``/v1/forums/{forumId}/approvals`` (GET, and
 POST ``/{callId}``: ``tool.approval.submit``, for tokens made with ``--can-approve``),
 ``/v1/forums/{forumId}/takeover`` and ``/handback`` and ``/v1/escalations`` (for tokens made with
-``--can-take-over``: :mod:`services.gateway.holds`), ``/openapi.json``; ``/healthz`` and
+``--can-take-over``: :mod:`services.gateway.holds`), ``/v1/memories`` (for tokens made with
+``--can-manage-memory``: :mod:`services.gateway.memories`), ``/openapi.json``; ``/healthz`` and
 ``/metrics`` need no token.
 """
 
@@ -35,7 +36,7 @@ from pydantic import BeforeValidator, Field
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
-from services.gateway import a2a, bodies, console, holds, mcp_door, submitting
+from services.gateway import a2a, bodies, console, holds, mcp_door, memories, submitting
 from services.gateway.bodies import (
     check_idempotency_key,
     json_body,
@@ -654,6 +655,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.include_router(api)
     app.include_router(holds.router)
+    app.include_router(memories.router)
     app.include_router(console.router)
     mcp_door.mount(app, settings)
     a2a.mount(app)
