@@ -7,7 +7,10 @@ requests are kept in ``rejected``.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
+import struct
 import threading
 import time
 from collections import deque
@@ -121,14 +124,36 @@ def failure(status: int, headers: dict[str, str] | None = None) -> Reply:
     )
 
 
+def embedding(text: str, dimensions: int = 8) -> list[float]:
+    """The vector the server answers for ``text`` unless scripted: a pure function of the text."""
+    digest = hashlib.sha256(text.encode()).digest()
+    return [(digest[i % len(digest)] - 127.5) / 127.5 for i in range(dimensions)]
+
+
+def embeddings(vectors: list[list[float]], *, model: str = "embed-test") -> Reply:
+    """An embeddings answer carrying exactly ``vectors`` (a test's oversize or ragged ones)."""
+    data = [
+        {"object": "embedding", "index": index, "embedding": vector}
+        for index, vector in enumerate(vectors)
+    ]
+    usage = {"prompt_tokens": len(vectors), "total_tokens": len(vectors)}
+    return Reply(body={"object": "list", "data": data, "model": model, "usage": usage})
+
+
 class FakeOpenAI:
-    """Serves scripted replies in order; when none are queued, ``default`` answers."""
+    """Serves scripted replies in order; when none are queued, ``default`` answers.
+
+    ``/v1/embeddings`` has its own queue (``embedding_replies``) and record
+    (``embedding_requests``); unscripted, it answers :func:`embedding` of each input.
+    """
 
     def __init__(self) -> None:
         self.replies: deque[Reply] = deque()
         self.default: Reply | None = None
         self.requests: list[dict[str, Any]] = []
         self.rejected: list[tuple[dict[str, Any], Violation]] = []
+        self.embedding_replies: deque[Reply] = deque()
+        self.embedding_requests: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         fake = self
 
@@ -138,6 +163,9 @@ class FakeOpenAI:
             def do_POST(self) -> None:
                 length = int(self.headers.get("content-length", "0"))
                 body = json.loads(self.rfile.read(length) or b"{}")
+                if self.path.rstrip("/").endswith("/embeddings"):
+                    self.answer(self.embeddings_reply(body))
+                    return
                 violation = first_violation(body.get("messages") or [])
                 reply: Reply | None
                 with fake._lock:
@@ -152,6 +180,24 @@ class FakeOpenAI:
                 if body.get("stream") and reply.status == 200:
                     self.stream(reply)
                     return
+                self.answer(reply)
+
+            def embeddings_reply(self, body: dict[str, Any]) -> Reply:
+                with fake._lock:
+                    fake.embedding_requests.append(body)
+                    scripted = fake.embedding_replies.popleft() if fake.embedding_replies else None
+                given = body.get("input") or []
+                texts: list[str] = [given] if isinstance(given, str) else given
+                reply = scripted or embeddings(
+                    [embedding(text, body.get("dimensions") or 8) for text in texts]
+                )
+                if body.get("encoding_format") == "base64" and reply.status == 200:
+                    for item in reply.body["data"]:
+                        packed = struct.pack(f"<{len(item['embedding'])}f", *item["embedding"])
+                        item["embedding"] = base64.b64encode(packed).decode()
+                return reply
+
+            def answer(self, reply: Reply) -> None:
                 payload = json.dumps(reply.body).encode()
                 self.send_response(reply.status)
                 self.send_header("content-type", "application/json")
