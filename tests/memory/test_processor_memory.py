@@ -21,7 +21,15 @@ from tests.e2e.test_turn_cost import MAX_STORE_OPERATIONS, _settled, _total, _tu
 from tests.support.fake_openai import FakeOpenAI, completion, openai_env
 from tests.support.mesh import Mesh, lines_until, say
 from yoke.client import Client
-from yoke.core.models import Actor, Message, ToolCallPart, ToolResultPart
+from yoke.core.ids import new_id
+from yoke.core.models import (
+    Actor,
+    Message,
+    MessageMeta,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+)
 from yoke.llm.base import PromptMemory, ScriptedCall, ScriptedOutput
 from yoke.llm.prompting import MEMORY_HEADING, to_chat_messages
 from yoke.runtime.join_config import JoinConfig, MemoryConfig
@@ -291,3 +299,45 @@ async def test_a_memory_turn_costs_a_few_store_operations_more(
     print(f"one memory turn: {operations} store operations ({breakdown})")
     assert delta["ops:processor:find"] >= 3, breakdown  # the three scopes were read
     assert operations <= MAX_STORE_OPERATIONS + 3, breakdown
+
+
+async def test_a_line_no_person_wrote_has_no_person_to_remember_about(
+    store: Store, poster: Poster, client: Client
+) -> None:
+    """Another agent's line: the person scope is unavailable in its step (a clear error
+    result), the forum's is there, and the memory names the agent that taught it."""
+    agent = await create_agent(store, "minutes")
+    other = await create_agent(store, "chatty")
+    config = JoinConfig(
+        model="fixture-script",
+        script=[
+            ScriptedOutput(
+                tool_calls=[
+                    remember("the chatty agent likes standups"),
+                    remember("the standup is at nine", "forum"),
+                ]
+            ),
+            ScriptedOutput(text="Noted."),
+        ],
+        memory=MemoryConfig(),
+        hop_cap=3,
+    )
+    forum, join = await joined(store, poster, agent, "standup", config)
+    line = await poster.post(
+        Message(
+            id=new_id(),
+            conversation_id=forum,
+            author_actor_id=other.id,
+            role="agent",
+            parts=[TextPart(text="the standup is at nine")],
+            meta=MessageMeta(agent_hops=1),
+        )
+    )
+    await lines_until(store, forum, lambda lines: len(answers(lines)) >= 2, timeout=WAIT)
+    person_result, forum_result = results_of(await store.history(join.monologue_id), "remember")
+    assert person_result.is_error and "no person" in person_result.output
+    (memory,) = await Memories(store).listed(agent_actor_id=agent.id)
+    assert forum_result.output == f"remembered {memory.id}" and not forum_result.is_error
+    assert (memory.scope, memory.subject, memory.person_id) == ("forum", forum, None)
+    assert memory.source.message_id == line.id and memory.taught_by == other.id
+    assert memory.source.author_name == "chatty"
