@@ -28,6 +28,11 @@ The forum view says who holds the forum (a person who took it over, docs/people-
 and, for a token made with ``--can-take-over``, offers Take over and Hand back (``POST
 /v1/.../takeover``, ``/handback``). The inbox lists the open escalations of the token's forums
 (``GET /v1/escalations``), each with Claim for such a token (``POST .../claim``).
+
+For a token made with ``--can-manage-memory``, an agent's memories page lists what the agent
+remembers that the token's forums taught (:mod:`services.gateway.memories` decides which), each
+with the forum line that taught it, read by that line's id, and Forget (``DELETE
+/v1/memories/{id}``).
 """
 
 from __future__ import annotations
@@ -50,12 +55,21 @@ from services.gateway.deps import (
     gateway,
     require_monologue_reader,
 )
+from services.gateway.memories import (
+    MAX_ID_CHARS,
+    MemoryView,
+    checked,
+    forum_scope,
+    require_memory_manager,
+    sees,
+)
 from yoke.bus.dead_letters import list_dead_letters
 from yoke.core.models import CallerDoor, Participant
 from yoke.runtime.chain import chain_of
 from yoke.runtime.holds import Holds
 from yoke.runtime.instances import INGESTION, PROCESSOR
 from yoke.runtime.joins import participant_id
+from yoke.runtime.memories import MAX_LISTED, Memories, Memory
 from yoke.store.database import Store
 from yoke.store.forum_list import ForumList
 from yoke.store.tokens import Token
@@ -73,7 +87,7 @@ TEMPLATE_ENVIRONMENT = Environment(
     keep_trailing_newline=True,
     auto_reload=False,
 )
-PAGES = ("index", "forum", "inbox", "dead_letters")
+PAGES = ("index", "forum", "inbox", "dead_letters", "memories")
 TEMPLATES: Mapping[str, Template] = {
     name: TEMPLATE_ENVIRONMENT.get_template(f"{name}.html") for name in PAGES
 }
@@ -99,6 +113,8 @@ MAX_FORUMS = 100  # one page of the forum list
 MAX_NAMES = 200
 MAX_LINES = 500
 DEAD_LETTERS_SHOWN = 200
+# A memory's source line is shown up to this many characters.
+MAX_SOURCE_CHARS = 2000
 # A compacted-away monologue is looked for among this many of its forum's joins at most.
 MAX_JOINS_SEARCHED = 1000
 DEAD_LETTER_READ_SECONDS = 10.0
@@ -135,6 +151,11 @@ async def inbox_page() -> HTMLResponse:
 @router.get("/dead-letters")
 async def dead_letters_page() -> HTMLResponse:
     return page("dead_letters")
+
+
+@router.get("/agents/{agent_id}/memories")
+async def memories_page(agent_id: str) -> HTMLResponse:
+    return page("memories", agent_id=agent_id)
 
 
 @router.get("/console/static/{name}")
@@ -236,6 +257,7 @@ async def forum_info(request: Request, forum: ForumDep, token: TokenDep) -> JSON
             "canApprove": token.can_approve,
             "canReadMonologues": token.can_read_monologues,
             "canTakeOver": token.can_take_over,
+            "canManageMemory": token.can_manage_memory,
             "hold": await hold_of(state.store, forum.id),
         }
     )
@@ -266,6 +288,7 @@ async def token_info(token: TokenDep) -> JSONResponse:
             "canApprove": token.can_approve,
             "canReadMonologues": token.can_read_monologues,
             "canTakeOver": token.can_take_over,
+            "canManageMemory": token.can_manage_memory,
         }
     )
 
@@ -402,3 +425,55 @@ async def mesh_dead_letters(amqp_url: str) -> list[dict[str, object]] | str:
     except Exception as error:
         log.warning("dead letters not read: %r", error)
         return f"the dead-letter queue could not be read: {type(error).__name__}"
+
+
+@router.get("/console/api/agents/{agentId}/memories")
+async def agent_memories(
+    request: Request,
+    token: TokenDep,
+    agent_id: Annotated[str, PathParam(alias="agentId", min_length=1, max_length=MAX_ID_CHARS)],
+    limit: Annotated[int, Query(ge=1, le=MAX_LISTED)] = 100,
+) -> JSONResponse:
+    """The agent's memories the token may see, newest first (``GET /v1/memories``'s), each
+    with ``line``: the forum line that taught it (its seq, author and text), read by its id,
+    when it is still there and in the token's scope. The agent's name only to a token that
+    sees some of its memories (or every forum): an agent's id tells nothing else."""
+    require_memory_manager(token)
+    checked("agentId", agent_id)
+    store = gateway(request).store
+    forums = forum_scope(token)
+    found: list[Memory] = []
+    if forums is None or forums:
+        found = await Memories(store).listed(agent_actor_id=agent_id, forum_ids=forums, limit=limit)
+    entries = []
+    for memory in found:
+        if not sees(token, memory):
+            continue
+        entry = MemoryView.of(memory, token).to_wire()
+        entry["line"] = await source_line(store, token, memory)
+        entries.append(entry)
+    name = None
+    if entries or token.all_forums:
+        actor = await store.get_actor(agent_id)
+        name = actor.name if actor is not None and actor.kind == "agent" else None
+    return JSONResponse({"agentActorId": agent_id, "name": name, "memories": entries})
+
+
+async def source_line(store: Store, token: Token, memory: Memory) -> dict[str, Any] | None:
+    """The line that taught ``memory``, if it is still stored, in the forum the memory names
+    and that forum is the token's (one read by the line's id)."""
+    source = memory.source
+    if source.message_id is None or source.forum_id is None or not token.allows(source.forum_id):
+        return None
+    line = await store.get_message(source.message_id)
+    if line is None or line.conversation_id != source.forum_id:
+        return None
+    text = line.text
+    if len(text) > MAX_SOURCE_CHARS:
+        text = text[:MAX_SOURCE_CHARS] + "…"
+    return {
+        "seq": line.seq,
+        "authorActorId": line.author_actor_id,
+        "createdAt": line.created_at.isoformat(),
+        "text": text,
+    }

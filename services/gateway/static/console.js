@@ -473,6 +473,7 @@ async function forumPage() {
   const agentNames = new Map(info.agents.map((a) => [a.agentActorId, a.name]));
   for (const agent of info.agents) names.set(agent.agentActorId, agent.name);
   showAgents(info.agents, Boolean(info.canReadMonologues));
+  if (info.canManageMemory) linkMemories(info.agents);
   if (info.agentsCut) $("agents").append(element("li", "meta", "Only the newest " + info.agents.length + " agents are listed."));
 
   const lines = $("lines");
@@ -644,6 +645,68 @@ function openMonologue(agent, monologueId) {
   poll();
 }
 
+// --- an agent's memories ------------------------------------------------------------------
+
+// Each agent of the forum links to its memories page (for a --can-manage-memory token).
+function linkMemories(agents) {
+  for (const agent of agents) {
+    const item = element("li", "memories-link");
+    const link = element("a", "agent-memories", agent.name + "'s memories");
+    link.href = "/agents/" + encodeURIComponent(agent.agentActorId) + "/memories";
+    item.append(link);
+    $("agents").append(item);
+  }
+}
+
+function showMemory(memory) {
+  const item = element("li", "memory");
+  item.dataset.memoryId = memory.id;
+  const head = element("div", "head");
+  head.append(element("span", "scope", memory.scope), element("span", "meta", new Date(memory.createdAt).toLocaleString()));
+  const source = memory.source || {};
+  if (source.forumId) {
+    const forum = element("a", "memory-forum", "forum " + source.forumId.slice(0, 8));
+    forum.href = "/forums/" + encodeURIComponent(source.forumId);
+    head.append(forum);
+  } else {
+    head.append(element("span", "meta", "added by an operator"));
+  }
+  const forget = element("button", "forget", "Forget");
+  forget.type = "button";
+  forget.onclick = async () => {
+    forget.disabled = true;
+    try {
+      await api("/v1/memories/" + encodeURIComponent(memory.id), { method: "DELETE" });
+      item.remove();
+    } catch (error) {
+      status("Not forgotten: " + error.message);
+      forget.disabled = false;
+    }
+  };
+  head.append(forget);
+  item.append(head, element("p", "text", memory.text));
+  if (memory.line) {
+    const said = element("blockquote", "source-line");
+    said.append(element("span", "author", (source.authorName || nameOf(memory.line.authorActorId)) + " #" + memory.line.seq + ": "), element("span", "said", memory.line.text));
+    item.append(said);
+  } else if (source.messageId) {
+    item.append(element("p", "meta source-gone", "The line that taught it is no longer there."));
+  }
+  return item;
+}
+
+async function memoriesPage() {
+  const agentId = document.body.dataset.agentId;
+  const body = await api("/console/api/agents/" + encodeURIComponent(agentId) + "/memories");
+  if (body.name) {
+    $("memories-title").textContent = body.name + "'s memories";
+    document.title = body.name + "'s memories — Yoke mesh console";
+  }
+  $("memories").replaceChildren(...body.memories.map(showMemory));
+  $("memories-note").textContent = body.memories.length ? "" : "It remembers nothing your token's forums taught it.";
+  $("memories-section").hidden = false;
+}
+
 // --- the inbox: escalations waiting for a person ----------------------------------------------
 
 const INBOX_POLL_MS = 5000;
@@ -759,7 +822,7 @@ async function deadLettersPage() {
 
 function start() {
   const page = document.body.dataset.page;
-  const run = { index: indexPage, forum: forumPage, inbox: inboxPage, "dead-letters": deadLettersPage }[page];
+  const run = { index: indexPage, forum: forumPage, inbox: inboxPage, "dead-letters": deadLettersPage, memories: memoriesPage }[page];
   if (run) guarded(run);
 }
 
