@@ -32,7 +32,8 @@ from yoke.core.metrics import (
 )
 from yoke.core.models import Actor, Message, ToolCallPart, ToolResultPart, utcnow
 from yoke.core.text import printable
-from yoke.llm.base import PromptMemory
+from yoke.llm.base import PromptMemory, ProviderFailed
+from yoke.llm.embeddings import embedder_for
 from yoke.runtime.instances import ProcessorConfig, Progress
 from yoke.runtime.join_config import MEMORY_SCOPES, MemoryConfig, MemoryScope
 from yoke.runtime.memories import (
@@ -375,11 +376,20 @@ async def recalled(
 
 
 async def embedded(context: Context, memory: MemoryConfig, text: str) -> list[float] | None:
-    """``text``'s vector under the join's embedding model (None: no model)."""
-    del context, text
+    """``text``'s vector under the join's embedding model (None: no model, or it failed: the
+    memory is still stored and recall still ranks by words; a turn never waits on a retry)."""
     if memory.embedding_model is None:
         return None
-    return None
+    try:
+        (vector,) = await embedder_for(memory.embedding_model, context.settings).embed([text])
+    except ProviderFailed as error:
+        log.warning(
+            "no embedding, words only: %s",
+            error,
+            extra={"conversationId": context.trigger.conversation_id},
+        )
+        return None
+    return vector
 
 
 # --- always in mind --------------------------------------------------------------------------

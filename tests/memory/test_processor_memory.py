@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.test_turn_cost import MAX_STORE_OPERATIONS, _settled, _total, _turn
-from tests.support.fake_openai import FakeOpenAI, completion, openai_env
+from tests.support.fake_openai import FakeOpenAI, completion, embeddings, failure, openai_env
 from tests.support.mesh import Mesh, lines_until, say
 from yoke.client import Client
 from yoke.core.ids import new_id
@@ -341,3 +341,51 @@ async def test_a_line_no_person_wrote_has_no_person_to_remember_about(
     assert (memory.scope, memory.subject, memory.person_id) == ("forum", forum, None)
     assert memory.source.message_id == line.id and memory.taught_by == other.id
     assert memory.source.author_name == "chatty"
+
+
+async def test_with_an_embedding_model_recall_finds_by_meaning_and_a_failed_embedding_stores_words(
+    store: Store, poster: Poster, client: Client, fake_openai: FakeOpenAI
+) -> None:
+    """``embeddingModel`` served at ``/v1/embeddings``: a memory keeps its text's vector and a
+    recall finds it by similarity when no word is shared; an embedding that fails leaves the
+    memory stored without one (recall by words), never a failed step."""
+    agent = await create_agent(store, "semantic")
+    memory_config = MemoryConfig(embedding_model="embed-test", prompt_tokens=0)
+    forum, join = await joined(
+        store, poster, agent, "meaning", JoinConfig(model="gpt-test", memory=memory_config)
+    )
+    fake_openai.script(
+        completion(
+            None,
+            [
+                ("e1", "remember", json.dumps({"text": "Pixel barks at night"})),
+                ("e2", "remember", json.dumps({"text": "Ana walks Pixel at seven"})),
+                ("e3", "recall", json.dumps({"query": "what does the dog do when it is dark"})),
+            ],
+        ),
+        completion("It barks."),
+    )
+    fake_openai.embedding_requests.clear()
+    fake_openai.embedding_replies.clear()
+    fake_openai.embedding_replies.extend(
+        [embeddings([[1.0, 0.0, 0.0]]), failure(500), embeddings([[0.9, 0.1, 0.0]])]
+    )
+    await say(client, forum, "tell me about my dog", "ana")
+    await lines_until(store, forum, lambda lines: len(answers(lines)) >= 1, timeout=WAIT)
+    assert [r["input"] for r in fake_openai.embedding_requests] == [
+        ["Pixel barks at night"],
+        ["Ana walks Pixel at seven"],
+        ["what does the dog do when it is dark"],
+    ]
+    results = {
+        part.call_id: part
+        for line in await store.history(join.monologue_id)
+        for part in line.parts
+        if isinstance(part, ToolResultPart)
+    }
+    assert not any(part.is_error for part in results.values())
+    memories = {m.text: m for m in await Memories(store).listed(agent_actor_id=agent.id)}
+    barks, walks = memories["Pixel barks at night"], memories["Ana walks Pixel at seven"]
+    assert (barks.vector, barks.embedding_model) == ([1.0, 0.0, 0.0], "embed-test")
+    assert (walks.vector, walks.embedding_model) == (None, None)
+    assert [item["id"] for item in json.loads(results["e3"].output)] == [barks.id]
