@@ -3,11 +3,13 @@ are written in the store directly) and in Debian's headless Chromium.
 
 The data route shows only a ``--can-manage-memory`` token the memories its forums taught, each
 with the line that taught it read by the line's id (never a line of another forum, whatever a
-memory's source claims); the page lists them with their lines and forgets one.
+memory's source claims); the page lists them with their lines and forgets one. ``yoke token
+create --can-manage-memory`` makes such a token, and ``yoke token list`` shows it.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -19,6 +21,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 
 from services.gateway.console import PAGE_HEADERS
 from tests.support.browser import texts, wait_for
+from tests.support.cli import cli_env, run_yoke
 from tests.support.gateway_process import running_gateway
 from tests.support.processes import eventually
 from yoke.core.ids import new_id
@@ -156,3 +159,25 @@ async def test_the_memories_page_lists_each_memory_with_its_line_and_forgets_one
 
     await eventually(gone, timeout=10, what="the memory forgotten in the store")
     assert await Memories(store).get(kept) is not None
+
+
+async def test_yoke_token_create_can_manage_memory_is_stored_and_listed(
+    amqp_url: str, module_mongodb_url: str, gateway_url: str
+) -> None:
+    env = cli_env(amqp_url, module_mongodb_url)
+    manager, plain = f"mm{new_id()[:8]}", f"pl{new_id()[:8]}"
+    code, out, err = await run_yoke(
+        env, "token", "create", "--name", manager, "--can-manage-memory"
+    )
+    assert code == 0, err
+    assert "forget and erase the memories" in out
+    secret = out.splitlines()[-1]
+    code, _, err = await run_yoke(env, "token", "create", "--name", plain)
+    assert code == 0, err
+    code, out, err = await run_yoke(env, "token", "list")
+    assert code == 0, err
+    listed = {entry["name"]: entry for entry in map(json.loads, out.splitlines())}
+    assert listed[manager]["canManageMemory"] is True
+    assert listed[plain]["canManageMemory"] is False
+    answer = await get(gateway_url, f"/console/api/agents/{new_id()}/memories", secret)
+    assert answer.status_code == 200 and answer.json()["memories"] == []
