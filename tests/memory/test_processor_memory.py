@@ -19,8 +19,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.test_turn_cost import MAX_STORE_OPERATIONS, _settled, _total, _turn
 from tests.support.fake_openai import FakeOpenAI, completion, embeddings, failure, openai_env
+from tests.support.jaeger import Jaeger
 from tests.support.mesh import Mesh, lines_until, say
+from tests.support.processes import eventually
 from yoke.client import Client
+from yoke.core import tracing
 from yoke.core.ids import new_id
 from yoke.core.models import (
     Actor,
@@ -45,8 +48,8 @@ TAUGHT = "Ana is vegetarian; her favourite dish is lentil soup"
 
 
 @pytest.fixture(scope="module")
-def mesh_env(fake_openai: FakeOpenAI) -> dict[str, str]:
-    return openai_env(fake_openai.base_url, give_up_seconds=30)
+def mesh_env(fake_openai: FakeOpenAI, jaeger: Jaeger) -> dict[str, str]:
+    return {**openai_env(fake_openai.base_url, give_up_seconds=30), **jaeger.env()}
 
 
 def remember(text: str, scope: str = "person") -> ScriptedCall:
@@ -120,8 +123,14 @@ def test_the_prompt_carries_memory_in_the_system_prompt_marked_one_line_each() -
 
 
 async def test_what_a_person_taught_reaches_their_prompts_in_another_forum_and_nobody_elses(
-    store: Store, poster: Poster, client: Client, mesh: Mesh, fake_openai: FakeOpenAI
+    store: Store,
+    poster: Poster,
+    client: Client,
+    mesh: Mesh,
+    fake_openai: FakeOpenAI,
+    jaeger: Jaeger,
 ) -> None:
+    since = datetime.now(UTC)
     agent = await create_agent(store, "mnemo")
     taught_in = JoinConfig(
         model="fixture-script",
@@ -173,6 +182,26 @@ async def test_what_a_person_taught_reaches_their_prompts_in_another_forum_and_n
     # Nothing remembered ever reaches a forum unless the agent says it.
     for forum in (forum_a, forum_b):
         assert not [line for line in await store.history(forum) if "vegetarian" in line.text]
+
+    # Each prompt's recall is a ``recall`` span of its step: in forum B Ana's found it, Bob's
+    # nothing.
+    found: list[str] = []
+
+    async def recalls_traced() -> bool:
+        traces = await jaeger.find_traces("yoke-processor", since=since, operation="recall")
+        steps = {s.span_id: s for trace in traces for s in trace if s.name == "step"}
+        found[:] = sorted(
+            str(span.attributes.get("yoke.memory.found"))
+            for trace in traces
+            for span in trace
+            if span.name == "recall"
+            and span.attributes.get("yoke.memory.scope") == "all"
+            and span.parent_span_id in steps
+            and steps[span.parent_span_id].attributes.get(tracing.FORUM_ID) == forum_b
+        )
+        return found == ["0", "1"]
+
+    await eventually(recalls_traced, timeout=WAIT, what="the recall spans of forum B")
 
 
 async def test_recall_and_forget_reach_only_what_the_step_may_see(
