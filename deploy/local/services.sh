@@ -182,8 +182,9 @@ wait_for() { # what, python check
 start() {
     [ -x "$python" ] || die "no virtualenv: run 'make install' first"
     local amqp_url="${YOKE_AMQP_URL:-}" mongo_url="${YOKE_MONGODB_URL:-}"
-    # tests/deploy/test_tls.py makes its certificates with openssl at test time.
-    if can_install; then apt_install openssl; fi
+    # tests/deploy/test_tls.py makes its certificates with openssl at test time; tests that
+    # run a service days ahead run it under libfaketime (tests/support/clock.py).
+    if can_install; then apt_install openssl libfaketime; fi
     if [ -n "$amqp_url" ]; then
         say "YOKE_AMQP_URL is set: using it, starting no RabbitMQ"
     elif port_open 5672; then
