@@ -23,6 +23,7 @@ from yoke.core.models import Message, TextPart, utcnow
 from yoke.runtime.join_config import MemoryScope
 from yoke.runtime.joins import create_forum, ensure_participant_id
 from yoke.runtime.memories import (
+    MEMORY_ERASURES,
     Memories,
     Memory,
     MemoryRefused,
@@ -112,7 +113,7 @@ async def test_a_token_without_the_right_is_refused_everything(
     agent = new_id()
     forum = new_id()
     kept = await seed(store, agent, "forum", forum, forum)
-    _, plain = await token(store, None, can_manage_memory=False)
+    plain_token, plain = await token(store, None, can_manage_memory=False)
     for answer in (
         await http.get("/v1/memories", params={"agent": agent}, headers=bearer(plain)),
         await http.delete(f"/v1/memories/{kept}", headers=bearer(plain)),
@@ -122,6 +123,9 @@ async def test_a_token_without_the_right_is_refused_everything(
         assert answer.json()["code"] == "forbidden"
         assert "--can-manage-memory" in answer.json()["error"]
     assert await exists(store, kept)
+    # Not even the erasure's tombstone was written.
+    ada = person_id_of(plain_token.namespaced("ada"))
+    assert await store.db[MEMORY_ERASURES].find_one({"_id": ada}) is None
     assert (await http.get("/v1/memories", params={"agent": agent})).status_code == 401
 
 
