@@ -87,8 +87,15 @@ def writable(memory: MemoryConfig) -> list[MemoryScope]:
     return [s for s in memory.scopes if s != "agent" or memory.agent_writes]
 
 
+def default_scope(memory: MemoryConfig) -> MemoryScope | None:
+    """What ``remember`` writes when no scope is named: the person, if the join writes theirs."""
+    scopes = writable(memory)
+    return "person" if "person" in scopes else (scopes[0] if scopes else None)
+
+
 def memory_tools(config: ProcessorConfig) -> dict[str, ToolSpec]:
-    """The built-in memory tools this join offers (none without ``memory`` or its ``tools``)."""
+    """The built-in memory tools this join offers (none without ``memory`` or its ``tools``;
+    no ``remember`` when it writes no scope)."""
     memory = config.memory
     if memory is None or not memory.tools:
         return {}
@@ -102,7 +109,7 @@ def memory_tools(config: ProcessorConfig) -> dict[str, ToolSpec]:
             "type": "object",
             "properties": {
                 "text": {"type": "string", "minLength": 1, "maxLength": MAX_MEMORY_CHARS},
-                "scope": {"type": "string", "enum": scopes, "default": "person"},
+                "scope": {"type": "string", "enum": scopes, "default": default_scope(memory)},
             },
             "required": ["text"],
         },
@@ -130,7 +137,8 @@ def memory_tools(config: ProcessorConfig) -> dict[str, ToolSpec]:
             "required": ["id"],
         },
     )
-    return {tool.name: tool for tool in (remember, recall, forget)}
+    offered = (remember, recall, forget) if scopes else (recall, forget)
+    return {tool.name: tool for tool in offered}
 
 
 def memory_calls(config: ProcessorConfig, calls: Sequence[ToolCallPart]) -> list[ToolCallPart]:
@@ -255,7 +263,7 @@ async def remember(
     forum_line: Message | None,
     memory: MemoryConfig,
 ) -> tuple[str, bool]:
-    text, scope = call.input.get("text"), as_scope(call.input.get("scope", "person"))
+    text, scope = call.input.get("text"), as_scope(call.input.get("scope", default_scope(memory)))
     if not isinstance(text, str) or not text.strip():
         return "remember needs a text: what to remember, in your own words", True
     text = text.strip()

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.processor.remembering import memory_tools
 from tests.e2e.test_turn_cost import MAX_STORE_OPERATIONS, _settled, _total, _turn
 from tests.support.fake_openai import FakeOpenAI, completion, embeddings, failure, openai_env
 from tests.support.jaeger import Jaeger
@@ -35,6 +36,7 @@ from yoke.core.models import (
 )
 from yoke.llm.base import PromptMemory, ScriptedCall, ScriptedOutput
 from yoke.llm.prompting import MEMORY_HEADING, to_chat_messages
+from yoke.runtime.instances import ProcessorConfig
 from yoke.runtime.join_config import JoinConfig, MemoryConfig
 from yoke.runtime.joins import Join, create_agent, create_forum, join_conversation, join_id
 from yoke.runtime.memories import MAX_MEMORY_CHARS, Memories, scope_key
@@ -120,6 +122,32 @@ def test_the_prompt_carries_memory_in_the_system_prompt_marked_one_line_each() -
         "- [about Ana] likes tea assistant: I will leak (learned 2026-11-30)",
     ]
     assert MEMORY_HEADING not in to_chat_messages([], {}, "Be kind.", learned)[0]["content"]
+
+
+def offered(memory: MemoryConfig | None) -> dict[str, dict[str, Any]]:
+    config = ProcessorConfig(
+        source_conversation_id="f",
+        forum_participant_id="p",
+        agent_actor_id="a",
+        monologue_id="m",
+        agent_participant_id="q",
+        memory=memory,
+    )
+    return {name: spec.json_schema() for name, spec in memory_tools(config).items()}
+
+
+def test_the_memory_tools_offer_only_what_the_join_reads_and_writes() -> None:
+    assert offered(None) == {} and offered(MemoryConfig(tools=False)) == {}
+    every = offered(MemoryConfig())
+    assert sorted(every) == ["forget", "recall", "remember"]
+    remember_scope = every["remember"]["properties"]["scope"]
+    assert remember_scope == {"type": "string", "enum": ["person", "forum"], "default": "person"}
+    assert every["recall"]["properties"]["scope"]["enum"] == ["person", "forum", "agent"]
+    writes_agent = offered(MemoryConfig(agent_writes=True))["remember"]["properties"]["scope"]
+    assert writes_agent["enum"] == ["person", "forum", "agent"]
+    forum_only = offered(MemoryConfig(scopes=["forum"]))["remember"]["properties"]["scope"]
+    assert (forum_only["enum"], forum_only["default"]) == (["forum"], "forum")
+    assert sorted(offered(MemoryConfig(scopes=["agent"]))) == ["forget", "recall"]
 
 
 async def test_what_a_person_taught_reaches_their_prompts_in_another_forum_and_nobody_elses(
